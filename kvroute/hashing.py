@@ -1,0 +1,98 @@
+"""Chained block hashes: the one truth that gateway (routing), worker (prefix cache) and replay share.
+
+A prompt of n tokens has n // block_size full blocks; only full blocks are hashed.
+
+    root = H(b"kvroute-block-hash-v1", model_id, cache_salt)
+    h[0] = H(root,   tokens[0:B])
+    h[i] = H(h[i-1], tokens[i*B:(i+1)*B])
+
+H is BLAKE2b with a 128-bit digest. Token ids are serialised as fixed-width little-endian uint32, so the
+bytes (and the hashes) are the same on every machine. Because each hash covers its parent, equal hashes
+mean equal whole prefixes, and a cache can be keyed by the hash alone. The root mixes in the model and
+the tenant's cache salt: equal text from two tenants or two models never matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+DEFAULT_BLOCK_SIZE = 16
+HASH_BYTES = 16
+HASH_VERSION = b"kvroute-block-hash-v1"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _digest(data: bytes | memoryview) -> BlockHash:
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+
+
+def root_hash(model_id: str, cache_salt: str = "") -> BlockHash:
+    """The parent of a sequence's first block, for one model and one tenant salt."""
+    model = model_id.encode()
+    salt = cache_salt.encode()
+    # Length-prefixed fields, so ("ab", "c") and ("a", "bc") never collide.
+    payload = HASH_VERSION + struct.pack("<I", len(model)) + model + struct.pack("<I", len(salt)) + salt
+    return _digest(payload)
+
+
+def serialize_tokens(tokens: Sequence[int]) -> bytes:
+    """Fixed-width little-endian uint32 encoding of token ids."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as exc:
+        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID)), None)
+        raise ValueError(f"token id {bad!r} is not an integer in [0, 2**32)") from exc
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    """The hash of one block given its parent's hash."""
+    return _digest(parent + serialize_tokens(tokens))
+
+
+def block_hashes(
+    tokens: Sequence[int],
+    *,
+    model_id: str,
+    cache_salt: str = "",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> list[BlockHash]:
+    """The chained hashes of every full block of `tokens` (a trailing partial block is not hashed)."""
+    return extend_block_hashes(root_hash(model_id, cache_salt), tokens, block_size)
+
+
+def extend_block_hashes(parent: BlockHash, tokens: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Hashes of the full blocks of `tokens`, chained onto `parent` (the root or the last known block)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    num_full = len(tokens) // block_size
+    data = memoryview(serialize_tokens(tokens[: num_full * block_size]))
+    stride = 4 * block_size
+    hashes: list[BlockHash] = []
+    for i in range(num_full):
+        parent = _digest(parent + data[i * stride : (i + 1) * stride])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockHasher:
+    """Incremental hashes for a sequence that grows token by token (the worker's view of one request)."""
+
+    def __init__(self, model_id: str, cache_salt: str = "", block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.root = root_hash(model_id, cache_salt)
+        self.hashes: list[BlockHash] = []
+
+    def update(self, tokens: Sequence[int]) -> list[BlockHash]:
+        """Hash every full block of `tokens` (the whole sequence so far) not hashed yet; returns the new ones."""
+        done = len(self.hashes) * self.block_size
+        parent = self.hashes[-1] if self.hashes else self.root
+        new = extend_block_hashes(parent, tokens[done:], self.block_size)
+        self.hashes.extend(new)
+        return new
+
+    def truncate(self, num_blocks: int) -> None:
+        """Forget every hash past the first `num_blocks` (the sequence was cut back)."""
+        del self.hashes[num_blocks:]

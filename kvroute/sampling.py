@@ -1,0 +1,63 @@
+"""Sampling parameters and request validation, shared by the gateway (HTTP/gRPC input) and the worker."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """A request the server must refuse (gRPC INVALID_ARGUMENT / HTTP 400); `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
+
+
+def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int) -> None:
+    """Raise InvalidRequest unless the prompt is non-empty, in-vocabulary and fits the context window."""
+    if len(token_ids) == 0:
+        raise InvalidRequest("prompt", "is empty; send at least one token")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequest(
+            "prompt", f"has {len(token_ids)} tokens; the model's context is {max_model_len} tokens"
+        )
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) + max_tokens > max_model_len:
+        raise InvalidRequest(
+            "max_tokens",
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+            f"of {max_model_len} tokens",
+        )

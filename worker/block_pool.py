@@ -1,0 +1,234 @@
+"""The block pool keeps the books of the paged KV cache; it decides nothing.
+
+Every block is in exactly one of two states:
+  * in use: ref_cnt > 0, referenced by that many live sequences, never evicted;
+  * free:   ref_cnt == 0, in the free queue. A free block that still holds a hash stays findable in the
+            hash map (a cached block) until it is reused for new data, which evicts it.
+
+The free queue is ordered by eviction priority: allocation pops from the head. Freed blocks without a
+hash go to the head (nothing is lost by reusing them); freed cached blocks go to the tail (LRU).
+
+There is at most one physical block per hash: a block whose hash is already cached by another block is
+left uncached. So a `removed` event always means the fleet has lost that block (see DESIGN §7).
+
+Events (`stored` / `removed` / `cleared`) carry a sequence number that grows by one per event, so a
+reader can detect a gap and resync from `snapshot()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+BlockKey = Hashable  # a BlockHash (bytes) in the engine; any hashable id in the replay
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockKey | None = None
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """A doubly linked list of free blocks, so that taking a cached block out of the middle is O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVBlock | None, block: KVBlock) -> None:
+        assert prev is not None and prev.next_free is not None
+        assert block.prev_free is None and block.next_free is None, f"block {block.block_id} queued twice"
+        nxt = prev.next_free
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self.num_free += 1
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One change to the set of cached blocks, in the order it happened."""
+
+    seq: int
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: tuple[BlockKey, ...] = ()
+    parent_hash: BlockKey | None = None
+
+
+class BlockPool:
+    """Bookkeeping for `num_blocks` KV blocks: ref counts, the hash map, the free queue and the event log."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockKey, KVBlock] = {}
+        self.events: list[KVEvent] = []
+        self.event_seq = 0
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, cached or not)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by live sequences (vLLM's kv_cache_usage)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockKey) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take `n` blocks for new data (ref_cnt 1 each), evicting cached ones from the LRU end if needed."""
+        if n > len(self.free_queue):
+            raise ValueError(f"asked for {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (a cache hit); a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block, in the given order: pass the blocks that should be evicted
+        first first (a sequence's tail before its shared root)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed with ref_cnt 0"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_blocks(self, blocks: list[KVBlock], hashes: list[BlockKey], parent: BlockKey | None) -> None:
+        """Register full blocks under their hashes and emit one `stored` event for the new ones.
+
+        A hash that another block already holds is skipped (one physical block per hash)."""
+        if not self.enable_caching:
+            return
+        stored = []
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            if block.block_hash is not None or block_hash in self.cached:
+                continue
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+            stored.append(block_hash)
+        if stored:
+            self._emit("stored", tuple(stored), parent)
+
+    def reset_cache(self) -> bool:
+        """Forget every cached hash (weights changed, an operator asked); only when no block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        self._emit("cleared", ())
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def snapshot(self) -> tuple[int, list[BlockKey]]:
+        """The last event's sequence number and every cached hash: a reader's resync point."""
+        return self.event_seq, list(self.cached)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached[block.block_hash]
+        self._emit("removed", (block.block_hash,))
+        block.block_hash = None
+
+    def _emit(self, kind: Literal["stored", "removed", "cleared"], hashes: tuple, parent=None) -> None:
+        self.event_seq += 1
+        self.events.append(KVEvent(self.event_seq, kind, hashes, parent))
+
+    # -- integrity -----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books disagree. Tests call this after every operation."""
+        queued = list(self.free_queue)
+        assert len(queued) == self.free_queue.num_free, "free queue length is off"
+        queued_ids = {b.block_id for b in queued}
+        assert len(queued_ids) == len(queued), "a block is in the free queue twice"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            in_queue = block.block_id in queued_ids
+            assert in_queue == (block.ref_cnt == 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue = {in_queue}"
+            )
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"block {block.block_id} hash not mapped"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"map points {block_hash!r} at a block holding another"
+        hashes_in_queue = [b.block_hash is not None for b in queued]
+        first_cached = hashes_in_queue.index(True) if True in hashes_in_queue else len(queued)
+        assert all(hashes_in_queue[first_cached:]), "a hashless free block sits behind a cached one"

@@ -1,0 +1,140 @@
+"""The KV cache manager decides which blocks a request gets; the BlockPool keeps the books.
+
+Contract for callers (the scheduler, the replay):
+  1. `get_computed_blocks(hashes, num_prompt_tokens)` finds the longest cached prefix (it takes no
+     references; it counts prefix-cache queries and hits).
+  2. `allocate_slots(req_id, num_tokens, computed)` makes the request hold enough blocks for `num_tokens`
+     tokens, first taking references on `computed`; it returns None and changes nothing when the pool
+     cannot provide the blocks, so the caller can wait or preempt.
+  3. `cache_blocks(req_id, hashes)` registers the request's full blocks under their hashes as they fill.
+  4. `free(req_id)` returns every block of the request at once (finish, cancel, preempt, fault).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker.block_pool import BlockKey, BlockPool, KVBlock, KVEvent
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+@dataclass
+class CacheStats:
+    """Counters in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits."""
+
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_hashed: dict[str, int] = {}  # leading blocks of a request already offered to the cache
+        self.stats = CacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockKey]) -> list[KVBlock]:
+        """The cached blocks of the longest prefix of `block_hashes`; stops at the first miss."""
+        if not self.enable_prefix_caching:
+            return []
+        hit = []
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def get_computed_blocks(self, block_hashes: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
+        """The longest cached prefix usable by a new request; at least its last prompt token is left to
+        compute, so a full hit still yields logits."""
+        usable = (num_prompt_tokens - 1) // self.block_size
+        blocks = self.find_longest_cache_hit(block_hashes[:usable])
+        num_tokens = len(blocks) * self.block_size
+        self.stats.prefix_queries += num_prompt_tokens
+        self.stats.prefix_hits += num_tokens
+        return PrefixHit(blocks, num_tokens)
+
+    def allocate_slots(
+        self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Grow `req_id` to hold `num_tokens` tokens; `computed` (a prefix hit) only on its first call.
+
+        Returns the newly allocated blocks, or None (and no change) if the pool is short."""
+        held = self.req_blocks.get(req_id, [])
+        if computed and held:
+            raise ValueError(f"request {req_id} already holds blocks; computed blocks come first")
+        num_new = self.num_blocks_for(num_tokens) - len(held) - len(computed)
+        # Touching a free cached block takes it out of the free queue too.
+        num_free_needed = max(num_new, 0) + sum(1 for b in computed if b.ref_cnt == 0)
+        if num_free_needed > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed)
+        new_blocks = self.pool.allocate(max(num_new, 0))
+        blocks = self.req_blocks.setdefault(req_id, [])
+        blocks.extend(computed)
+        blocks.extend(new_blocks)
+        self.num_hashed.setdefault(req_id, len(computed))
+        return new_blocks
+
+    def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockKey]) -> None:
+        """Offer the request's blocks 0..len(block_hashes)-1 to the prefix cache (they are full)."""
+        blocks = self.req_blocks[req_id]
+        start = self.num_hashed[req_id]
+        end = min(len(block_hashes), len(blocks))
+        if end <= start:
+            return
+        parent = block_hashes[start - 1] if start > 0 else None
+        self.pool.cache_blocks(blocks[start:end], list(block_hashes[start:end]), parent)
+        self.num_hashed[req_id] = end
+
+    def free(self, req_id: str) -> None:
+        """Return all of the request's blocks, tail first so that shared roots are evicted last."""
+        blocks = self.req_blocks.pop(req_id, [])
+        self.num_hashed.pop(req_id, None)
+        self.pool.free(reversed(blocks))
+
+    def block_table(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req_id, [])]
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    def check_invariants(self) -> None:
+        """Pool invariants, plus: each block's ref_cnt equals the number of live requests holding it."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), "a request holds one block twice"
+            for block_id in ids:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {refs.get(block.block_id, 0)}"
+            )
