@@ -1,0 +1,96 @@
+"""A consistent-hash ring (uhashring, virtual nodes) with the bounded-load walk of Mirrokni et al.
+
+A key's replicas in ring order are its successors on the ring. The bounded walk takes the first
+successor that is under its bound, so a hot key's overflow always lands on the same second replica
+(which then warms its cache for that key) instead of scattering over the fleet.
+
+A replica is over its bound when
+    in_flight + 1 > ceil((1 + epsilon) * (total_in_flight + 1) / num_replicas)
+or its prefill queue is over `queue_limit`, or its KV usage is over `kv_high_watermark`.
+In-flight counts are small integers (about 3 per replica on the Mooncake trace), so the ceiling makes a
+small epsilon very tight: the default 0.5 lets a replica run about one request above the mean there.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from uhashring import HashRing as _UHashRing
+
+from gateway.fleet import FleetView
+
+DEFAULT_VNODES = 160
+
+
+def ring_key(key: Hashable) -> str:
+    """A stable string for a block hash (bytes) or a trace's hash id (int), the same in every process."""
+    return key.hex() if isinstance(key, bytes) else str(key)
+
+
+@dataclass(frozen=True)
+class LoadBound:
+    epsilon: float = 0.5
+    queue_limit: int = 8
+    kv_high_watermark: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.queue_limit < 0:
+            raise ValueError(f"queue_limit must be >= 0, got {self.queue_limit}")
+        if not 0 < self.kv_high_watermark <= 1:
+            raise ValueError(f"kv_high_watermark must be in (0, 1], got {self.kv_high_watermark}")
+
+    def in_flight_limit(self, fleet: FleetView, slack: float = 1.0) -> int:
+        """The most in-flight requests a replica may have after taking the next one; `slack` scales
+        epsilon (kv_aware lets a replica that holds more of the prompt carry more)."""
+        return math.ceil((1 + self.epsilon * slack) * (fleet.total_in_flight + 1) / len(fleet.replicas))
+
+    def is_over(self, replica: str, fleet: FleetView, limit: int) -> bool:
+        load = fleet.loads[replica]
+        return load.in_flight + 1 > limit or load.queued > self.queue_limit or load.kv_usage > self.kv_high_watermark
+
+
+@dataclass(frozen=True)
+class RingPick:
+    replica: str
+    skipped: tuple[str, ...]  # successors passed over because they were over their bound, in order
+    all_over: bool  # every replica was over its bound; `replica` is then the least loaded
+
+
+class HashRing:
+    """uhashring's continuum over the replica ids, with each position's successor list cached."""
+
+    def __init__(self, replicas: Sequence[str], vnodes: int = DEFAULT_VNODES) -> None:
+        if not replicas:
+            raise ValueError("a hash ring needs at least one replica")
+        self.replicas = tuple(replicas)
+        self._ring = _UHashRing(nodes=list(self.replicas), vnodes=vnodes)
+        self._points = self._ring.runtime._keys
+        self._successors: dict[int, tuple[str, ...]] = {}
+
+    def position(self, key: Hashable) -> int:
+        pos = bisect(self._points, self._ring.hashi(ring_key(key)))
+        return 0 if pos == len(self._points) else pos
+
+    def successors(self, key: Hashable) -> tuple[str, ...]:
+        """Every replica once, in ring order from the key's position (the first is the key's owner)."""
+        pos = self.position(key)
+        cached = self._successors.get(pos)
+        if cached is None:
+            cached = tuple(self._ring.iterate_nodes(ring_key(key)))
+            self._successors[pos] = cached
+        return cached
+
+    def walk_bounded(self, key: Hashable, fleet: FleetView, bound: LoadBound) -> RingPick:
+        """The key's first successor under its bound; if all are over, the least loaded one."""
+        order = self.successors(key)
+        limit = bound.in_flight_limit(fleet)
+        for i, replica in enumerate(order):
+            if not bound.is_over(replica, fleet, limit):
+                return RingPick(replica, order[:i], all_over=False)
+        least = min(order, key=lambda r: (fleet.loads[r].in_flight + fleet.loads[r].queued, order.index(r)))
+        return RingPick(least, tuple(r for r in order if r != least), all_over=True)

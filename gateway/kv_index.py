@@ -1,0 +1,162 @@
+"""The fleet KV index: which replica holds which cached block, fed by the workers' KV events.
+
+A block hash is chained (it covers its whole prefix), so "replica r holds hash h" means r can reuse the
+whole prefix up to h. `match(hashes)` walks a request's hashes once and returns, per replica, how many
+leading blocks that replica holds (stopping at its first miss, as the worker's own lookup does).
+
+Events are any objects with `.seq`, `.kind` ("stored" / "removed" / "cleared") and `.block_hashes`
+(worker.block_pool.KVEvent has that shape; the gateway never imports the worker). Each replica's
+events carry a sequence number that grows by one; a gap means events were lost, so the replica's
+entries can no longer be trusted: `apply` returns False, the replica is marked stale (it matches
+nothing) until the caller resyncs it from the worker's snapshot (`BlockPool.snapshot()`).
+
+`LearnedKVIndex` is the index of a gateway that sees no events: it assumes the blocks of every request
+it routed are stored on the replica it chose, bounded per replica by an LRU of the replica's capacity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol
+
+BlockKey = Hashable
+
+
+class KVEventLike(Protocol):
+    seq: int
+    kind: str
+    block_hashes: Sequence[BlockKey]
+
+
+class KVIndex:
+    """Per replica, the set of cached block hashes; one dict hash -> bitmask of holders for matching."""
+
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self.replicas = tuple(replicas)
+        self._bit = {r: 1 << i for i, r in enumerate(self.replicas)}
+        self._holders: dict[BlockKey, int] = {}
+        self._held: dict[str, set[BlockKey]] = {r: set() for r in self.replicas}
+        self._last_seq: dict[str, int] = {r: 0 for r in self.replicas}
+        self._stale: set[str] = set()
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def num_blocks(self, replica: str) -> int:
+        return len(self._held[replica])
+
+    def holds(self, replica: str, block_hash: BlockKey) -> bool:
+        return block_hash in self._held[replica]
+
+    def is_stale(self, replica: str) -> bool:
+        """True after a sequence gap, until `resync`: the replica's entries are ignored by `match`."""
+        return replica in self._stale
+
+    def last_seq(self, replica: str) -> int:
+        return self._last_seq[replica]
+
+    def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
+        """Leading blocks of `block_hashes` held by each replica, in `self.replicas` order."""
+        n = len(self.replicas)
+        matched = [0] * n
+        alive = (1 << n) - 1
+        for replica in self._stale:
+            alive &= ~self._bit[replica]
+        holders = self._holders
+        for depth, block_hash in enumerate(block_hashes):
+            held = holders.get(block_hash, 0) & alive
+            if held != alive:
+                _set_depth(matched, alive & ~held, depth)
+                alive = held
+                if not alive:
+                    return matched
+        _set_depth(matched, alive, len(block_hashes))
+        return matched
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def add(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
+        bit, held, holders = self._bit[replica], self._held[replica], self._holders
+        for block_hash in block_hashes:
+            if block_hash not in held:
+                held.add(block_hash)
+                holders[block_hash] = holders.get(block_hash, 0) | bit
+
+    def remove(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
+        bit, held, holders = self._bit[replica], self._held[replica], self._holders
+        for block_hash in block_hashes:
+            if block_hash in held:
+                held.discard(block_hash)
+                rest = holders[block_hash] & ~bit
+                if rest:
+                    holders[block_hash] = rest
+                else:
+                    del holders[block_hash]
+
+    def clear(self, replica: str) -> None:
+        self.remove(replica, list(self._held[replica]))
+
+    def apply(self, replica: str, events: Iterable[KVEventLike]) -> bool:
+        """Apply one replica's events in order. Events already covered (seq <= last) are skipped.
+
+        Returns False, and marks the replica stale, on a sequence gap; the caller must `resync` it."""
+        for event in events:
+            if replica in self._stale:
+                return False
+            expected = self._last_seq[replica] + 1
+            if event.seq < expected:
+                continue
+            if event.seq > expected:
+                self._stale.add(replica)
+                return False
+            if event.kind == "stored":
+                self.add(replica, event.block_hashes)
+            elif event.kind == "removed":
+                self.remove(replica, event.block_hashes)
+            elif event.kind == "cleared":
+                self.clear(replica)
+            else:
+                raise ValueError(f"unknown KV event kind {event.kind!r}")
+            self._last_seq[replica] = event.seq
+        return replica not in self._stale
+
+    def resync(self, replica: str, seq: int, block_hashes: Iterable[BlockKey]) -> None:
+        """Replace the replica's entries with a snapshot taken at event `seq` (BlockPool.snapshot())."""
+        self.clear(replica)
+        self.add(replica, block_hashes)
+        self._last_seq[replica] = seq
+        self._stale.discard(replica)
+
+
+class LearnedKVIndex(KVIndex):
+    """A gateway's own guess of the fleet's cache, learned from its routing decisions only.
+
+    Each replica's entries are an LRU bounded by `capacity_blocks`. A routed request's blocks are
+    touched from last to first, so its tail is evicted before the prefix it shares with others."""
+
+    def __init__(self, replicas: Sequence[str], capacity_blocks: int) -> None:
+        super().__init__(replicas)
+        self.capacity_blocks = capacity_blocks
+        self._lru: dict[str, OrderedDict[BlockKey, None]] = {r: OrderedDict() for r in self.replicas}
+
+    def record_routed(self, replica: str, block_hashes: Sequence[BlockKey]) -> None:
+        lru = self._lru[replica]
+        new = []
+        for block_hash in reversed(block_hashes):
+            if block_hash in lru:
+                lru.move_to_end(block_hash)
+            else:
+                lru[block_hash] = None
+                new.append(block_hash)
+        self.add(replica, new)
+        evicted = []
+        while len(lru) > self.capacity_blocks:
+            evicted.append(lru.popitem(last=False)[0])
+        self.remove(replica, evicted)
+
+
+def _set_depth(matched: list[int], replicas_mask: int, depth: int) -> None:
+    while replicas_mask:
+        lowest = replicas_mask & -replicas_mask
+        matched[lowest.bit_length() - 1] = depth
+        replicas_mask ^= lowest

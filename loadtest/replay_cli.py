@@ -1,0 +1,180 @@
+"""`kvroute replay TRACE`: compare routing policies on a trace (see loadtest.replay for the model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from gateway.router import POLICY_NAMES
+from kvroute.cli import UserError
+from kvroute.hashing import DEFAULT_BLOCK_SIZE
+from loadtest.replay import DEFAULT_PREFIX_KEY_TOKENS, ReplayConfig, ReplayError, ReplayResult, replay
+from loadtest.traces import Trace, TraceError, read_mooncake
+from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
+
+SYNTHETIC = "synthetic:"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "trace",
+        metavar="TRACE",
+        help=f"Mooncake JSONL (optionally .gz) or {SYNTHETIC}NAME; NAME: {', '.join(WORKLOAD_NAMES)}",
+    )
+    parser.add_argument("--replicas", type=int, default=4, help="simulated replicas (default 4)")
+    parser.add_argument(
+        "--policies",
+        default="round_robin,prefix,kv_aware",
+        help=f"comma list from: {', '.join(POLICY_NAMES)} (default round_robin,prefix,kv_aware)",
+    )
+    parser.add_argument("--capacity-blocks", type=int, default=10_000, help="KV blocks per replica (default 10000)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"tokens per block, synthetic traces only (default {DEFAULT_BLOCK_SIZE}; Mooncake: 512)",
+    )
+    parser.add_argument("--requests", type=int, default=None, help="requests to generate (synthetic traces)")
+    parser.add_argument("--seed", type=int, default=0, help="generator and random-policy seed (default 0)")
+    parser.add_argument("--gateways", type=int, default=1, help="gateways the requests are dealt over (default 1)")
+    parser.add_argument(
+        "--shared-view",
+        action="store_true",
+        help="gateways read one fleet KV index and load (as through Redis); "
+        "otherwise each learns from its own decisions",
+    )
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=32.0,
+        help="prefill cost per uncached prompt token, µs (default 32)",
+    )
+    parser.add_argument("--decode-ms-per-step", type=float, default=20.0, help="decode cost per step, ms (default 20)")
+    parser.add_argument(
+        "--epsilon",
+        type=float,
+        default=ReplayConfig.epsilon,
+        help=f"bounded-load epsilon (default {ReplayConfig.epsilon})",
+    )
+    parser.add_argument(
+        "--prefix-key-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_KEY_TOKENS,
+        help=f"depth of the prefix policies' ring key, tokens (default {DEFAULT_PREFIX_KEY_TOKENS})",
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG comparing the policies")
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    for policy in policies:
+        if policy not in POLICY_NAMES:
+            raise UserError(f"unknown policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
+    trace = load_trace(args.trace, args.block_size, args.requests, args.seed)
+    started = time.perf_counter()
+    try:
+        config = ReplayConfig(
+            replicas=args.replicas,
+            policies=policies,
+            capacity_blocks=args.capacity_blocks,
+            gateways=args.gateways,
+            shared_view=args.shared_view,
+            prefill_us_per_token=args.prefill_us_per_token,
+            decode_ms_per_step=args.decode_ms_per_step,
+            prefix_key_tokens=args.prefix_key_tokens,
+            epsilon=args.epsilon,
+            seed=args.seed,
+            progress=len(trace.requests) >= 2000,
+        )
+        result = replay(trace, config)
+    except ReplayError as exc:
+        raise UserError(str(exc)) from None
+    elapsed = time.perf_counter() - started
+    print(format_table(result))
+    print(f"replayed {result.requests:,} requests x {len(result.policies)} policies in {elapsed:.1f} s")
+    if args.json is not None:
+        write_output(args.json, lambda path: path.write_text(json.dumps(result.to_json(), indent=2) + "\n"))
+    if args.plot is not None:
+        from loadtest.plot import plot_result
+
+        write_output(args.plot, lambda path: plot_result(result, path))
+    return 0
+
+
+def load_trace(spec: str, block_size: int | None, requests: int | None, seed: int) -> Trace:
+    """A trace from a file path or `synthetic:NAME`; bad input raises UserError."""
+    try:
+        if spec.startswith(SYNTHETIC):
+            return generate(spec[len(SYNTHETIC) :], requests, seed, block_size or DEFAULT_BLOCK_SIZE)
+        if block_size is not None:
+            raise UserError("--block-size applies to synthetic traces only (a Mooncake block is 512 tokens)")
+        if requests is not None:
+            raise UserError("--requests applies to synthetic traces only")
+        return read_mooncake(spec)
+    except (TraceError, WorkloadError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def write_output(path: Path, write) -> None:
+    try:
+        write(path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def format_table(result: ReplayResult) -> str:
+    """One row per policy plus the ideal, aligned."""
+    gateways = result.config.gateways
+    header = [
+        "policy",
+        "prefill tokens",
+        "x ideal",
+        "hit rate",
+        "imbalance",
+        "TTFT p50 ms",
+        "p90",
+        "p99",
+        "requests/replica min-max",
+    ]
+    if gateways > 1:
+        header.append(f"hit loss vs 1 gateway ({'shared' if result.config.shared_view else 'own'} view)")
+    rows = []
+    for name, p in result.policies.items():
+        row = [
+            name,
+            f"{p.prefill_tokens:,}",
+            f"{p.prefill_tokens / result.ideal_prefill_tokens:.3f}",
+            f"{p.hit_rate:.3f}",
+            f"{p.load_imbalance:.3f}",
+            f"{p.ttft_ms['p50']:.0f}",
+            f"{p.ttft_ms['p90']:.0f}",
+            f"{p.ttft_ms['p99']:.0f}",
+            f"{min(p.per_replica_requests)}-{max(p.per_replica_requests)}",
+        ]
+        if gateways > 1:
+            row.append(f"{100 * (p.vs_one_gateway or 0.0):.1f}%")
+        rows.append(row)
+    ideal = ["ideal (one unlimited cache)", f"{result.ideal_prefill_tokens:,}", "1.000", f"{result.ideal_hit_rate:.3f}"]
+    rows.append(ideal + [""] * (len(header) - len(ideal)))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"{result.trace}: {result.requests:,} requests, {result.input_tokens:,} prompt tokens, "
+        f"{result.config.replicas} replicas x {result.config.capacity_blocks:,} blocks, {gateways} gateway(s)"
+    ]
+    for row in [header, *rows]:
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+    d = result.divergence
+    histogram = ", ".join(f"{k}: {v}" for k, v in d.buckets.items()) or "none"
+    lines.append(
+        f"first divergence from the session's previous request ({d.unit}): {histogram}; "
+        f"first of session: {d.first_of_session}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+from gateway.kv_index import KVIndex, LearnedKVIndex
+from kvroute.hashing import block_hashes
+from worker.kv_cache_manager import KVCacheManager
+
+BS = 4
+REPLICAS = ("a", "b", "c")
+
+
+def hashes(tokens: list[int]) -> list[bytes]:
+    return block_hashes(tokens, model_id="t", block_size=BS)
+
+
+def run_request(mgr: KVCacheManager, req_id: str, tokens: list[int]) -> None:
+    hs = hashes(tokens)
+    hit = mgr.get_computed_blocks(hs, len(tokens))
+    assert mgr.allocate_slots(req_id, len(tokens), hit.blocks) is not None
+    mgr.cache_blocks(req_id, hs)
+    mgr.free(req_id)
+
+
+def test_index_mirrors_a_real_block_pool_through_its_events():
+    mgr = KVCacheManager(num_blocks=6, block_size=BS)
+    index = KVIndex(REPLICAS)
+    for i in range(8):  # 8 requests of 3 blocks through 6 blocks: stored and removed events
+        run_request(mgr, f"r{i}", [i % 3] * 4 + list(range(100 * i, 100 * i + 8)))
+        assert index.apply("b", mgr.drain_events())
+        assert index.num_blocks("b") == len(mgr.pool.cached)
+        assert all(index.holds("b", h) for h in mgr.pool.cached)
+    assert index.num_blocks("a") == 0
+
+
+def test_match_counts_leading_blocks_per_replica():
+    index = KVIndex(REPLICAS)
+    index.add("a", ["x0", "x1", "x2"])
+    index.add("b", ["x0", "x2"])  # a gap at x1: only x0 is usable
+    index.add("c", ["y0"])
+    assert index.match(["x0", "x1", "x2", "x3"]) == [3, 1, 0]
+    assert index.match(["x0", "x1"]) == [2, 1, 0]
+    assert index.match([]) == [0, 0, 0]
+    index.remove("a", ["x1"])
+    assert index.match(["x0", "x1", "x2"]) == [1, 1, 0]
+    index.clear("a")
+    assert index.match(["x0"]) == [0, 1, 0]
+
+
+def test_sequence_gap_marks_stale_until_resync_from_snapshot():
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    index = KVIndex(REPLICAS)
+    run_request(mgr, "r1", list(range(12)))
+    assert index.apply("a", mgr.drain_events())
+    run_request(mgr, "r2", list(range(50, 62)))
+    lost = mgr.drain_events()
+    run_request(mgr, "r3", list(range(80, 92)))
+    assert not index.apply("a", mgr.drain_events())  # r2's events never arrived
+    assert index.is_stale("a")
+    assert index.match(hashes(list(range(12)))) == [0, 0, 0]
+    seq, cached = mgr.pool.snapshot()
+    index.resync("a", seq, cached)
+    assert not index.is_stale("a") and index.last_seq("a") == seq
+    assert index.match(hashes(list(range(50, 62)))) == [3, 0, 0]
+    assert index.apply("a", lost)  # old events (seq <= the snapshot's) are skipped
+    assert index.num_blocks("a") == len(cached)
+
+
+def test_learned_index_is_an_lru_of_the_replica_capacity_evicting_tails_first():
+    index = LearnedKVIndex(REPLICAS, capacity_blocks=4)
+    index.record_routed("a", ["s", "p1", "p2"])
+    index.record_routed("a", ["s", "q1", "q2"])  # 5 distinct blocks: p2, the oldest tail, goes first
+    assert index.match(["s", "p1", "p2"]) == [2, 0, 0]
+    assert index.match(["s", "q1", "q2"]) == [3, 0, 0]
+    assert index.num_blocks("a") == 4 and index.num_blocks("b") == 0

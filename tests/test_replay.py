@@ -1,0 +1,176 @@
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvroute.cli import main
+from loadtest.replay import ReplayConfig, ReplayError, replay
+from loadtest.traces import Trace, TraceError, TraceRequest, read_mooncake
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def real_trace() -> Trace:
+    """The Mooncake conversation trace (../shared/traces beside the checkout), read once."""
+    if not TRACE.is_file():
+        pytest.skip(f"{TRACE} is not here")
+    return read_mooncake(TRACE)
+
+
+def mooncake(*requests: tuple[float, int, int, list[int]]) -> Trace:
+    reqs = tuple(TraceRequest(t, n, out, hash_ids=tuple(ids)) for t, n, out, ids in requests)
+    return Trace("hand", "mooncake", 512, reqs)
+
+
+def test_hand_computed_prefill_ttft_and_busy_time():
+    # A: 1,000 tokens, both blocks new. B: 1,024 tokens, block 1 cached by A (512 tokens), block 3 new.
+    trace = mooncake((0, 1000, 10, [1, 2]), (0, 1024, 10, [1, 3]))
+    config = ReplayConfig(
+        replicas=1, policies=("round_robin",), capacity_blocks=8, prefill_us_per_token=1000, decode_ms_per_step=10
+    )
+    result = replay(trace, config)
+    p = result.policies["round_robin"]
+    assert p.cached_tokens == [0, 512]
+    assert p.prefill_tokens == 1000 + 512 and result.ideal_prefill_tokens == 1512
+    assert p.hit_rate == pytest.approx(512 / 2024)
+    assert p.ttft_samples_ms == [1000.0, 1512.0]  # B waits for A's prefill (FIFO), then 512 ms
+    # busy = prefill 1,512 ms + decode [1000, 1100] and [1512, 1612]
+    assert p.per_replica_busy_s == [pytest.approx(1.712)]
+
+
+def test_last_partial_block_counts_its_real_tokens_and_the_ideal_has_no_routing():
+    trace = mooncake((0, 700, 1, [1, 2]), (5000, 700, 1, [1, 2]), (10000, 600, 1, [1, 2]))
+    result = replay(trace, ReplayConfig(replicas=2, policies=("round_robin", "kv_aware"), capacity_blocks=8))
+    assert result.policies["round_robin"].cached_tokens == [0, 0, 600]
+    assert result.policies["kv_aware"].cached_tokens == [0, 700, 600]
+    assert result.ideal_prefill_tokens == 700
+
+
+def test_requests_wait_for_blocks_and_blocks_are_freed():
+    # Each request holds 2 blocks of a 3-block replica: the second waits for the first to finish.
+    trace = mooncake((0, 1024, 100, [1, 2]), (0, 1024, 1, [3, 4]))
+    config = ReplayConfig(
+        replicas=1, policies=("round_robin",), capacity_blocks=3, prefill_us_per_token=1000, decode_ms_per_step=10
+    )
+    p = replay(trace, config).policies["round_robin"]
+    assert p.ttft_samples_ms == [1024.0, 1024 + 1000 + 1024.0]  # B admitted when A finishes at 2,024 ms
+
+
+def test_request_larger_than_a_replica_is_an_error():
+    with pytest.raises(ReplayError, match="needs 3 KV blocks"):
+        replay(mooncake((0, 1024, 2, [1, 2])), ReplayConfig(replicas=1, capacity_blocks=2))
+
+
+def test_shared_view_matches_one_gateway_and_own_views_lose(real_trace):
+    trace = Trace("head", "mooncake", 512, real_trace.requests[:3000])
+    base = dict(replicas=8, policies=("kv_aware",), capacity_blocks=10_000, gateways=8)
+    shared = replay(trace, ReplayConfig(**base, shared_view=True)).policies["kv_aware"]
+    own = replay(trace, ReplayConfig(**base)).policies["kv_aware"]
+    assert shared.vs_one_gateway == pytest.approx(0.0, abs=0.02)
+    assert own.vs_one_gateway > 0.05  # each gateway knows only its own eighth of the decisions
+
+
+def test_mooncake_reader_gzip_and_line_numbered_errors(tmp_path):
+    lines = [
+        {"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]},
+        {"timestamp": 1, "input_length": 10, "output_length": 0, "hash_ids": [0]},
+    ]
+    path = tmp_path / "t.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(x) for x in lines) + "\n")
+    trace = read_mooncake(path)
+    assert [r.arrival_ms for r in trace.requests] == [1.0, 5.0] and trace.input_tokens == 610
+    bad = {
+        '{"timestamp": 0, "input_length": 10, "output_length": 1}': "line 2: missing field 'hash_ids'",
+        '{"timestamp": 0, "input_length": 10, "output_length": -1, "hash_ids": [0]}': "line 2: output_length",
+        '{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [0]}': "line 2: hash_ids has 1 ids",
+        '{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [0]}': "line 2: field 'timestamp'",
+        "[1, 2]": "line 2: expected a JSON object",
+        "{oops": "line 2: not valid JSON",
+    }
+    for line, message in bad.items():
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(lines[0]) + "\n" + line + "\n")
+        with pytest.raises(TraceError, match=message):
+            read_mooncake(path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["synthetic:nope"], "unknown workload 'nope'"),
+        (["synthetic:support", "--policies", "round_robin,nope"], "unknown policy 'nope'"),
+        (["/no/such/trace.jsonl"], "no such file"),
+        (["synthetic:support", "--replicas", "0"], "replicas must be >= 1"),
+        (["synthetic:support", "--requests", "-5"], "requests must be >= 1"),
+        (["synthetic:support", "--capacity-blocks", "100"], "more than --capacity-blocks 100"),
+        (["trace.jsonl", "--block-size", "16"], "--block-size applies to synthetic traces only"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(args, message, capsys):
+    assert main(["replay", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_writes_the_issue_json_schema_and_a_plot(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = [
+        "replay",
+        "synthetic:multiturn",
+        "--requests",
+        "60",
+        "--replicas",
+        "2",
+        "--policies",
+        "round_robin,prefix,kv_aware",
+        "--gateways",
+        "2",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "ideal (one unlimited cache)" in table and "kv_aware" in table
+    data = json.loads(out.read_text())
+    assert {"trace", "requests", "input_tokens", "replicas", "capacity_blocks", "ideal", "policies"} <= set(data)
+    assert set(data["ideal"]) == {"prefill_tokens", "hit_rate"}
+    for policy in data["policies"].values():
+        assert {
+            "prefill_tokens",
+            "hit_rate",
+            "load_imbalance",
+            "ttft_ms",
+            "per_replica_requests",
+            "vs_one_gateway",
+        } <= set(policy)
+        assert set(policy["ttft_ms"]) == {"p50", "p90", "p99"} and len(policy["per_replica_requests"]) == 2
+    assert data["first_divergence"]["unit"] == "tokens"
+    assert png.stat().st_size > 10_000
+
+
+def test_real_trace_kv_aware_near_ideal_and_balanced(real_trace):
+    result = replay(real_trace, ReplayConfig(replicas=8, policies=("kv_aware",), capacity_blocks=10_000))
+    assert result.ideal_prefill_tokens == 90_695_412  # the trace README's independent reference
+    kv = result.policies["kv_aware"]
+    assert kv.prefill_tokens <= 1.05 * result.ideal_prefill_tokens
+    assert kv.load_imbalance <= 1.25
+
+
+def test_block_managers_are_consistent_and_empty_after_a_replay(real_trace):
+    from loadtest.replay import _prepare, _Simulation
+
+    trace = Trace("head", "mooncake", 512, real_trace.requests[:400])
+    config = ReplayConfig(replicas=4, policies=("kv_aware",), capacity_blocks=300)
+    sim = _Simulation(trace, _prepare(trace), "kv_aware", 1, True, config, lambda: None)
+    sim.run()
+    for replica in sim.replicas:
+        replica.manager.check_invariants()
+        assert replica.manager.num_free_blocks == 300 and replica.in_flight == 0
+        cached = set(replica.manager.pool.cached)  # the fleet index agrees with every pool
+        assert sim.fleet.kv_index.num_blocks(replica.name) == len(cached)
+        assert all(sim.fleet.kv_index.holds(replica.name, h) for h in cached)
