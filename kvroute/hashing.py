@@ -96,3 +96,10 @@ class BlockHasher:
     def truncate(self, num_blocks: int) -> None:
         """Forget every hash past the first `num_blocks` (the sequence was cut back)."""
         del self.hashes[num_blocks:]
+
+
+def hash_fingerprint(model_id: str, block_size: int = DEFAULT_BLOCK_SIZE) -> str:
+    """Hex hash of the first block of tokens 0..block_size-1 with no salt: equal on a gateway and a worker
+    only if they agree on hash version, model id and block size (published by the worker, checked by
+    gateways; DESIGN §7 hash parity)."""
+    return block_hashes(range(block_size), model_id=model_id, block_size=block_size)[0].hex()

@@ -80,9 +80,7 @@ class KVCacheManager:
         self.stats.prefix_hits += num_tokens
         return PrefixHit(blocks, num_tokens)
 
-    def allocate_slots(
-        self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()
-    ) -> list[KVBlock] | None:
+    def allocate_slots(self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
         """Grow `req_id` to hold `num_tokens` tokens; `computed` (a prefix hit) only on its first call.
 
         Returns the newly allocated blocks, or None (and no change) if the pool is short."""

@@ -1,0 +1,174 @@
+"""The attention contract between the model, the engine and the kernels.
+
+One engine step runs a flat batch of T new tokens from B sequences (prefill chunks, extends over a cached
+prefix and decodes, mixed, in any order). `AttentionMetadata` describes that batch; an `AttentionBackend`
+writes the step's new K/V into the paged cache and computes attention for the new tokens.
+
+KV cache per layer: `k_cache, v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim], dtype the
+model dtype or torch.float8_e4m3fn. An FP8 cache has one per-tensor scale per cache (k_scale, v_scale):
+stored = clamp(x / scale) cast to e4m3, read = stored.float() * scale. Scales are ignored for other dtypes.
+The slot of token position p of a sequence is block_table[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch. The new tokens of seq i are q[query_start_loc[i]:query_start_loc[i+1]] at positions
+    seq_lens[i] - query_len_i ... seq_lens[i] - 1; they attend causally to themselves and fully to the seq's
+    earlier context read from the cache."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token (-1 = do not write)
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    seq_lens: torch.Tensor  # int32 [B]: context length after this step (cached prefix + new tokens)
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Tensors a backend derives from the metadata once per step and reuses in every layer.
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build the metadata from host lists; every new token gets its slot (none is -1).
+
+        block_tables[i] must hold at least ceil(seq_lens[i] / block_size) block ids."""
+        _check_batch(query_lens, seq_lens, block_tables, block_size)
+        slots: list[int] = []
+        for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len))
+        width = max(1, max(len(t) for t in block_tables))
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def _check_batch(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not query_lens:
+        raise ValueError("query_lens is empty: a step needs at least one sequence")
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise ValueError(
+            f"query_lens, seq_lens and block_tables differ in length: "
+            f"{len(query_lens)}, {len(seq_lens)}, {len(block_tables)}"
+        )
+    for i, (q_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        if not 1 <= q_len <= seq_len:
+            raise ValueError(f"seq {i}: query_len {q_len} must be in [1, seq_len={seq_len}]")
+        if len(table) * block_size < seq_len:
+            raise ValueError(f"seq {i}: block_table of {len(table)} blocks cannot hold seq_len {seq_len}")
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale, clamped to the e4m3 range, as float8_e4m3fn."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    return quantize_fp8(x, scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+
+
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Read values from a cache of any supported dtype as `dtype` (dequantising FP8 with `scale`)."""
+    if x.dtype == FP8_DTYPE:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
+
+
+class AttentionBackend(Protocol):
+    """Paged attention for one layer. The model calls write_kv with the step's new K/V (after RoPE), then
+    attend. Both take the same metadata; attend reads all K/V, the new tokens' included, from the cache."""
+
+    name: str
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """k, v: [T, num_kv_heads, head_dim]. Token t goes to slot slot_mapping[t] (-1 = skip), quantised to
+        FP8 with the cache's scale when the cache is FP8."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim] in q's dtype.
+        GQA: num_heads % num_kv_heads == 0; query head h reads KV head h // (num_heads // num_kv_heads)."""
+        ...
+
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """name in {"auto", "torch", "triton"}; auto = triton on CUDA, torch elsewhere. Triton needs CUDA, or
+    TRITON_INTERPRET=1 (set before triton is first imported) to run its kernels on the CPU for tests."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from kernels.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
+    from kernels.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()

@@ -1,0 +1,213 @@
+"""Paged attention in plain torch: the engine's CPU path and the reference for the Triton kernels on CUDA.
+
+Speed on CPU comes from doing few, large operations per layer:
+- K/V are gathered a whole block at a time (k_cache[block_table]), never slot by slot, into buffers the backend
+  keeps: a fresh multi-megabyte tensor per layer costs more in page faults than the copy itself;
+- all single-token sequences (decodes) run as one masked SDPA over K/V padded to the longest of them, with the
+  query heads of a KV head folded into SDPA's query-length axis, so GQA needs no repeated K/V;
+- a sequence with several new tokens runs one SDPA over its own context: `is_causal` when it has no cached
+  prefix, otherwise a bottom-right-aligned causal mask.
+The gather plan depends only on the step's metadata, so it is built once per step and reused in every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import FP8_DTYPE, AttentionMetadata, to_cache_dtype
+
+
+@dataclass
+class DecodePlan:
+    """All single-token sequences of the step, their contexts padded to the longest, context_len."""
+
+    rows: torch.Tensor  # int64 [Bd]: row of each seq's token in q
+    block_tables: torch.Tensor  # int64 [Bd, ceil(context_len / block_size)]
+    context_len: int
+    mask: torch.Tensor | None  # bool [Bd, 1, 1, context_len], True = a real position; None when all are real
+    covers_all_rows: bool  # the rows are exactly 0..T-1, so the output needs no scatter
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with several new tokens (a prefill chunk or an extend over a cached prefix)."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_table: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+    mask: torch.Tensor | None  # bool [q_len, seq_len]; None = plain causal (the seq has no cached prefix)
+
+
+@dataclass
+class StepPlan:
+    decode: DecodePlan | None
+    prefills: list[PrefillPlan]
+
+
+def build_step_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    device = meta.block_tables.device
+    block_tables = meta.block_tables.long()
+    starts = [0]
+    for q_len in meta.query_lens_cpu:
+        starts.append(starts[-1] + q_len)
+    decode_seqs = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    decode = None
+    if decode_seqs:
+        context_lens = [meta.seq_lens_cpu[i] for i in decode_seqs]
+        context_len = max(context_lens)
+        index = torch.tensor(decode_seqs, device=device)
+        mask = None
+        if min(context_lens) < context_len:  # SDPA without a mask is faster: skip it when every seq is as long
+            positions = torch.arange(context_len, device=device)
+            mask = (positions[None, :] < meta.seq_lens[index].long()[:, None])[:, None, None, :]
+        rows = [starts[i] for i in decode_seqs]
+        decode = DecodePlan(
+            rows=torch.tensor(rows, device=device),
+            block_tables=block_tables[index, : -(-context_len // block_size)],
+            context_len=context_len,
+            mask=mask,
+            covers_all_rows=rows == list(range(starts[-1])),
+        )
+    prefills = []
+    for i, q_len in enumerate(meta.query_lens_cpu):
+        if q_len == 1:
+            continue
+        seq_len = meta.seq_lens_cpu[i]
+        mask = None
+        if q_len < seq_len:
+            query_positions = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
+        table = block_tables[i, : -(-seq_len // block_size)]
+        prefills.append(PrefillPlan(starts[i], starts[i + 1], seq_len, table, mask))
+    return StepPlan(decode, prefills)
+
+
+def step_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    key = ("torch_step_plan", block_size)
+    if key not in meta.derived:
+        meta.derived[key] = build_step_plan(meta, block_size)
+    return meta.derived[key]
+
+
+class Workspace:
+    """Named buffers that grow to the largest size asked for and are reused from layer to layer."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        numel = math.prod(shape)
+        if key not in self.buffers or self.buffers[key].numel() < numel:
+            self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return self.buffers[key][:numel].view(shape)
+
+
+def gather_blocks(
+    cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype, scale: float, workspace: Workspace, name: str
+) -> torch.Tensor:
+    """cache[block_table] as `dtype` (FP8 dequantised with `scale`), flattened to token positions:
+    [*block_table.shape[:-1], num_blocks * block_size, Hkv, D]. The result lives in the workspace buffer `name`."""
+    index = block_table.reshape(-1)
+    shape = (index.numel(), *cache.shape[1:])
+    if cache.dtype == dtype:
+        blocks = torch.index_select(cache, 0, index, out=workspace.get(name, shape, dtype, cache.device))
+    else:
+        staged = torch.index_select(cache, 0, index, out=workspace.get(name, shape, cache.dtype, cache.device))
+        blocks = workspace.get(name, shape, dtype, cache.device).copy_(staged)
+        if cache.dtype == FP8_DTYPE:
+            blocks.mul_(scale)  # exact as float32 would be: e4m3 values convert to 16/32-bit floats exactly
+    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.workspace = Workspace()
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        # index_put, not index_copy_: the latter has no float8 kernel on CPU.
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(k[valid], k_cache.dtype, k_scale)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[valid], v_cache.dtype, v_scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        plan = step_plan(meta, k_cache.shape[1])
+        scales = (softmax_scale, k_scale, v_scale)
+        if plan.decode is not None and plan.decode.covers_all_rows:
+            return self._decode(q, k_cache, v_cache, plan.decode, *scales)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            out[plan.decode.rows] = self._decode(q[plan.decode.rows], k_cache, v_cache, plan.decode, *scales)
+        for seq in plan.prefills:
+            out[seq.start : seq.end] = self._prefill(q[seq.start : seq.end], k_cache, v_cache, seq, *scales)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: DecodePlan,
+        softmax_scale: float,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        k = gather_blocks(k_cache, plan.block_tables, q.dtype, k_scale, self.workspace, "k")  # [Bd, L, Hkv, D]
+        v = gather_blocks(v_cache, plan.block_tables, q.dtype, v_scale, self.workspace, "v")
+        k, v = k[:, : plan.context_len].transpose(1, 2), v[:, : plan.context_len].transpose(1, 2)
+        # The G query heads sharing a KV head act as G query positions of that head: [Bd, Hkv, G, D].
+        q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=softmax_scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: PrefillPlan,
+        softmax_scale: float,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        k = gather_blocks(k_cache, plan.block_table, q.dtype, k_scale, self.workspace, "k")[: plan.seq_len]
+        v = gather_blocks(v_cache, plan.block_table, q.dtype, v_scale, self.workspace, "v")[: plan.seq_len]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [H, q_len, D]
+            k,
+            v,
+            attn_mask=plan.mask,
+            is_causal=plan.mask is None,
+            scale=softmax_scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
