@@ -200,9 +200,10 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         k = gather_blocks(k_cache, plan.block_table, q.dtype, k_scale, self.workspace, "k")[: plan.seq_len]
         v = gather_blocks(v_cache, plan.block_table, q.dtype, v_scale, self.workspace, "v")[: plan.seq_len]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+        # 4-D inputs ([1, H, S, D]): with 3-D ones CPU torch falls back to its slow math kernel.
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, S, D]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, q_len, D]
+            q.transpose(0, 1)[None],  # [1, H, q_len, D]
             k,
             v,
             attn_mask=plan.mask,
@@ -210,4 +211,4 @@ class TorchAttentionBackend:
             scale=softmax_scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)

@@ -1,0 +1,85 @@
+"""Rendering a model's Jinja chat template the way transformers' `apply_chat_template` does.
+
+The environment matches transformers' (sandboxed, `trim_blocks`, `lstrip_blocks`, loop controls, a `tojson`
+that does not HTML-escape, `raise_exception`, `strftime_now`, a pass-through `{% generation %}` tag), so the
+same template gives the same prompt text here as in the reference tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the messages (e.g. its `raise_exception("...")`), or does not compile."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it only renders."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra: Any,
+) -> str:
+    """The prompt text for `messages`; `extra` (e.g. `tools`) is passed to the template as variables."""
+    try:
+        return compile_chat_template(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template: {exc}") from exc
