@@ -1,0 +1,333 @@
+"""Engine benchmark on CPU: kvroute's engine against HF transformers on the same weights, in one run.
+
+    python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 3]
+
+Measures (medians of `--repeats` runs where affordable):
+  prefix_ttft   TTFT of a 3,300-token prompt whose first 2,900 tokens are cached vs the same prompt uncached;
+  throughput    32 concurrent ~200-token prompts x 64 output tokens: kvroute vs transformers' batched generate
+                (left-padded, greedy), output tokens/s end to end (one run each: it is the long one);
+  decode_b1     single-stream decode tokens/s (after the first token);
+  prefill       prompt tokens/s at 1,000 and 3,000 tokens: kvroute fp32, kvroute bf16, transformers fp32;
+  bf16_quality  kvroute bf16 against kvroute fp32 over a few hundred positions of real text: top-1 agreement
+                and mean KL(fp32 || bf16).
+kvroute runs at float32 for every comparison with transformers except the bf16 prefill column, and the
+prefix / throughput / decode sections are repeated for bf16. Text comes from the docstrings of the Python
+standard library, so the benchmark needs no download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvroute.sampling import SamplingParams
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+
+STDLIB_MODULES = [
+    "argparse",
+    "asyncio",
+    "collections",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "functools",
+    "heapq",
+    "http",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "re",
+    "sqlite3",
+    "string",
+    "subprocess",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib",
+    "zipfile",
+]
+PREFIX_PROMPT, PREFIX_CACHED = 3300, 2900
+THROUGHPUT_REQUESTS, THROUGHPUT_PROMPT, OUTPUT_TOKENS = 32, 200, 64
+
+
+def real_text() -> str:
+    """A few hundred KB of English prose and code: the standard library's module and class docstrings."""
+    parts = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        parts.append(module.__doc__ or "")
+        for value in vars(module).values():
+            doc = getattr(value, "__doc__", None) if isinstance(value, type) else None
+            if isinstance(doc, str) and len(doc) > 200:
+                parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def median_time(fn: Callable[[], float], repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+class Corpus:
+    """Consecutive slices of one long tokenised text. Each slice starts with a token of its own (the text
+    wraps around when used up), so no two prompts share a cached prefix by accident."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.ids = token_ids
+        self.offset = 0
+        self.num_taken = 0
+
+    def take(self, n: int) -> list[int]:
+        if self.offset + n > len(self.ids):
+            self.offset = 0
+        out = self.ids[self.offset : self.offset + n]
+        out[0] = 1000 + self.num_taken  # an ordinary word piece, different for every slice
+        self.offset += n
+        self.num_taken += 1
+        return out
+
+
+# -- kvroute ----------------------------------------------------------------------------------------
+
+
+def ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds from add_request to the first token, and the prompt tokens served from the cache."""
+    request_id = f"ttft-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.new_token_ids:
+                elapsed = time.perf_counter() - start
+                while engine.has_unfinished_requests():
+                    engine.step()
+                return elapsed, out.cached_tokens
+
+
+def prefix_ttft(engine: LLMEngine, corpus: Corpus, repeats: int) -> dict:
+    uncached, cached = [], []
+    for _ in range(repeats):
+        prompt = corpus.take(PREFIX_PROMPT)
+        seconds, hit = ttft(engine, prompt)
+        assert hit == 0
+        uncached.append(seconds)
+        prefix = corpus.take(PREFIX_CACHED)
+        ttft(engine, prefix + corpus.take(16))  # an earlier request leaves the 2,900-token prefix cached
+        seconds, hit = ttft(engine, prefix + corpus.take(PREFIX_PROMPT - PREFIX_CACHED))
+        assert hit >= PREFIX_CACHED - engine.config.block_size, hit
+        cached.append(seconds)
+    uncached_ms, cached_ms = statistics.median(uncached) * 1e3, statistics.median(cached) * 1e3
+    return {"uncached_ms": uncached_ms, "cached_ms": cached_ms, "speedup": uncached_ms / cached_ms}
+
+
+def kvroute_throughput(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return sum(len(r.token_ids) for r in results) / elapsed
+
+
+def kvroute_decode(engine: LLMEngine, prompt: list[int]) -> float:
+    """Tokens/s of one stream after its first token."""
+    engine.add_request("decode", prompt, SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+@torch.inference_mode()
+def all_position_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """float32 logits [len(prompt), vocab] from one uncached forward through the engine's runner."""
+    engine.add_request("logits", prompt, SamplingParams(max_tokens=1), cache_salt="no-prefix-hit")
+    batch = engine.scheduler.schedule()
+    runner = engine.runner
+    inputs = runner.prepare_inputs(batch)
+    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
+    logits = runner.model.compute_logits(hidden)
+    engine.abort_request("logits")
+    engine.step()
+    return logits
+
+
+def bf16_quality(fp32: LLMEngine, bf16: LLMEngine, prompts: list[list[int]]) -> dict:
+    agree, kl, positions = 0.0, 0.0, 0
+    for prompt in prompts:
+        ref = all_position_logits(fp32, prompt).log_softmax(-1)
+        low = all_position_logits(bf16, prompt).log_softmax(-1)
+        agree += (ref.argmax(-1) == low.argmax(-1)).sum().item()
+        kl += (ref.exp() * (ref - low)).sum(-1).sum().item()
+        positions += len(prompt)
+    return {"positions": positions, "top1_agreement": agree / positions, "mean_kl": kl / positions}
+
+
+# -- transformers -----------------------------------------------------------------------------------
+
+
+def load_transformers(engine: LLMEngine):
+    import transformers
+
+    from kvroute.model_source import resolve_model
+
+    source = resolve_model(engine.config.model)
+    if source.kind == "gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            source.path.parent, gguf_file=source.path.name, dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_prefill_seconds(hf, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return time.perf_counter() - start
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def run(model: str, repeats: int) -> dict:
+    fp32 = LLMEngine(EngineConfig(model=model, dtype="float32"))
+    bf16 = LLMEngine(EngineConfig(model=model, dtype="bfloat16"))
+    corpus = Corpus(fp32.tokenizer.encode(real_text()))
+    print(f"corpus: {len(corpus.ids)} tokens; fp32 engine {fp32.runner.num_kv_blocks} KV blocks", flush=True)
+    hf = load_transformers(fp32)
+    report: dict = {"model": fp32.model_id, "threads": torch.get_num_threads(), "repeats": repeats}
+
+    prefill: dict = {}
+    for n in (1000, 3000):
+        row = {
+            "kvroute_fp32_tok_s": n / median_time(lambda n=n: ttft(fp32, corpus.take(n))[0], repeats),
+            "kvroute_bf16_tok_s": n / median_time(lambda n=n: ttft(bf16, corpus.take(n))[0], repeats),
+            "transformers_fp32_tok_s": n / median_time(lambda n=n: hf_prefill_seconds(hf, corpus.take(n)), repeats),
+        }
+        row["bf16_vs_transformers"] = row["kvroute_bf16_tok_s"] / row["transformers_fp32_tok_s"]
+        prefill[str(n)] = row
+        print(f"prefill {n}: {row}", flush=True)
+    report["prefill"] = prefill
+
+    report["prefix_ttft"] = prefix_ttft(fp32, corpus, repeats)
+    report["prefix_ttft_bf16"] = prefix_ttft(bf16, corpus, repeats)
+    print(f"prefix ttft: fp32 {report['prefix_ttft']} bf16 {report['prefix_ttft_bf16']}", flush=True)
+
+    short = corpus.take(20)
+    hf_decode = (OUTPUT_TOKENS - 1) / (
+        median_time(lambda: hf_generate_seconds(hf, [short], OUTPUT_TOKENS), repeats)
+        - median_time(lambda: hf_generate_seconds(hf, [short], 1), repeats)
+    )
+    report["decode_b1"] = {
+        "kvroute_tok_s": statistics.median(kvroute_decode(fp32, short) for _ in range(repeats)),
+        "kvroute_bf16_tok_s": statistics.median(kvroute_decode(bf16, short) for _ in range(repeats)),
+        "transformers_tok_s": hf_decode,
+    }
+    print(f"decode b1: {report['decode_b1']}", flush=True)
+
+    prompts = [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
+    hf_tok_s = THROUGHPUT_REQUESTS * OUTPUT_TOKENS / hf_generate_seconds(hf, prompts, OUTPUT_TOKENS)
+    ours = kvroute_throughput(fp32, prompts)
+    ours_bf16 = kvroute_throughput(bf16, prompts)
+    report["throughput"] = {
+        "kvroute_tok_s": ours,
+        "kvroute_bf16_tok_s": ours_bf16,
+        "transformers_tok_s": hf_tok_s,
+        "ratio": ours / hf_tok_s,
+        "ratio_bf16": ours_bf16 / hf_tok_s,
+    }
+    print(f"throughput: {report['throughput']}", flush=True)
+
+    report["bf16_quality"] = bf16_quality(fp32, bf16, [corpus.take(200) for _ in range(3)])
+    return report
+
+
+def print_table(report: dict) -> None:
+    p, t, d = report["prefix_ttft"], report["throughput"], report["decode_b1"]
+    q = report["bf16_quality"]
+    rows = [
+        (
+            "prefix TTFT fp32 (3300 tok, 2900 cached)",
+            f"{p['uncached_ms']:.0f} ms -> {p['cached_ms']:.0f} ms",
+            f"{p['speedup']:.2f}x",
+        ),
+        (
+            "prefix TTFT bf16",
+            f"{report['prefix_ttft_bf16']['uncached_ms']:.0f} ms -> {report['prefix_ttft_bf16']['cached_ms']:.0f} ms",
+            f"{report['prefix_ttft_bf16']['speedup']:.2f}x",
+        ),
+        (
+            "throughput 32x(200+64) tok/s fp32 | bf16 vs HF",
+            f"{t['kvroute_tok_s']:.1f} | {t['kvroute_bf16_tok_s']:.1f} vs {t['transformers_tok_s']:.1f}",
+            f"{t['ratio']:.2f}x | {t['ratio_bf16']:.2f}x",
+        ),
+        (
+            "decode b1 tok/s fp32 | bf16 vs HF",
+            f"{d['kvroute_tok_s']:.1f} | {d['kvroute_bf16_tok_s']:.1f} vs {d['transformers_tok_s']:.1f}",
+            f"{d['kvroute_tok_s'] / d['transformers_tok_s']:.2f}x",
+        ),
+    ]
+    for n, row in report["prefill"].items():
+        rows.append(
+            (
+                f"prefill {n} tok/s fp32 | bf16 vs HF fp32",
+                f"{row['kvroute_fp32_tok_s']:.0f} | "
+                f"{row['kvroute_bf16_tok_s']:.0f} vs {row['transformers_fp32_tok_s']:.0f}",
+                f"bf16 {row['bf16_vs_transformers']:.2f}x",
+            )
+        )
+    rows.append(
+        ("bf16 vs fp32 (positions)", f"top-1 {q['top1_agreement']:.3f}, KL {q['mean_kl']:.4f}", str(q["positions"]))
+    )
+    width = max(len(r[0]) for r in rows)
+    for name, value, ratio in rows:
+        print(f"{name:<{width}}  {value:<32}  {ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    report = run(args.model, args.repeats)
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

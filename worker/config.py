@@ -1,0 +1,54 @@
+"""The engine's configuration: one dataclass, validated once, read by every part of the worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"  # tiny | smollm2 | sim | path (kvroute.model_source.resolve_model)
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: see worker.model_runner.resolve_dtype)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, half the bytes of bf16)
+    attention_backend: str = "auto"  # auto | torch | triton (kernels.attention.get_attention_backend)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # chunked prefill token budget per step
+    watermark: float = 0.01  # share of blocks kept free when admitting
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's
+    device: str = "cpu"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

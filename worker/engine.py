@@ -1,0 +1,234 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (see notes/engine_api.md).
+
+    add_request ─► Scheduler (waiting → running, blocks from KVCacheManager) ─► StepRunner (model + sampler)
+                   ▲                                                           │
+                   └──────────── update: append tokens, cache full blocks, free finished ◄┘
+
+The engine is not thread-safe: one thread owns it (worker.async_engine runs its step loop).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from kvroute.hashing import BlockHasher
+from kvroute.model_source import ModelSource, resolve_model
+from kvroute.sampling import InvalidRequest, SamplingParams, validate_prompt
+from kvroute.tokenizer import Tokenizer
+from worker.block_pool import KVEvent
+from worker.config import EngineConfig
+from worker.kv_cache_manager import KVCacheManager
+from worker.model.config import LlamaConfig
+from worker.model.llama import LlamaForCausalLM
+from worker.model_runner import StepRunner
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]  # logprob of each chosen token (empty unless params.logprobs)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (at the last admission)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_cached: int
+    num_running: int
+    num_waiting: int
+    prefix_queries: int  # tokens
+    prefix_hits: int  # tokens
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_id = source.model_id
+        self.runner: StepRunner
+        if source.kind == "sim":
+            self._init_sim(source)
+        else:
+            self._init_model(source)
+        self.kv_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_manager, self.eos_token_ids)
+        self._pending: list[RequestOutput] = []  # abort notices, handed out by the next step
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _init_model(self, source: ModelSource) -> None:
+        from worker.model_runner import ModelRunner, resolve_dtype
+
+        dtype = resolve_dtype(self.config.dtype, torch.device(self.config.device))
+        model, model_config = _load_model(source, dtype, self.config.device)
+        self.tokenizer: Tokenizer = _load_tokenizer(source)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(
+            self.config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(self.config, model, model_config)
+
+    def _init_sim(self, source: ModelSource) -> None:
+        from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
+
+        self.tokenizer = _load_tokenizer(source)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN
+        self.eos_token_ids = frozenset()  # sim outputs run to max_tokens, like the replay's output lengths
+        self.runner = SimRunner(self.config, vocab_size=self.vocab_size)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str = ""
+    ) -> None:
+        """Queue a request. Raises InvalidRequest naming the bad field; the engine is then unchanged."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        self._validate(prompt_token_ids, params)
+        hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, hasher, cache_salt))
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens)
+        needed = self.kv_manager.num_blocks_for(len(prompt_token_ids) + params.max_tokens)
+        if needed > self.kv_manager.num_blocks:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt + max_tokens need {needed} KV blocks; this worker has {self.kv_manager.num_blocks}",
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request wherever it is; its blocks are freed now and the next step reports `abort`."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._pending.append(self._output(seq))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- stepping --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: outputs for every request that got a token (or was aborted since)."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        sampled = self.runner.run(batch)
+        advanced = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
+        self.generation_tokens_total += len(advanced)
+        outputs.extend(self._output(seq) for seq in advanced)
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new_tokens = seq.output_token_ids[seq.num_emitted :]
+        new_logprobs = seq.output_logprobs[seq.num_emitted :] if seq.params.logprobs else []
+        seq.num_emitted = seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=new_logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion together (continuous batching); results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidRequest("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        batch_id = next(self._ids)
+        ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self._validate(prompt, p)  # all or nothing: no request is queued if one is bad
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        results: dict[str, GenerationResult] = {
+            i: GenerationResult([], [], "", len(p), 0) for i, p in zip(ids, prompts, strict=True)
+        }
+        remaining = set(ids)
+        while remaining:
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                result.logprobs.extend(out.new_logprobs)
+                result.cached_tokens = out.cached_tokens
+                if out.finished:
+                    result.finish_reason = out.finish_reason or ""
+                    remaining.discard(out.request_id)
+        return [results[i] for i in ids]
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_manager.pool
+        return EngineStats(
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_used_blocks,
+            num_blocks_cached=pool.num_cached_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prefix_queries=self.kv_manager.stats.prefix_queries,
+            prefix_hits=self.kv_manager.stats.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv_manager.drain_events()
+
+    def check_invariants(self) -> None:
+        """Block-pool and scheduler invariants (AssertionError on a broken one); tests call it after steps."""
+        self.scheduler.check_invariants()
+
+
+# Weights and tokenizers are read-only once loaded, so engines in one process (tests, the benchmark's fp32 and
+# bf16 engines) share them instead of loading a model again; each engine still has its own KV cache.
+@functools.lru_cache(maxsize=4)
+def _load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    from worker.model import load_model
+
+    return load_model(source, dtype, device)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(source: ModelSource) -> Tokenizer:
+    from worker.model import load_tokenizer
+
+    return load_tokenizer(source)

@@ -1,0 +1,206 @@
+"""The scheduler decides, each step, which tokens of which sequences the model computes (DESIGN §3).
+
+One step:
+  1. every running sequence gets its next tokens, oldest first: one for a decode, a chunk (up to the token
+     budget) for a prefill in progress. A sequence that cannot get a block preempts the newest running
+     sequence (its blocks are freed and it goes back to the front of the waiting queue, to be recomputed),
+     or itself when it is the newest;
+  2. if nothing was preempted, waiting sequences are admitted in FIFO order while the budget, `max_num_seqs`
+     and the free blocks above the watermark allow; each starts from its longest cached prefix.
+After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
+cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
+finished sequences at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from worker.config import EngineConfig
+from worker.kv_cache_manager import KVCacheManager
+from worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_new_tokens` tokens of `seq` starting at position `start`, attending through `block_table`."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last token, so the model's output there is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def sampling(self) -> list[ScheduledSeq]:
+        return [s for s in self.seqs if s.samples]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, eos_token_ids: frozenset[int]) -> None:
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.watermark_blocks = int(config.watermark * kv_manager.num_blocks)
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is; its blocks are freed now. Unknown id: None."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+        return seq
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chosen: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+        # Decodes first, so a long prefill never stalls the running streams; then prefills in progress.
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier sequence this step
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self._reserve(seq, num_new, chosen, preempted):
+                chosen[seq] = num_new
+            # Recounted rather than decremented: a preempted sequence gives its tokens back to the budget.
+            budget = self.max_num_batched_tokens - sum(chosen.values())
+        if not preempted:
+            budget = self._admit(budget, chosen)
+        scheduled = [
+            ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv.block_table(seq.request_id))
+            for seq, n in chosen.items()
+        ]
+        return SchedulerOutput(scheduled, preempted)
+
+    def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
+        """Make `seq` hold blocks for its next `num_new` tokens, preempting from the newest end if needed.
+        False if `seq` itself had to be preempted."""
+        while self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new) is None:
+            victim = self.running.pop()
+            chosen.pop(victim, None)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the blocks now, and queue the sequence (prompt + output so far) first."""
+        self.kv.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, budget: int, chosen: dict[Sequence, int]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hashes = seq.block_hashes()
+            usable = (seq.num_tokens - 1) // self.block_size
+            hit_blocks = self.kv.find_longest_cache_hit(hashes[:usable])
+            num_cached = len(hit_blocks) * self.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            needed = self.kv.num_blocks_for(num_cached + num_new) - len(hit_blocks)
+            needed += sum(1 for b in hit_blocks if b.ref_cnt == 0)  # a free cached block leaves the free queue
+            # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
+            reserve = self.watermark_blocks if self.running else 0
+            if self.kv.num_free_blocks - needed < reserve:
+                break
+            hit = self.kv.get_computed_blocks(hashes, seq.num_tokens)  # the same hit; counts the query
+            allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
+            assert allocated is not None, "admission checked the free blocks"
+            self.waiting.popleft()
+            seq.num_computed_tokens = seq.num_cached_tokens = hit.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen[seq] = num_new
+            budget -= num_new
+        return budget
+
+    # -- after the model ran ---------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, token_ids: Seq[int], logprobs: Seq[float]) -> list[Sequence]:
+        """Advance the scheduled sequences; `token_ids[i]` / `logprobs[i]` belong to `output.sampling[i]`.
+        Returns the sequences that received a token (finished ones included, their blocks already freed)."""
+        sampled = iter(zip(token_ids, logprobs, strict=True))
+        advanced = []
+        for item in output.seqs:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            if samples:
+                token_id, logprob = next(sampled)
+                seq.append_token(token_id, logprob)
+                advanced.append(seq)
+            # Blocks full of computed K/V become findable, prompt and generated tokens alike.
+            num_full = seq.num_computed_tokens // self.block_size
+            self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full])
+            if samples:
+                reason = seq.check_stop(self.eos_token_ids)
+                if reason is not None:
+                    self.running.remove(seq)
+                    self._finish(seq, reason)
+        return advanced
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.requests[seq.request_id]
+
+    # -- integrity -------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Block-pool books plus: blocks are held exactly by the running sequences, each holding enough for
+        its computed tokens; every live request is in exactly one queue."""
+        self.kv.check_invariants()
+        running_ids = {s.request_id for s in self.running}
+        assert set(self.kv.req_blocks) <= running_ids, "a non-running request holds blocks"
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING
+            held = len(self.kv.req_blocks.get(seq.request_id, []))
+            assert held >= self.kv.num_blocks_for(seq.num_computed_tokens), f"{seq.request_id} lost blocks"
+        for seq in self.waiting:
+            assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
+        queued = [s.request_id for s in self.running] + [s.request_id for s in self.waiting]
+        assert len(queued) == len(set(queued)), "a request is queued twice"
+        assert set(queued) == set(self.requests), "the request map and the queues disagree"

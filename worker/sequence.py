@@ -1,0 +1,87 @@
+"""One request's life inside the engine: its tokens, how many of them have KV in the cache, and its status.
+
+A sequence's tokens are its prompt followed by its output. `num_computed_tokens` of them have their K/V in
+the sequence's blocks; the rest are computed by later steps. Prefill, a chunk of it, an extend over a cached
+prefix, a decode and a recompute after preemption are all the same thing: compute tokens
+`num_computed_tokens .. num_tokens - 1`, and sample the next token once the last one is computed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvroute.hashing import BlockHash, BlockHasher
+from kvroute.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hasher: BlockHasher
+    cache_salt: str = ""
+    token_ids: list[int] = field(init=False)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    num_emitted: int = 0  # output tokens already handed to the caller
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_hashes(self) -> list[BlockHash]:
+        """Hashes of every full block of the tokens so far (prompt and output), computed incrementally."""
+        self.hasher.update(self.token_ids)
+        return self.hasher.hashes
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+
+    def check_stop(self, eos_token_ids: frozenset[int]) -> str | None:
+        """The finish reason after the last appended token, or None to continue."""
+        last = self.token_ids[-1]
+        if last in self.params.stop_token_ids or (last in eos_token_ids and not self.params.ignore_eos):
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens:
+            return "length"
+        return None

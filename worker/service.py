@@ -1,0 +1,328 @@
+"""The worker's gRPC service (proto/worker.proto, `kvroute.v1.Worker`) and the server around it.
+
+    gateway ──Generate──► WorkerServicer ──► AsyncEngine.generate ──► engine thread (LLMEngine.step)
+            ◄─stream──── GenerateResponse ◄── RequestOutput ◄───────┘
+
+Errors map to status codes as the proto states: InvalidRequest -> INVALID_ARGUMENT (the message names the
+field), an id in use -> ALREADY_EXISTS, draining -> UNAVAILABLE, an engine fault -> INTERNAL. A closed
+stream (client cancellation) cancels the handler, which closes the engine stream, which aborts the request.
+
+The server also runs the standard health service (SERVING while up, NOT_SERVING while draining) and,
+optionally, Prometheus metrics on a side HTTP port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from opentelemetry import propagate, trace
+
+from kvroute.hashing import block_hashes, hash_fingerprint
+from kvroute.sampling import InvalidRequest, SamplingParams
+from proto import worker_pb2, worker_pb2_grpc
+from worker.async_engine import AsyncEngine, EngineError, EngineStopped, KVEventsSince, RequestIdInUse
+from worker.engine import EngineStats, LLMEngine, RequestOutput
+from worker.metrics import RequestTimer, WorkerMetrics
+from worker.model_runner import resolve_dtype
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvroute.worker")
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
+# A prompt of the longest context we serve is well under 1 MiB of varints; 16 MiB leaves room for
+# KV-event snapshots of a large cache.
+MAX_MESSAGE_BYTES = 16 * 2**20
+MAX_KV_EVENTS_PER_REPLY = 4096
+
+FINISH_REASONS = {
+    "stop": worker_pb2.FINISH_REASON_STOP,
+    "length": worker_pb2.FINISH_REASON_LENGTH,
+    "abort": worker_pb2.FINISH_REASON_ABORT,
+}
+KV_EVENT_KINDS = {
+    "stored": worker_pb2.KVEvent.KIND_STORED,
+    "removed": worker_pb2.KVEvent.KIND_REMOVED,
+    "cleared": worker_pb2.KVEvent.KIND_CLEARED,
+}
+
+
+# -- proto <-> engine ----------------------------------------------------------------------------------
+
+
+def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; values are not checked here (validate() does)."""
+    default = SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default.max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else default.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else default.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+    )
+
+
+def response_from_output(output: RequestOutput, completion_tokens: int) -> worker_pb2.GenerateResponse:
+    response = worker_pb2.GenerateResponse(token_ids=output.new_token_ids, logprobs=output.new_logprobs)
+    if output.finished:
+        response.finish_reason = FINISH_REASONS[output.finish_reason or "abort"]
+        response.usage.CopyFrom(
+            worker_pb2.Usage(
+                prompt_tokens=output.prompt_tokens,
+                completion_tokens=completion_tokens,
+                cached_tokens=output.cached_tokens,
+            )
+        )
+    return response
+
+
+def stats_to_proto(stats: EngineStats, kv_event_seq: int) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(
+        num_blocks_total=stats.num_blocks_total,
+        num_blocks_used=stats.num_blocks_used,
+        num_blocks_cached=stats.num_blocks_cached,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        prefix_queries=stats.prefix_queries,
+        prefix_hits=stats.prefix_hits,
+        num_preemptions=stats.num_preemptions,
+        kv_cache_usage=stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0,
+        prompt_tokens_total=stats.prompt_tokens_total,
+        generation_tokens_total=stats.generation_tokens_total,
+        kv_event_seq=kv_event_seq,
+    )
+
+
+def worker_info(engine: LLMEngine) -> worker_pb2.WorkerInfo:
+    config = engine.config
+    return worker_pb2.WorkerInfo(
+        model_id=engine.model_id,
+        block_size=config.block_size,
+        hash_fingerprint=hash_fingerprint(engine.model_id, config.block_size),
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        num_kv_blocks=engine.stats().num_blocks_total,
+        kv_cache_dtype=config.kv_cache_dtype,
+        dtype=str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch."),
+        max_num_seqs=config.max_num_seqs,
+        tokenizer_fingerprint=engine.tokenizer.fingerprint,
+    )
+
+
+def kv_events_to_proto(since: KVEventsSince) -> worker_pb2.KVEventBatch:
+    batch = worker_pb2.KVEventBatch(latest_seq=since.latest_seq)
+    if since.snapshot is not None:
+        batch.is_snapshot = True
+        batch.snapshot_seq = since.latest_seq
+        batch.snapshot_hashes.extend(since.snapshot)
+    for event in since.events:
+        batch.events.add(
+            seq=event.seq,
+            kind=KV_EVENT_KINDS[event.kind],
+            block_hashes=list(event.block_hashes),
+            parent_hash=event.parent_hash or b"",
+        )
+    return batch
+
+
+# -- the servicer ------------------------------------------------------------------------------------
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """`kvroute.v1.Worker` over an AsyncEngine. Setting `draining` makes Generate answer UNAVAILABLE."""
+
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.info = worker_info(engine.engine)
+        self.draining = False
+        self._warned_hash_mismatch = False
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
+        request_id = request.request_id or uuid.uuid4().hex
+        span = tracer.start_span(
+            "kvroute.worker.generate",
+            context=propagate.extract(dict(request.trace_context)),
+            kind=trace.SpanKind.SERVER,
+            attributes={"kvroute.request_id": request_id, "kvroute.prompt_tokens": len(request.prompt_token_ids)},
+        )
+        if request.block_hashes:
+            span.set_attribute("kvroute.block_hash_parity", self._check_block_hashes(request))
+        timer = self.metrics.start_request()
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            async with aclosing(self._stream(request_id, request, params, timer, span)) as responses:
+                async for response in responses:
+                    yield response
+        except RequestIdInUse as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            span.end()
+
+    async def _stream(
+        self,
+        request_id: str,
+        request: worker_pb2.GenerateRequest,
+        params: SamplingParams,
+        timer: RequestTimer,
+        span: trace.Span,
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        completion_tokens = 0
+        finished = False
+        outputs = self.engine.generate(request_id, request.prompt_token_ids, params, request.cache_salt)
+        try:
+            async with aclosing(outputs):
+                async for output in outputs:
+                    completion_tokens += len(output.new_token_ids)
+                    timer.on_tokens(len(output.new_token_ids))
+                    if output.finished:
+                        finished = True
+                        timer.on_finished(output.finish_reason or "abort")
+                        span.set_attributes(
+                            {
+                                "kvroute.cached_tokens": output.cached_tokens,
+                                "kvroute.completion_tokens": completion_tokens,
+                                "kvroute.finish_reason": output.finish_reason or "abort",
+                            }
+                        )
+                    yield response_from_output(output, completion_tokens)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                timer.on_finished("abort")
+            raise
+
+    def _check_block_hashes(self, request: worker_pb2.GenerateRequest) -> bool:
+        """Whether the gateway's routing hashes equal this worker's own; a mismatch is logged once."""
+        config = self.engine.engine.config
+        own = block_hashes(
+            request.prompt_token_ids,
+            model_id=self.info.model_id,
+            cache_salt=request.cache_salt,
+            block_size=config.block_size,
+        )
+        agree = list(request.block_hashes) == own
+        if not agree and not self._warned_hash_mismatch:
+            self._warned_hash_mismatch = True
+            logger.warning(
+                "request %s: the gateway's block hashes differ from this worker's (model %s, block size %d); "
+                "check the gateway's hash_fingerprint against GetInfo",
+                request.request_id,
+                self.info.model_id,
+                config.block_size,
+            )
+        return agree
+
+    async def GetStats(
+        self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        # The last step's books, without waiting for the step in progress (a long prefill can take seconds).
+        return stats_to_proto(self.engine.latest_stats, self.engine.kv_event_seq)
+
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return self.info
+
+    async def GetKVEvents(
+        self, request: worker_pb2.GetKVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVEventBatch:
+        limit = min(request.max_events or MAX_KV_EVENTS_PER_REPLY, MAX_KV_EVENTS_PER_REPLY)
+        return kv_events_to_proto(self.engine.kv_events_since(request.after_seq, limit))
+
+
+# -- the server --------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerServer:
+    """A running worker: gRPC server, engine thread, health and metrics. Stop it with `stop()`."""
+
+    server: grpc.aio.Server
+    port: int
+    engine: AsyncEngine
+    servicer: WorkerServicer
+    health: health_aio.HealthServicer
+    metrics: WorkerMetrics
+    metrics_port: int | None
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Drain, then stop: report NOT_SERVING and refuse new requests (UNAVAILABLE, so a gateway retries
+        elsewhere), let running requests finish for up to `drain_timeout` seconds, cancel the rest."""
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + drain_timeout
+        while self.engine.num_active_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(grace=None)
+        await self.engine.shutdown()
+        self.metrics.stop()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_worker_server(
+    engine: LLMEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+) -> WorkerServer:
+    """Serve `engine` on host:port (0: a free port, see `.port`); health is SERVING when this returns.
+    Must be awaited in the event loop that will run the server."""
+    async_engine = AsyncEngine(engine)
+    metrics = WorkerMetrics(engine.model_id, lambda: async_engine.latest_stats)
+    bound_metrics_port = None
+    if metrics_port is not None:
+        try:
+            bound_metrics_port = metrics.serve(metrics_port, metrics_host)
+        except OSError as exc:
+            raise OSError(f"cannot serve metrics on {_address(metrics_host, metrics_port)}: {exc.strerror}") from exc
+    servicer = WorkerServicer(async_engine, metrics)
+    health = health_aio.HealthServicer()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    try:
+        bound_port = server.add_insecure_port(_address(host, port))
+    except RuntimeError as exc:
+        metrics.stop()
+        raise OSError(f"cannot listen on {_address(host, port)}: {exc}") from exc
+    async_engine.start()
+    await server.start()
+    for service in ("", WORKER_SERVICE):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return WorkerServer(server, bound_port, async_engine, servicer, health, metrics, bound_metrics_port)
+
+
+def _address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):  # a bare IPv6 address
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -1,0 +1,60 @@
+"""`--model sim`: a runner without weights, for fleets of workers on one machine (gateway and load tests).
+
+It drives the real scheduler and block manager and spends wall-clock time by the replay's cost model:
+`prefill_us_per_token` for every token computed by a prefill chunk (cached prefix tokens cost nothing, as
+they are never scheduled) plus `decode_ms_per_step` for a step that decodes. Its tokens are deterministic:
+a hash of the sequence's last token and position, so equal contexts give equal outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from worker.config import EngineConfig
+from worker.sampler import SamplerOutput
+from worker.scheduler import SchedulerOutput
+
+SIM_VOCAB_SIZE = 32000
+SIM_MAX_MODEL_LEN = 32768
+# A notional Llama-3-8B's KV block (bf16): 2 * 32 layers * 16 tokens * 8 kv heads * 128 dims * 2 bytes = 2 MiB,
+# scaled by the block size, so `kv_cache_memory_gb` means the same for sim and real workers.
+SIM_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+
+
+@dataclass(frozen=True)
+class SimCostModel:
+    prefill_us_per_token: float = 32.0
+    decode_ms_per_step: float = 20.0
+
+    def step_seconds(self, num_prefill_tokens: int, decodes: bool) -> float:
+        return num_prefill_tokens * self.prefill_us_per_token * 1e-6 + (
+            self.decode_ms_per_step * 1e-3 if decodes else 0.0
+        )
+
+
+class SimRunner:
+    def __init__(
+        self, config: EngineConfig, cost: SimCostModel | None = None, vocab_size: int = SIM_VOCAB_SIZE
+    ) -> None:
+        self.cost = cost or SimCostModel()
+        self.vocab_size = vocab_size
+        if config.num_kv_blocks is not None:
+            self.num_kv_blocks = config.num_kv_blocks
+        else:
+            memory = int(config.kv_cache_memory_gb * 2**30)
+            self.num_kv_blocks = max(1, memory // (SIM_KV_BYTES_PER_TOKEN * config.block_size))
+
+    def run(self, batch: SchedulerOutput) -> SamplerOutput:
+        decodes = any(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
+        prefill_tokens = sum(s.num_new_tokens for s in batch.seqs if not (s.num_new_tokens == 1 and s.samples))
+        seconds = self.cost.step_seconds(prefill_tokens, decodes)
+        if seconds > 0:
+            time.sleep(seconds)
+        sampling = batch.sampling
+        token_ids = [self.next_token(s.seq.token_ids[-1], s.seq.num_tokens) for s in sampling]
+        return SamplerOutput(token_ids, [0.0] * len(token_ids))
+
+    def next_token(self, last_token: int, position: int) -> int:
+        """A fixed pseudo-random function of the context's last token and length (Knuth's multiplier)."""
+        return (last_token * 2654435761 + position * 40503 + 12345) % self.vocab_size
