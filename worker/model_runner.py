@@ -37,9 +37,10 @@ class StepRunner(Protocol):
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16: measured on this CPU (2 threads, SmolLM2) it prefills several times faster than
-    float32 with top-1 agreement and KL against float32 reported by loadtest.engine_bench; float32 is for
-    reference checks."""
+    """`auto` is bfloat16. Measured with loadtest.engine_bench on this CPU (SmolLM2, 2 threads) it beats float32
+    everywhere: prefill 2.1x at 1,000 tokens and 1.65x at 3,000, single-stream decode 1.9x (half the weight
+    bytes to read per token), 32-stream throughput 2.6x; against float32 its top-1 agreement is 0.977 and its
+    mean KL 0.0016 over 600 positions of real text. float32 is what the reference checks run."""
     if name == "auto":
         return torch.bfloat16
     return TORCH_DTYPES[name]
