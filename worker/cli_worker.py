@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on exit")
+    parser.add_argument(
+        "--sim-prefill-us-per-token", type=float, default=defaults.sim_prefill_us_per_token, help="--model sim only"
+    )
+    parser.add_argument(
+        "--sim-decode-ms-per-step", type=float, default=defaults.sim_decode_ms_per_step, help="--model sim only"
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -57,6 +63,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         device=args.device,
         seed=args.seed,
+        sim_prefill_us_per_token=args.sim_prefill_us_per_token,
+        sim_decode_ms_per_step=args.sim_decode_ms_per_step,
     )
 
 

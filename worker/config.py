@@ -25,6 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's
     device: str = "cpu"
     seed: int = 0
+    # --model sim only: time spent per step, by the replay's cost model
+    sim_prefill_us_per_token: float = 32.0
+    sim_decode_ms_per_step: float = 20.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.sim_prefill_us_per_token < 0 or self.sim_decode_ms_per_step < 0:
+            raise ValueError("sim_prefill_us_per_token and sim_decode_ms_per_step must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -84,8 +84,8 @@ class LLMEngine:
     def _init_model(self, source: ModelSource) -> None:
         from worker.model_runner import ModelRunner, resolve_dtype
 
-        dtype = resolve_dtype(self.config.dtype, torch.device(self.config.device))
-        model, model_config = _load_model(source, dtype, self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, source.kind)
+        model, model_config = _load_model(source, self.dtype, self.config.device)
         self.tokenizer: Tokenizer = _load_tokenizer(source)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
@@ -95,8 +95,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, model, model_config)
 
     def _init_sim(self, source: ModelSource) -> None:
+        from worker.model_runner import resolve_dtype
         from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
 
+        self.dtype = resolve_dtype(self.config.dtype, source.kind)
         self.tokenizer = _load_tokenizer(source)
         self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN

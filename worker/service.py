@@ -22,7 +22,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import propagate, trace
@@ -33,7 +32,6 @@ from proto import worker_pb2, worker_pb2_grpc
 from worker.async_engine import AsyncEngine, EngineError, EngineStopped, KVEventsSince, RequestIdInUse
 from worker.engine import EngineStats, LLMEngine, RequestOutput
 from worker.metrics import RequestTimer, WorkerMetrics
-from worker.model_runner import resolve_dtype
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.worker")
@@ -115,7 +113,7 @@ def worker_info(engine: LLMEngine) -> worker_pb2.WorkerInfo:
         vocab_size=engine.vocab_size,
         num_kv_blocks=engine.stats().num_blocks_total,
         kv_cache_dtype=config.kv_cache_dtype,
-        dtype=str(resolve_dtype(config.dtype, torch.device(config.device))).removeprefix("torch."),
+        dtype=str(engine.dtype).removeprefix("torch."),
         max_num_seqs=config.max_num_seqs,
         tokenizer_fingerprint=engine.tokenizer.fingerprint,
     )

@@ -37,7 +37,7 @@ class SimRunner:
     def __init__(
         self, config: EngineConfig, cost: SimCostModel | None = None, vocab_size: int = SIM_VOCAB_SIZE
     ) -> None:
-        self.cost = cost or SimCostModel()
+        self.cost = cost or SimCostModel(config.sim_prefill_us_per_token, config.sim_decode_ms_per_step)
         self.vocab_size = vocab_size
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
