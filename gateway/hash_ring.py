@@ -5,8 +5,12 @@ successor that is under its bound, so a hot key's overflow always lands on the s
 (which then warms its cache for that key) instead of scattering over the fleet.
 
 A replica is over its bound when
-    in_flight + 1 > ceil((1 + epsilon) * (total_in_flight + 1) / num_replicas)
+    in_flight + 1 > max(ceil((1 + epsilon) * (total_in_flight + 1) / num_replicas), min_in_flight)
 or its prefill queue is over `queue_limit`, or its KV usage is over `kv_high_watermark`.
+`min_in_flight` keeps a lightly loaded fleet sticky: a replica that batches dozens of sequences is not
+overloaded by its second request, and at a mean of 0.3 in flight the ceiling alone would call it so and
+scatter a conversation's turns (the synthetic multi-turn chat prefilled 17,248 tokens with no floor, 10,064
+with a floor of 3, against 48,448 for round-robin; the Mooncake trace's figures did not move).
 In-flight counts are small integers (about 3 per replica on the Mooncake trace), so the ceiling makes a
 small epsilon very tight: the default 0.5 lets a replica run about one request above the mean there.
 """
@@ -35,10 +39,13 @@ class LoadBound:
     epsilon: float = 0.5
     queue_limit: int = 8
     kv_high_watermark: float = 0.95
+    min_in_flight: int = 3
 
     def __post_init__(self) -> None:
         if self.epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.min_in_flight < 1:
+            raise ValueError(f"min_in_flight must be >= 1, got {self.min_in_flight}")
         if self.queue_limit < 0:
             raise ValueError(f"queue_limit must be >= 0, got {self.queue_limit}")
         if not 0 < self.kv_high_watermark <= 1:
@@ -47,7 +54,8 @@ class LoadBound:
     def in_flight_limit(self, fleet: FleetView, slack: float = 1.0) -> int:
         """The most in-flight requests a replica may have after taking the next one; `slack` scales
         epsilon (kv_aware lets a replica that holds more of the prompt carry more)."""
-        return math.ceil((1 + self.epsilon * slack) * (fleet.total_in_flight + 1) / len(fleet.replicas))
+        fair_share = math.ceil((1 + self.epsilon * slack) * (fleet.total_in_flight + 1) / len(fleet.replicas))
+        return max(fair_share, self.min_in_flight)
 
     def is_over(self, replica: str, fleet: FleetView, limit: int) -> bool:
         load = fleet.loads[replica]

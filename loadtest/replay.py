@@ -59,11 +59,12 @@ class ReplayConfig:
     decode_ms_per_step: float = 20.0
     prefix_key_tokens: int = DEFAULT_PREFIX_KEY_TOKENS  # the prefix policies' key depth, in tokens
     epsilon: float = 0.5
+    min_in_flight: int = 3
     seed: int = 0
     progress: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "capacity_blocks", "gateways", "prefix_key_tokens"):
+        for name in ("replicas", "capacity_blocks", "gateways", "prefix_key_tokens", "min_in_flight"):
             if getattr(self, name) < 1:
                 raise ReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon"):
@@ -284,7 +285,12 @@ class _Simulation:
         self.fleet = FleetView.empty(names)
         self.feed_index = shared or gateways == 1
         key_blocks = max(1, config.prefix_key_tokens // trace.block_size)
-        options = {"epsilon": config.epsilon, "key_blocks": key_blocks, "seed": config.seed}
+        options = {
+            "epsilon": config.epsilon,
+            "min_in_flight": config.min_in_flight,
+            "key_blocks": key_blocks,
+            "seed": config.seed,
+        }
         self.gateways = []
         for _ in range(gateways):
             if shared or gateways == 1:

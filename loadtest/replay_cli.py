@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"bounded-load epsilon (default {ReplayConfig.epsilon})",
     )
     parser.add_argument(
+        "--min-in-flight",
+        type=int,
+        default=ReplayConfig.min_in_flight,
+        help=f"no replica counts as overloaded below this many in flight (default {ReplayConfig.min_in_flight})",
+    )
+    parser.add_argument(
         "--prefix-key-tokens",
         type=int,
         default=DEFAULT_PREFIX_KEY_TOKENS,
@@ -87,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             decode_ms_per_step=args.decode_ms_per_step,
             prefix_key_tokens=args.prefix_key_tokens,
             epsilon=args.epsilon,
+            min_in_flight=args.min_in_flight,
             seed=args.seed,
             progress=len(trace.requests) >= 2000,
         )

@@ -53,7 +53,7 @@ def test_prefix_policy_is_sticky_per_prefix():
 
 
 def test_bounded_fallback_walks_ring_successors_in_order():
-    policy = make_policy("prefix", key_blocks=2, epsilon=0.0)
+    policy = make_policy("prefix", key_blocks=2, epsilon=0.0, min_in_flight=1)
     view = fleet()
     order = HashRing(REPLICAS).successors("p/1")
     assert set(order) == set(REPLICAS) and len(order) == 8
@@ -64,6 +64,17 @@ def test_bounded_fallback_walks_ring_successors_in_order():
     view.loads[order[1]].queued = 100
     decision = policy.pick(request(2), view)
     assert decision.replica == order[2] and decision.skipped == (order[0], order[1])
+
+
+def test_a_lightly_loaded_replica_is_never_over_its_bound():
+    """Below min_in_flight a replica keeps its keys, whatever the fleet's mean."""
+    policy = make_policy("prefix", key_blocks=2, epsilon=0.0, min_in_flight=3)
+    view = fleet()
+    owner = HashRing(REPLICAS).successors("p/1")[0]
+    view.loads[owner].in_flight = 2
+    assert policy.pick(request(0), view).replica == owner
+    view.loads[owner].in_flight = 3
+    assert policy.pick(request(1), view).reason == "fallback-overloaded"
 
 
 def test_hot_prefix_spills_to_a_predictable_few_replicas():
