@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_fp8 import dequantize, kernel_cache_view
-from kernels.triton_utils import dot_dtype, dot_precision
+from kernels.triton_fp8 import kernel_cache_view
+from kernels.triton_utils import dot_dtype, dot_precision, load_kv_tile
 
 LOG2E = 1.4426950408889634
 
@@ -78,18 +78,10 @@ def paged_decode_kernel(
         for tile_start in range(start, end, BLOCK_N):
             positions = tile_start + tl.arange(0, BLOCK_N)
             in_context = positions < end
-            blocks = tl.load(block_table + positions // PAGE_SIZE, mask=in_context, other=0).to(tl.int64)
-            kv_offsets = (
-                blocks[:, None] * stride_cache_block
-                + (positions % PAGE_SIZE)[:, None] * stride_cache_offset
-                + kv_head * stride_cache_head
-                + dims[None, :]
+            k, v = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, block_table, positions, in_context, kv_head, dims, k_scale, v_scale,
+                stride_cache_block, stride_cache_offset, stride_cache_head, PAGE_SIZE, HEAD_DIM, DOT_DTYPE,
             )
-            kv_mask = in_context[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            k = dequantize(k, k_scale).to(DOT_DTYPE)
-            v = dequantize(v, v_scale).to(DOT_DTYPE)
 
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2  # [BLOCK_G, BLOCK_N]
             scores = tl.where(in_context[None, :], scores, float("-inf"))

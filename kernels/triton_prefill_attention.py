@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton_decode_attention import LOG2E
-from kernels.triton_fp8 import dequantize, kernel_cache_view
-from kernels.triton_utils import dot_dtype, dot_precision
+from kernels.triton_fp8 import kernel_cache_view
+from kernels.triton_utils import dot_dtype, dot_precision, load_kv_tile
 
 
 @triton.jit
@@ -50,18 +50,10 @@ def attend_tile(
     for tile_start in range(key_start, key_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < key_end
-        blocks = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
-        kv_offsets = (
-            blocks[:, None] * stride_cache_block
-            + (positions % PAGE_SIZE)[:, None] * stride_cache_offset
-            + kv_head * stride_cache_head
-            + dims[None, :]
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table, positions, in_range, kv_head, dims, k_scale, v_scale,
+            stride_cache_block, stride_cache_offset, stride_cache_head, PAGE_SIZE, HEAD_DIM, DOT_DTYPE,
         )
-        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        k = dequantize(k, k_scale).to(DOT_DTYPE)
-        v = dequantize(v, v_scale).to(DOT_DTYPE)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2  # [BLOCK_M, BLOCK_N]
         visible = in_range[None, :]
