@@ -5,8 +5,11 @@ Speed on CPU comes from doing few, large operations per layer:
   keeps: a fresh multi-megabyte tensor per layer costs more in page faults than the copy itself;
 - all single-token sequences (decodes) run as one masked SDPA over K/V padded to the longest of them, with the
   query heads of a KV head folded into SDPA's query-length axis, so GQA needs no repeated K/V;
-- a sequence with several new tokens runs one SDPA over its own context: `is_causal` when it has no cached
-  prefix, otherwise a bottom-right-aligned causal mask.
+- a sequence with several new tokens runs one causal SDPA over its own context when it has no cached prefix.
+  Over a cached prefix (an extend) it runs two, merged by their logsumexp: the new tokens against the prefix
+  with no mask, and against themselves with `is_causal`. On CPU that is about 10% faster than one SDPA with a
+  bottom-right causal mask (SmolLM2, 404 new tokens over 3,300: 18.8 vs 21.3 ms a layer), and it runs in
+  float32, which costs SDPA on CPU no more time than bfloat16 and rounds once instead of twice.
 The gather plan depends only on the step's metadata, so it is built once per step and reused in every layer.
 """
 
@@ -40,7 +43,8 @@ class PrefillPlan:
     end: int
     seq_len: int
     block_table: torch.Tensor  # int64 [ceil(seq_len / block_size)]
-    mask: torch.Tensor | None  # bool [q_len, seq_len]; None = plain causal (the seq has no cached prefix)
+    prefix_len: int  # context tokens before the new ones (cached or from earlier chunks); 0 = plain causal
+    mask: torch.Tensor | None  # off CPU, an extend's bool [q_len, seq_len] bottom-right causal mask; else None
 
 
 @dataclass
@@ -79,11 +83,11 @@ def build_step_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
             continue
         seq_len = meta.seq_lens_cpu[i]
         mask = None
-        if q_len < seq_len:
+        if q_len < seq_len and device.type != "cpu":  # on CPU, extend_attention needs no mask
             query_positions = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= query_positions[:, None]
         table = block_tables[i, : -(-seq_len // block_size)]
-        prefills.append(PrefillPlan(starts[i], starts[i + 1], seq_len, table, mask))
+        prefills.append(PrefillPlan(starts[i], starts[i + 1], seq_len, table, seq_len - q_len, mask))
     return StepPlan(decode, prefills)
 
 
@@ -198,17 +202,50 @@ class TorchAttentionBackend:
         k_scale: float,
         v_scale: float,
     ) -> torch.Tensor:
-        k = gather_blocks(k_cache, plan.block_table, q.dtype, k_scale, self.workspace, "k")[: plan.seq_len]
-        v = gather_blocks(v_cache, plan.block_table, q.dtype, v_scale, self.workspace, "v")[: plan.seq_len]
+        split_extend = plan.prefix_len > 0 and plan.mask is None
+        dtype = torch.float32 if split_extend else q.dtype
+        k = gather_blocks(k_cache, plan.block_table, dtype, k_scale, self.workspace, "k")[: plan.seq_len]
+        v = gather_blocks(v_cache, plan.block_table, dtype, v_scale, self.workspace, "v")[: plan.seq_len]
         # 4-D inputs ([1, H, S, D]): with 3-D ones CPU torch falls back to its slow math kernel.
+        q4 = q.to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # [1, H, q_len, D]
-            k,
-            v,
-            attn_mask=plan.mask,
-            is_causal=plan.mask is None,
-            scale=softmax_scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+        if split_extend:
+            out = extend_attention(q4, k, v, plan.prefix_len, softmax_scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q4, k, v, attn_mask=plan.mask, is_causal=plan.mask is None, scale=softmax_scale, enable_gqa=True
+            )
+        return out[0].transpose(0, 1).to(q.dtype)
+
+
+def extend_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, softmax_scale: float
+) -> torch.Tensor:
+    """Causal attention of q_len new tokens that follow `prefix_len` context tokens: q [1, H, q_len, D],
+    k, v [1, Hkv, prefix_len + q_len, D] -> [1, H, q_len, D]. Every new token sees the whole prefix (one
+    unmasked SDPA) and the new tokens up to itself (one causal SDPA); the two softmaxes merge exactly through
+    their logsumexps."""
+    _, num_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # Over the prefix no mask is needed, so the `group` query heads of a KV head fold into one head of
+    # group * q_len queries and K/V are not repeated.
+    folded = q.reshape(1, num_kv_heads, group * q_len, head_dim)
+    out_prefix, lse_prefix = _flash_attention(folded, k[:, :, :prefix_len], v[:, :, :prefix_len], False, softmax_scale)
+    k_new = k[:, :, prefix_len:].repeat_interleave(group, dim=1)  # [1, H, q_len, D]
+    v_new = v[:, :, prefix_len:].repeat_interleave(group, dim=1)
+    out_new, lse_new = _flash_attention(q, k_new, v_new, True, softmax_scale)
+    out_prefix = out_prefix.reshape(1, num_heads, q_len, head_dim)
+    lse_prefix = lse_prefix.reshape(1, num_heads, q_len, 1)
+    lse_new = lse_new.reshape(1, num_heads, q_len, 1)
+    lse = torch.logaddexp(lse_prefix, lse_new)
+    return out_prefix * torch.exp(lse_prefix - lse) + out_new * torch.exp(lse_new - lse)
+
+
+def _flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel, which also returns the logsumexp of each query's scores: out [1, H, L, D],
+    lse float32 [1, H, L]. Same number of heads in q, k and v."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=softmax_scale)
+    return out, lse

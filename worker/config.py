@@ -19,7 +19,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # chunked prefill token budget per step
+    max_num_batched_tokens: int = 2048  # chunked prefill token budget per step (vLLM's CPU server default)
     watermark: float = 0.01  # share of blocks kept free when admitting
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's
