@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/kvroute replay synthetic:support --replicas 4 --policies round_robin,prefix,kv_aware
+	$(VENV)/bin/kvroute replay synthetic:multiturn --replicas 4 --policies round_robin,prefix,kv_aware
 	$(VENV)/bin/kvroute generate --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
 
 test: setup
