@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvroute.chat_template import render_chat_template
+from kvroute.gguf_file import gguf_field, read_gguf
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are plain added tokens.
 _NORMAL = int(gguf.TokenType.NORMAL)
@@ -59,11 +60,6 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
 class Tokenizer:
     """Text <-> ids and the chat template for one model. Build with `from_gguf` or `from_hf_dir`."""
 
@@ -83,32 +79,32 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        reader = gguf.GGUFReader(str(path))
-        model = _gguf_field(reader, "tokenizer.ggml.model")
+        reader = read_gguf(path)
+        model = gguf_field(reader, "tokenizer.ggml.model", None)
         if model != "gpt2":
             raise ValueError(f"{path}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') is supported")
-        tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
-        token_types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
+        tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens", None)
+        token_types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", None) or [_NORMAL] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", None)]
         vocab = {token: i for i, token in enumerate(tokens)}
 
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre", "default"))
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
         backend.decoder = decoders.ByteLevel()
         typed = list(zip(tokens, token_types, strict=True))
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
 
-        bos_id = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-        eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-        if bos_id is not None and _gguf_field(reader, "tokenizer.ggml.add_bos_token", False):
+        bos_id = gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
+        eos_id = gguf_field(reader, "tokenizer.ggml.eos_token_id", None)
+        if bos_id is not None and gguf_field(reader, "tokenizer.ggml.add_bos_token", False):
             bos = tokens[bos_id]
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
             )
         return cls(
             backend,
-            chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+            chat_template=gguf_field(reader, "tokenizer.chat_template", None),
             bos_token_id=bos_id,
             eos_token_ids=[eos_id] if eos_id is not None else [],
         )

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 
+from kvroute.gguf_file import gguf_field, read_gguf
 from worker.model.config import LlamaConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -33,42 +34,33 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: object = None) -> object:
-    field = reader.get_field(key)
-    if field is None:
-        if default is None:
-            raise ValueError(f"GGUF metadata has no {key!r}")
-        return default
-    return field.contents()
-
-
 def read_gguf_config(reader: gguf.GGUFReader) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs, Llama 3.1+) are not supported")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling = None
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling_type != "none":
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (none, linear)")
     return LlamaConfig(
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(_field(reader, "tokenizer.ggml.tokens")))),
+        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(gguf_field(reader, "tokenizer.ggml.tokens")))),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(gguf_field(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_key_value_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
@@ -94,7 +86,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def iter_gguf_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor, dequantised one at a time."""
-    permuted = _field(reader, "general.architecture") == "llama"
+    permuted = gguf_field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         shape = tuple(reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
@@ -106,5 +98,5 @@ def iter_gguf_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[
 
 
 def open_gguf(path: Path) -> tuple[gguf.GGUFReader, LlamaConfig]:
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)
     return reader, read_gguf_config(reader)
