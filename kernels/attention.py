@@ -52,19 +52,19 @@ class AttentionMetadata:
 
         block_tables[i] must hold at least ceil(seq_lens[i] / block_size) block ids."""
         _check_batch(query_lens, seq_lens, block_tables, block_size)
-        slots: list[int] = []
-        for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len))
         width = max(1, max(len(t) for t in block_tables))
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        q_lens = torch.tensor(query_lens)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, dim=0, out=starts[1:])
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]: each token's seq
+        positions = token_positions(query_lens, seq_lens)
+        slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            slot_mapping=slots.to(device),
+            query_start_loc=starts.to(device=device, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_tables=tables.to(device=device, dtype=torch.int32),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=list(query_lens),
@@ -82,6 +82,15 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def token_positions(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """int64 [T]: the position of each new token in its sequence (seq i's run seq_len - q_len ... seq_len - 1)."""
+    q_lens = torch.tensor(query_lens)
+    first = torch.tensor(seq_lens) - q_lens  # [B]: position of each seq's first new token
+    starts = torch.cumsum(q_lens, dim=0) - q_lens  # [B]: row of each seq's first new token
+    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    return torch.arange(int(q_lens.sum())) - starts[seq_index] + first[seq_index]
 
 
 def _check_batch(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:

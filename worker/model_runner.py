@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata, get_attention_backend
+from kernels.attention import FP8_DTYPE, AttentionMetadata, get_attention_backend, token_positions
 from worker.config import EngineConfig
 from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
@@ -114,27 +114,9 @@ class ModelRunner:
         token_ids: list[int] = []
         for s in seqs:
             token_ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
-        q_lens = torch.tensor(query_lens)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, dim=0, out=query_start_loc[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)  # [T]: the seq of each token
-        starts = torch.tensor([s.start for s in seqs])
-        positions = torch.arange(len(token_ids)) - query_start_loc[seq_index] + starts[seq_index]
-        bs = self.block_size
-        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-        ends = query_start_loc[1:].tolist()
+        ends = torch.cumsum(torch.tensor(query_lens), dim=0).tolist()
         sample_rows = torch.tensor([end - 1 for end, s in zip(ends, seqs, strict=True) if s.samples], dtype=torch.int64)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=query_start_loc.to(device=dev, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(device=dev, dtype=torch.int32),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+        meta = AttentionMetadata.build(query_lens, seq_lens, [s.block_table for s in seqs], self.block_size, dev)
+        positions = token_positions(query_lens, seq_lens)
         return StepInputs(torch.tensor(token_ids, device=dev), positions.to(dev), meta, sample_rows.to(dev))
