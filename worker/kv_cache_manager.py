@@ -2,7 +2,8 @@
 
 Contract for callers (the scheduler, the replay):
   1. `get_computed_blocks(hashes, num_prompt_tokens)` finds the longest cached prefix (it takes no
-     references; it counts prefix-cache queries and hits).
+     references; it counts prefix-cache queries and hits). A caller that may not admit the request yet
+     uses `find_prefix_hit` + `num_free_blocks_needed`, and `record_prefix_query` once it does.
   2. `allocate_slots(req_id, num_tokens, computed)` makes the request hold enough blocks for `num_tokens`
      tokens, first taking references on `computed`; it returns None and changes nothing when the pool
      cannot provide the blocks, so the caller can wait or preempt.
@@ -70,15 +71,30 @@ class KVCacheManager:
             hit.append(block)
         return hit
 
-    def get_computed_blocks(self, block_hashes: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
+    def find_prefix_hit(self, block_hashes: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
         """The longest cached prefix usable by a new request; at least its last prompt token is left to
-        compute, so a full hit still yields logits."""
+        compute, so a full hit still yields logits. Takes no references and counts nothing."""
         usable = (num_prompt_tokens - 1) // self.block_size
         blocks = self.find_longest_cache_hit(block_hashes[:usable])
-        num_tokens = len(blocks) * self.block_size
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def record_prefix_query(self, hit: PrefixHit, num_prompt_tokens: int) -> None:
+        """Count one admitted request's prefix-cache query and hit, in tokens."""
         self.stats.prefix_queries += num_prompt_tokens
-        self.stats.prefix_hits += num_tokens
-        return PrefixHit(blocks, num_tokens)
+        self.stats.prefix_hits += hit.num_tokens
+
+    def get_computed_blocks(self, block_hashes: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
+        """`find_prefix_hit`, counted as a query: for callers that admit the request whatever the hit."""
+        hit = self.find_prefix_hit(block_hashes, num_prompt_tokens)
+        self.record_prefix_query(hit, num_prompt_tokens)
+        return hit
+
+    def num_free_blocks_needed(self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> int:
+        """Free blocks that `allocate_slots(req_id, num_tokens, computed)` would take from the pool:
+        new blocks, plus the computed blocks now free (touching one takes it out of the free queue)."""
+        held = len(self.req_blocks.get(req_id, ()))
+        num_new = max(self.num_blocks_for(num_tokens) - held - len(computed), 0)
+        return num_new + sum(1 for b in computed if b.ref_cnt == 0)
 
     def allocate_slots(self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
         """Grow `req_id` to hold `num_tokens` tokens; `computed` (a prefix hit) only on its first call.
@@ -87,13 +103,11 @@ class KVCacheManager:
         held = self.req_blocks.get(req_id, [])
         if computed and held:
             raise ValueError(f"request {req_id} already holds blocks; computed blocks come first")
-        num_new = self.num_blocks_for(num_tokens) - len(held) - len(computed)
-        # Touching a free cached block takes it out of the free queue too.
-        num_free_needed = max(num_new, 0) + sum(1 for b in computed if b.ref_cnt == 0)
-        if num_free_needed > self.pool.num_free_blocks:
+        if self.num_free_blocks_needed(req_id, num_tokens, computed) > self.pool.num_free_blocks:
             return None
+        num_new = max(self.num_blocks_for(num_tokens) - len(held) - len(computed), 0)
         self.pool.touch(computed)
-        new_blocks = self.pool.allocate(max(num_new, 0))
+        new_blocks = self.pool.allocate(num_new)
         blocks = self.req_blocks.setdefault(req_id, [])
         blocks.extend(computed)
         blocks.extend(new_blocks)

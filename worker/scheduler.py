@@ -134,18 +134,14 @@ class Scheduler:
     def _admit(self, budget: int, chosen: dict[Sequence, int]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hashes = seq.block_hashes()
-            usable = (seq.num_tokens - 1) // self.block_size
-            hit_blocks = self.kv.find_longest_cache_hit(hashes[:usable])
-            num_cached = len(hit_blocks) * self.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            needed = self.kv.num_blocks_for(num_cached + num_new) - len(hit_blocks)
-            needed += sum(1 for b in hit_blocks if b.ref_cnt == 0)  # a free cached block leaves the free queue
+            hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks)
             # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
             reserve = self.watermark_blocks if self.running else 0
             if self.kv.num_free_blocks - needed < reserve:
                 break
-            hit = self.kv.get_computed_blocks(hashes, seq.num_tokens)  # the same hit; counts the query
+            self.kv.record_prefix_query(hit, seq.num_tokens)
             allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
             assert allocated is not None, "admission checked the free blocks"
             self.waiting.popleft()
