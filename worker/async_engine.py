@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvroute.sampling import InvalidRequest, SamplingParams, validate_prompt
+from kvroute.sampling import InvalidRequest, SamplingParams
 from worker.block_pool import BlockKey, KVEvent
 from worker.engine import EngineStats, LLMEngine, RequestOutput
 
@@ -212,8 +212,7 @@ class AsyncEngine:
             raise EngineStopped("the engine is shut down")
         if request_id in self._streams:
             raise RequestIdInUse("request_id", f"{request_id!r} is already in use by a running request")
-        params.validate()
-        validate_prompt(prompt, self.engine.vocab_size, self.engine.max_model_len, params.max_tokens)
+        self.engine.validate_request(prompt, params)
 
     def _submit(self, op: _Op) -> None:
         with self._cond:

@@ -113,12 +113,14 @@ class LLMEngine:
         """Queue a request. Raises InvalidRequest naming the bad field; the engine is then unchanged."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        self._validate(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params)
         hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
         self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, hasher, cache_salt))
         self.prompt_tokens_total += len(prompt_token_ids)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest naming the bad field. Reads only the engine's fixed limits, so any thread may
+        call it."""
         params.validate()
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens)
         needed = self.kv_manager.num_blocks_for(len(prompt_token_ids) + params.max_tokens)
@@ -175,7 +177,7 @@ class LLMEngine:
         batch_id = next(self._ids)
         ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
         for prompt, p in zip(prompts, params_list, strict=True):
-            self._validate(prompt, p)  # all or nothing: no request is queued if one is bad
+            self.validate_request(prompt, p)  # all or nothing: no request is queued if one is bad
         for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
             self.add_request(request_id, prompt, p)
         results: dict[str, GenerationResult] = {
