@@ -161,21 +161,29 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """name in {"auto", "torch", "triton"}; auto = triton on CUDA, torch elsewhere. Triton needs CUDA, or
-    TRITON_INTERPRET=1 (set before triton is first imported) to run its kernels on the CPU for tests."""
+    """name in {"auto", "torch", "cpu", "triton"}; auto = triton on CUDA, cpu elsewhere. "cpu" is the torch path
+    with bfloat16 prefills on the AVX-512 BF16 kernel (kernels/cpu_backend.py; it falls back to the torch path,
+    with a warning, where that kernel cannot run). Triton needs CUDA, or TRITON_INTERPRET=1 (set before triton
+    is first imported) to run its kernels on the CPU for tests."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
     if name == "torch":
         from kernels.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU, got {device}")
+        from kernels.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
     from kernels.triton_backend import TritonAttentionBackend

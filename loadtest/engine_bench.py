@@ -1,6 +1,6 @@
 """Engine benchmark on CPU: kvroute's engine against HF transformers on the same weights, in one run.
 
-    python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 3]
+    python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5]
 
 Measures (medians of `--repeats` runs where affordable):
   prefix_ttft   TTFT of a 3,300-token prompt whose first 2,900 tokens are cached vs the same prompt uncached;
@@ -10,9 +10,10 @@ Measures (medians of `--repeats` runs where affordable):
   prefill       prompt tokens/s at 1,000 and 3,000 tokens: kvroute fp32, kvroute bf16, transformers fp32;
   bf16_quality  kvroute bf16 against kvroute fp32 over a few hundred positions of real text: top-1 agreement
                 and mean KL(fp32 || bf16).
-kvroute runs at float32 for every comparison with transformers except the bf16 prefill column, and the
-prefix / throughput / decode sections are repeated for bf16. Text comes from the docstrings of the Python
-standard library, so the benchmark needs no download.
+kvroute's headline figures (`prefix_ttft`, `throughput.kvroute_tok_s`, `decode_b1.kvroute_tok_s`) are for the
+engine's default dtype, named in `dtype` (auto: bfloat16 for SmolLM2); each section repeats them for float32
+under `*_fp32` keys. Transformers runs in float32. Text comes from the docstrings of the Python standard
+library, so the benchmark needs no download.
 """
 
 from __future__ import annotations
@@ -221,28 +222,29 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def run(model: str, repeats: int) -> dict:
+    engine = LLMEngine(EngineConfig(model=model))  # the default dtype: what `kvroute worker` serves
     fp32 = LLMEngine(EngineConfig(model=model, dtype="float32"))
-    bf16 = LLMEngine(EngineConfig(model=model, dtype="bfloat16"))
     corpus = Corpus(fp32.tokenizer.encode(real_text()))
     print(f"corpus: {len(corpus.ids)} tokens; fp32 engine {fp32.runner.num_kv_blocks} KV blocks", flush=True)
     hf = load_transformers(fp32)
-    report: dict = {"model": fp32.model_id, "threads": torch.get_num_threads(), "repeats": repeats}
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    report: dict = {"model": fp32.model_id, "dtype": dtype, "threads": torch.get_num_threads(), "repeats": repeats}
 
     prefill: dict = {}
     for n in (1000, 3000):
         row = {
+            "kvroute_tok_s": n / median_time(lambda n=n: ttft(engine, corpus.take(n))[0], repeats),
             "kvroute_fp32_tok_s": n / median_time(lambda n=n: ttft(fp32, corpus.take(n))[0], repeats),
-            "kvroute_bf16_tok_s": n / median_time(lambda n=n: ttft(bf16, corpus.take(n))[0], repeats),
             "transformers_fp32_tok_s": n / median_time(lambda n=n: hf_prefill_seconds(hf, corpus.take(n)), repeats),
         }
-        row["bf16_vs_transformers"] = row["kvroute_bf16_tok_s"] / row["transformers_fp32_tok_s"]
+        row["ratio"] = row["kvroute_tok_s"] / row["transformers_fp32_tok_s"]
         prefill[str(n)] = row
         print(f"prefill {n}: {row}", flush=True)
     report["prefill"] = prefill
 
-    report["prefix_ttft"] = prefix_ttft(fp32, corpus, repeats)
-    report["prefix_ttft_bf16"] = prefix_ttft(bf16, corpus, repeats)
-    print(f"prefix ttft: fp32 {report['prefix_ttft']} bf16 {report['prefix_ttft_bf16']}", flush=True)
+    report["prefix_ttft"] = prefix_ttft(engine, corpus, repeats)
+    report["prefix_ttft_fp32"] = prefix_ttft(fp32, corpus, repeats)
+    print(f"prefix ttft: {dtype} {report['prefix_ttft']} fp32 {report['prefix_ttft_fp32']}", flush=True)
 
     short = corpus.take(20)
     hf_decode = (OUTPUT_TOKENS - 1) / (
@@ -250,69 +252,71 @@ def run(model: str, repeats: int) -> dict:
         - median_time(lambda: hf_generate_seconds(hf, [short], 1), repeats)
     )
     report["decode_b1"] = {
-        "kvroute_tok_s": statistics.median(kvroute_decode(fp32, short) for _ in range(repeats)),
-        "kvroute_bf16_tok_s": statistics.median(kvroute_decode(bf16, short) for _ in range(repeats)),
+        "kvroute_tok_s": statistics.median(kvroute_decode(engine, short) for _ in range(repeats)),
+        "kvroute_fp32_tok_s": statistics.median(kvroute_decode(fp32, short) for _ in range(repeats)),
         "transformers_tok_s": hf_decode,
     }
     print(f"decode b1: {report['decode_b1']}", flush=True)
 
     prompts = [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
     hf_tok_s = THROUGHPUT_REQUESTS * OUTPUT_TOKENS / hf_generate_seconds(hf, prompts, OUTPUT_TOKENS)
-    ours = kvroute_throughput(fp32, prompts)
-    ours_bf16 = kvroute_throughput(bf16, prompts)
+    ours = kvroute_throughput(engine, prompts)
+    ours_fp32 = kvroute_throughput(fp32, prompts)
     report["throughput"] = {
         "kvroute_tok_s": ours,
-        "kvroute_bf16_tok_s": ours_bf16,
+        "kvroute_fp32_tok_s": ours_fp32,
         "transformers_tok_s": hf_tok_s,
         "ratio": ours / hf_tok_s,
-        "ratio_bf16": ours_bf16 / hf_tok_s,
+        "ratio_fp32": ours_fp32 / hf_tok_s,
     }
     print(f"throughput: {report['throughput']}", flush=True)
 
-    report["bf16_quality"] = bf16_quality(fp32, bf16, [corpus.take(200) for _ in range(3)])
+    if engine.runner.dtype != torch.float32:
+        report["bf16_quality"] = bf16_quality(fp32, engine, [corpus.take(200) for _ in range(3)])
     return report
 
 
 def print_table(report: dict) -> None:
-    p, t, d = report["prefix_ttft"], report["throughput"], report["decode_b1"]
-    q = report["bf16_quality"]
+    p, p32, t, d = report["prefix_ttft"], report["prefix_ttft_fp32"], report["throughput"], report["decode_b1"]
+    dtype = report["dtype"]
     rows = [
         (
-            "prefix TTFT fp32 (3300 tok, 2900 cached)",
-            f"{p['uncached_ms']:.0f} ms -> {p['cached_ms']:.0f} ms",
-            f"{p['speedup']:.2f}x",
+            f"prefix TTFT {dtype} | fp32 (3300 tok, 2900 cached)",
+            f"{p['uncached_ms']:.0f} -> {p['cached_ms']:.0f} ms | "
+            f"{p32['uncached_ms']:.0f} -> {p32['cached_ms']:.0f} ms",
+            f"{p['speedup']:.2f}x | {p32['speedup']:.2f}x",
         ),
         (
-            "prefix TTFT bf16",
-            f"{report['prefix_ttft_bf16']['uncached_ms']:.0f} ms -> {report['prefix_ttft_bf16']['cached_ms']:.0f} ms",
-            f"{report['prefix_ttft_bf16']['speedup']:.2f}x",
+            f"throughput 32x(200+64) tok/s {dtype} | fp32 vs HF",
+            f"{t['kvroute_tok_s']:.1f} | {t['kvroute_fp32_tok_s']:.1f} vs {t['transformers_tok_s']:.1f}",
+            f"{t['ratio']:.2f}x | {t['ratio_fp32']:.2f}x",
         ),
         (
-            "throughput 32x(200+64) tok/s fp32 | bf16 vs HF",
-            f"{t['kvroute_tok_s']:.1f} | {t['kvroute_bf16_tok_s']:.1f} vs {t['transformers_tok_s']:.1f}",
-            f"{t['ratio']:.2f}x | {t['ratio_bf16']:.2f}x",
-        ),
-        (
-            "decode b1 tok/s fp32 | bf16 vs HF",
-            f"{d['kvroute_tok_s']:.1f} | {d['kvroute_bf16_tok_s']:.1f} vs {d['transformers_tok_s']:.1f}",
-            f"{d['kvroute_tok_s'] / d['transformers_tok_s']:.2f}x",
+            f"decode b1 tok/s {dtype} | fp32 vs HF",
+            f"{d['kvroute_tok_s']:.1f} | {d['kvroute_fp32_tok_s']:.1f} vs {d['transformers_tok_s']:.1f}",
+            f"{d['kvroute_tok_s'] / d['transformers_tok_s']:.2f}x | "
+            f"{d['kvroute_fp32_tok_s'] / d['transformers_tok_s']:.2f}x",
         ),
     ]
     for n, row in report["prefill"].items():
         rows.append(
             (
-                f"prefill {n} tok/s fp32 | bf16 vs HF fp32",
-                f"{row['kvroute_fp32_tok_s']:.0f} | "
-                f"{row['kvroute_bf16_tok_s']:.0f} vs {row['transformers_fp32_tok_s']:.0f}",
-                f"bf16 {row['bf16_vs_transformers']:.2f}x",
+                f"prefill {n} tok/s {dtype} | fp32 vs HF fp32",
+                f"{row['kvroute_tok_s']:.0f} | {row['kvroute_fp32_tok_s']:.0f} vs {row['transformers_fp32_tok_s']:.0f}",
+                f"{row['ratio']:.2f}x",
             )
         )
-    rows.append(
-        ("bf16 vs fp32 (positions)", f"top-1 {q['top1_agreement']:.3f}, KL {q['mean_kl']:.4f}", str(q["positions"]))
-    )
+    if q := report.get("bf16_quality"):
+        rows.append(
+            (
+                f"{dtype} vs fp32 (positions)",
+                f"top-1 {q['top1_agreement']:.3f}, KL {q['mean_kl']:.4f}",
+                str(q["positions"]),
+            )
+        )
     width = max(len(r[0]) for r in rows)
     for name, value, ratio in rows:
-        print(f"{name:<{width}}  {value:<32}  {ratio}")
+        print(f"{name:<{width}}  {value:<40}  {ratio}")
 
 
 def main() -> None:
@@ -320,7 +324,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = run(args.model, args.repeats)

@@ -118,7 +118,9 @@ def test_metadata_build_rejects_bad_batches(query_lens, seq_lens, tables, messag
 
 
 def test_get_attention_backend():
-    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_attention_backend("torch", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpu", "meta")
     with pytest.raises(ValueError, match="must be one of"):
         get_attention_backend("flash", "cpu")

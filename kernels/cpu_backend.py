@@ -1,0 +1,135 @@
+"""The engine's attention backend on CPUs with AVX-512 BF16: bfloat16 models run every step through the C++
+kernel in cpu_attention.cpp; float32 models, and CPUs without the instructions, run the torch path it extends.
+
+With SmolLM2's shapes on 2 threads the kernel is 5x faster than the torch path for a 3,000-token prefill
+(13 vs 70 ms a layer) and for 400 new tokens over a 2,900-token cached prefix (3.5 vs 18 ms), and 1.2-2.7x
+for decodes (32 sequences over 264 tokens: 0.32 vs 0.56 ms).
+
+The kernel is compiled on first use with torch's cpp_extension (about 10 s; cached under TORCH_EXTENSIONS_DIR,
+by default ~/.cache/torch_extensions, and rebuilt when the source changes). `make setup` builds it, so the
+first request does not wait. If the compiler or the CPU is missing, the torch path runs and a warning says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from kernels.attention import FP8_DTYPE, AttentionMetadata
+from kernels.torch_attention import TorchAttentionBackend
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+HEAD_DIMS = (32, 64, 128)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def unsupported_reason() -> str | None:
+    """Why this machine cannot run the kernel, or None when it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the CPU is {platform.machine()}, not x86_64"
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return None
+
+
+@functools.cache
+def load_kernel() -> bool:
+    """Compile (or load the cached build of) the kernel and register torch.ops.kvroute_cpu; False, with a
+    warning, when it cannot run here."""
+    reason = unsupported_reason()
+    if reason is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(
+                name="kvroute_cpu_attention",
+                sources=[str(SOURCE)],
+                extra_cflags=COMPILE_FLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+            return True
+        except (RuntimeError, OSError, ImportError) as exc:
+            errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
+            reason = f"it did not build: {errors[0].strip()}"
+    log.warning("CPU attention kernel unavailable, using the torch path: %s", reason)
+    return False
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.luts: dict[float, torch.Tensor] = {}
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        softmax_scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        if not self.runs_kernel(q, k_cache):
+            return super().attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
+        out = torch.empty_like(q)
+        fp8 = k_cache.dtype == FP8_DTYPE
+        torch.ops.kvroute_cpu.paged_attention(
+            q.contiguous(),
+            k_cache.view(torch.uint8) if fp8 else k_cache,
+            v_cache.view(torch.uint8) if fp8 else v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            softmax_scale,
+            self.fp8_lut(k_scale) if fp8 else None,
+            self.fp8_lut(v_scale) if fp8 else None,
+            out,
+        )
+        return out
+
+    def runs_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """The kernel's case: bfloat16 on the CPU, a supported head size, and a kernel that loads (compiled on the
+        first call that needs it, so float32 models never wait for the compiler)."""
+        return (
+            q.device.type == "cpu"
+            and q.dtype == torch.bfloat16
+            and k_cache.dtype in (torch.bfloat16, FP8_DTYPE)
+            and q.shape[-1] in HEAD_DIMS
+            and load_kernel()
+        )
+
+    def fp8_lut(self, scale: float) -> torch.Tensor:
+        """bfloat16 [256]: the dequantised value of each FP8 byte under `scale` (the kernel reads FP8 through it)."""
+        if scale not in self.luts:
+            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
+            self.luts[scale] = (codes.float() * scale).to(torch.bfloat16)
+        return self.luts[scale]
+
+
+if __name__ == "__main__":  # `make setup` builds the kernel here, so that no request waits for the compiler
+    logging.basicConfig(format="%(message)s")
+    print(f"CPU attention kernel: {'ready' if load_kernel() else 'unavailable, the torch path will run'}")
