@@ -145,16 +145,21 @@ def test_bf16_engine_with_the_kernel_agrees_with_the_torch_path():
 
 
 @pytest.mark.skipif(not packing_supported(), reason="oneDNN cannot run bf16 here")
-def test_packed_linear_is_bit_identical_and_only_bf16_cpu_linears_are_packed():
+def test_packed_linear_matches_f_linear_and_packs_bf16_and_fp32_cpu_linears():
     torch.manual_seed(0)
-    linear = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
-    packed = PackedLinear(linear)
-    for rows in (1, 7, 300):
-        x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
-    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Sequential(nn.Linear(8, 8)), nn.ReLU())
-    assert pack_linears(model) == 1
-    assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], nn.Linear)
+    for dtype in (torch.bfloat16, torch.float32):
+        linear = nn.Linear(96, 160, bias=True).to(dtype)
+        packed = PackedLinear(linear)
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, 96, dtype=dtype)
+            if dtype == torch.bfloat16:  # oneDNN either way: the same kernels, bit for bit
+                assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+            else:  # MKL against oneDNN: float32 both, summed in another order
+                torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 8).double())
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+    assert isinstance(model[2], nn.Linear)
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="glibc's mallopt")
