@@ -74,6 +74,18 @@ def test_prefix_caching_preemption_and_chunking_do_not_change_tokens() -> None:
     assert variants["tiny pool (preempts)"].stats().num_preemptions > 0
 
 
+def test_warm_up_leaves_no_trace() -> None:
+    prompts = random_prompts([5, 40])
+    expected = [r.token_ids for r in make_engine().generate(prompts, GREEDY)]
+    engine = make_engine()
+    engine.warm_up()
+    assert all(int(k.count_nonzero()) == 0 == int(v.count_nonzero()) for k, v in engine.runner.kv_caches)
+    assert engine.stats().prefix_queries == 0 and not engine.drain_kv_events()
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+    engine.check_invariants()
+    make_engine(model="sim").warm_up()
+
+
 def test_cached_prefix_is_reused_and_gives_the_same_tokens() -> None:
     engine = make_engine()
     prompt = random_prompts([70])[0]

@@ -105,6 +105,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset()  # sim outputs run to max_tokens, like the replay's output lengths
         self.runner = SimRunner(self.config, vocab_size=self.vocab_size)
 
+    def warm_up(self) -> None:
+        """Build kernels and JIT code now, before a worker reports SERVING, not in its first request's TTFT.
+        Touches no request state and no cached block."""
+        self.runner.warm_up()
+
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(

@@ -37,6 +37,10 @@ class StepRunner(Protocol):
 
     def run(self, batch: SchedulerOutput) -> SamplerOutput: ...
 
+    def warm_up(self) -> None:
+        """Do the one-time work (kernel builds, JIT) that would otherwise land on the first request."""
+        ...
+
 
 def resolve_dtype(name: str, model_kind: str) -> torch.dtype:
     """`auto` is bfloat16 for real models. Measured with loadtest.engine_bench on this CPU (SmolLM2, 2 threads)
@@ -104,6 +108,23 @@ class ModelRunner:
         if not sampling:  # only prefill chunks: the step filled the cache
             return SamplerOutput([], [])
         return self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A prefill-shaped and a decode-shaped forward over the first KV blocks, before any request owns them:
+        the CPU attention kernel is built or loaded and oneDNN's kernels are generated now. The blocks are
+        zeroed again afterwards."""
+        num_tokens = min(2 * self.block_size, self.num_kv_blocks * self.block_size)
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        for q_len in (num_tokens, 1):
+            meta = AttentionMetadata.build([q_len], [num_tokens], [blocks], self.block_size, self.device)
+            positions = torch.arange(num_tokens - q_len, num_tokens, device=self.device)
+            input_ids = torch.zeros(q_len, dtype=torch.int64, device=self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            self.model.compute_logits(hidden[-1:])
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[blocks] = 0
+            v_cache[blocks] = 0
 
     @torch.inference_mode()
     def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor:

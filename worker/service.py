@@ -288,8 +288,9 @@ async def start_worker_server(
     metrics_port: int | None = None,
     metrics_host: str = "0.0.0.0",
 ) -> WorkerServer:
-    """Serve `engine` on host:port (0: a free port, see `.port`); health is SERVING when this returns.
-    Must be awaited in the event loop that will run the server."""
+    """Serve `engine` on host:port (0: a free port, see `.port`); health is SERVING when this returns, after
+    the engine's warm-up. Must be awaited in the event loop that will run the server."""
+    await asyncio.get_running_loop().run_in_executor(None, engine.warm_up)
     async_engine = AsyncEngine(engine)
     metrics = WorkerMetrics(engine.model_id, lambda: async_engine.latest_stats)
     bound_metrics_port = None

@@ -45,6 +45,9 @@ class SimRunner:
             memory = int(config.kv_cache_memory_gb * 2**30)
             self.num_kv_blocks = max(1, memory // (SIM_KV_BYTES_PER_TOKEN * config.block_size))
 
+    def warm_up(self) -> None:
+        """Nothing to build: no weights, no kernels."""
+
     def run(self, batch: SchedulerOutput) -> SamplerOutput:
         decodes = any(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
         prefill_tokens = sum(s.num_new_tokens for s in batch.seqs if not (s.num_new_tokens == 1 and s.samples))
