@@ -77,7 +77,7 @@ class HashRing:
             raise ValueError("a hash ring needs at least one replica")
         self.replicas = tuple(replicas)
         self._ring = _UHashRing(nodes=list(self.replicas), vnodes=vnodes)
-        self._points = self._ring.runtime._keys
+        self._points = sorted(point for point, _ in self._ring.get_points())
         self._successors: dict[int, tuple[str, ...]] = {}
 
     def position(self, key: Hashable) -> int:
