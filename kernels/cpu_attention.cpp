@@ -3,7 +3,9 @@
 // One call runs a whole engine step: prefill chunks, extends over a cached prefix and decodes, read straight
 // from the paged cache through the block tables (kernels/attention.py has the contract). Two passes:
 //   1. pack: each sequence's K and V are copied out of the cache into the layouts the dot-product
-//      instruction wants (VNNI: the two bf16 of a pair adjacent), FP8 caches dequantised on the way;
+//      instruction wants (VNNI: the two bf16 of a pair adjacent), FP8 caches dequantised on the way. Only
+//      sequences with more than one query tile are packed up front, once for all their work items; a decode's
+//      (or short prefill's) one work item packs each tile itself just before using it, while it is in L1;
 //   2. attend: one work item is (sequence, KV head, 16 query positions). The G query heads that share the
 //      KV head ride along as extra rows, so GQA reads each K/V tile once. Over key tiles of 64 it computes
 //      S = Q K^T with _mm512_dpbf16_ps, an online softmax in float32 on the scores still in registers, and
@@ -49,7 +51,8 @@ struct Seq {
   int q_len;
   int seq_len;
   int padded_len;  // seq_len rounded up to kKeyTile
-  int64_t pack_offset;  // first element of this sequence's packed K (and V) region
+  bool packed_up_front;  // several work items read its K/V: packed once in pass 1 (else by its one item)
+  int64_t pack_offset;  // packed_up_front: first element of this sequence's region in the packed K (and V)
   const int32_t* table;
 };
 
@@ -152,13 +155,17 @@ void pack_values(const bf16* rows, bf16* dst) {
 
 // Packs keys [tile * kKeyTile, +kKeyTile) of one sequence and KV head into the layouts above.
 template <int D, typename Elem>
-void pack_tile(const Step& step, const Seq& seq, int kv_head, int tile) {
-  const int64_t offset = seq.pack_offset + (static_cast<int64_t>(kv_head) * seq.padded_len + tile * kKeyTile) * D;
+void pack_tile(const Step& step, const Seq& seq, int kv_head, int tile, bf16* k_dst, bf16* v_dst) {
   alignas(64) bf16 rows[kKeyTile * D];
   stage_rows<D, Elem>(step, seq, step.k_cache, step.k_lut, kv_head, tile, rows);
-  pack_keys<D>(rows, step.k_pack + offset);
+  pack_keys<D>(rows, k_dst);
   stage_rows<D, Elem>(step, seq, step.v_cache, step.v_lut, kv_head, tile, rows);
-  pack_values<D>(rows, step.v_pack + offset);
+  pack_values<D>(rows, v_dst);
+}
+
+// Where pass 1 puts a tile of a packed_up_front sequence.
+inline int64_t packed_tile_offset(const Seq& seq, int kv_head, int tile, int head_dim) {
+  return seq.pack_offset + (static_cast<int64_t>(kv_head) * seq.padded_len + tile * kKeyTile) * head_dim;
 }
 
 // ---- pass 2: attend -----------------------------------------------------------------------------------
@@ -289,9 +296,10 @@ struct Scratch {
   std::vector<float> o, m;
   std::vector<__m512> l;
   std::vector<bf16> p;
+  std::vector<bf16> k_tile, v_tile;  // the current tile of a sequence packed by its one work item
   explicit Scratch(int max_rows, int head_dim)
       : q_rows(max_rows), positions(max_rows), o(max_rows * head_dim), m(max_rows), l(max_rows),
-        p(max_rows * kKeyTile) {}
+        p(max_rows * kKeyTile), k_tile(kKeyTile * head_dim), v_tile(kKeyTile * head_dim) {}
 };
 
 struct WorkItem {
@@ -301,7 +309,7 @@ struct WorkItem {
   int64_t cost;
 };
 
-template <int D>
+template <int D, typename Elem>
 void attend_item(const Step& step, const WorkItem& item, Scratch& w) {
   const Seq& seq = step.seqs[item.seq];
   const int group = step.num_heads / step.num_kv_heads;
@@ -319,12 +327,17 @@ void attend_item(const Step& step, const WorkItem& item, Scratch& w) {
   std::fill(w.o.begin(), w.o.begin() + rows * D, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + rows, _mm512_setzero_ps());
-  const int64_t head_offset = seq.pack_offset + static_cast<int64_t>(item.kv_head) * seq.padded_len * D;
   const Rows state{w.q_rows.data(), w.positions.data(), w.m.data(), w.l.data(), w.o.data(), w.p.data()};
   const int num_keys = prefix_len + first + count;  // keys the last row sees
   for (int k0 = 0; k0 < num_keys; k0 += kKeyTile) {
-    const bf16* k_tile = step.k_pack + head_offset + static_cast<int64_t>(k0) * D;
-    const bf16* v_tile = step.v_pack + head_offset + static_cast<int64_t>(k0) * D;
+    const bf16 *k_tile = w.k_tile.data(), *v_tile = w.v_tile.data();
+    if (seq.packed_up_front) {
+      const int64_t offset = packed_tile_offset(seq, item.kv_head, k0 / kKeyTile, D);
+      k_tile = step.k_pack + offset;
+      v_tile = step.v_pack + offset;
+    } else {  // a decode or a short prefill: pack the tile just before use, while it is in L1
+      pack_tile<D, Elem>(step, seq, item.kv_head, k0 / kKeyTile, w.k_tile.data(), w.v_tile.data());
+    }
     qk_softmax_rows<D>(rows, state, k0, k_tile, step.score_scale);
     pv_rows<D>(rows, w.p.data(), v_tile, w.o.data());
   }
@@ -343,14 +356,18 @@ void attend_item(const Step& step, const WorkItem& item, Scratch& w) {
 template <int D, typename Elem>
 void run_step(const Step& step) {
   const int num_kv_heads = step.num_kv_heads;
-  // Pass 1: pack every (sequence, KV head, key tile).
+  // Pass 1: pack every key tile of the sequences that several work items read.
   std::vector<std::array<int, 3>> tiles;
-  for (int b = 0; b < static_cast<int>(step.seqs.size()); ++b)
+  for (int b = 0; b < static_cast<int>(step.seqs.size()); ++b) {
+    if (!step.seqs[b].packed_up_front) continue;
     for (int h = 0; h < num_kv_heads; ++h)
       for (int t = 0; t < step.seqs[b].padded_len / kKeyTile; ++t) tiles.push_back({b, h, t});
+  }
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      pack_tile<D, Elem>(step, step.seqs[tiles[i][0]], tiles[i][1], tiles[i][2]);
+      const auto [b, h, t] = tiles[i];
+      const int64_t offset = packed_tile_offset(step.seqs[b], h, t, D);
+      pack_tile<D, Elem>(step, step.seqs[b], h, t, step.k_pack + offset, step.v_pack + offset);
     }
   });
   // Pass 2: attend, longest work items first, each thread taking the next from a shared counter.
@@ -374,7 +391,7 @@ void run_step(const Step& step) {
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(kQueryTile * group, D);
-    for (int64_t i = next++; i < num_items; i = next++) attend_item<D>(step, items[i], scratch);
+    for (int64_t i = next++; i < num_items; i = next++) attend_item<D, Elem>(step, items[i], scratch);
   });
 }
 
@@ -431,9 +448,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     seq.q_len = starts.data_ptr<int32_t>()[b + 1] - seq.q_start;
     seq.seq_len = lens.data_ptr<int32_t>()[b];
     seq.padded_len = (seq.seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;
+    seq.packed_up_front = seq.q_len > kQueryTile;
     seq.pack_offset = packed;
     seq.table = tables.data_ptr<int32_t>() + static_cast<int64_t>(b) * tables.size(1);
-    packed += static_cast<int64_t>(seq.padded_len) * step.num_kv_heads * head_dim;
+    if (seq.packed_up_front) packed += static_cast<int64_t>(seq.padded_len) * step.num_kv_heads * head_dim;
     step.seqs.push_back(seq);
   }
   thread_local std::vector<bf16> k_buffer, v_buffer;

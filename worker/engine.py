@@ -1,4 +1,4 @@
-"""LLMEngine: requests in, tokens out, one scheduler step at a time (see notes/engine_api.md).
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
 
     add_request ─► Scheduler (waiting → running, blocks from KVCacheManager) ─► StepRunner (model + sampler)
                    ▲                                                           │

@@ -3,8 +3,7 @@ KV cache.
 
 The model sees one engine step as a flat batch of T new tokens from any number of sequences. Attention goes
 through an `AttentionBackend` (kernels/attention.py): the layer writes the step's K/V into the cache, then
-the backend attends over each sequence's cached context using `AttentionMetadata`. See
-notes/attention_contract.md.
+the backend attends over each sequence's cached context using `AttentionMetadata`.
 
 Weights arrive under HF names (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`, ...) and are stacked
 into `qkv_proj` and `gate_up_proj` on load, as in vLLM: one matmul instead of three (or two) saves 15-20% of

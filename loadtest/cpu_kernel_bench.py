@@ -1,0 +1,101 @@
+"""CPU benchmark of the AVX-512 BF16 attention kernel: `python -m loadtest.cpu_kernel_bench [--json OUT]`.
+
+For each case, the kernel (kernels/cpu_attention.cpp, through CpuAttentionBackend) against the torch path
+(TorchAttentionBackend: SDPA over K/V gathered from the cache) on the same paged step, in the same run: median
+milliseconds per layer, GFLOP/s of attention (QK^T and PV, causal work only) and the speedup; each case also
+reports the largest difference between the two outputs. Shapes are SmolLM2-135M's attention (9 query heads,
+3 KV heads, head_dim 64), bfloat16, block 16. Needs a CPU with AVX-512 BF16; elsewhere it exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_backend import CpuAttentionBackend, load_kernel, unsupported_reason
+from kernels.reference import make_paged_batch
+from kernels.torch_attention import TorchAttentionBackend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+# (name, new tokens per sequence, context per sequence after the step, sequences)
+CASES = [
+    ("prefill 3000", 3000, 3000, 1),
+    ("extend 400 over 2900 cached", 400, 3300, 1),
+    ("decode 32 x 264", 1, 264, 32),
+    ("decode 32 x 1000", 1, 1000, 32),
+    ("decode 1 x 3300", 1, 3300, 1),
+]
+
+
+def attention_flops(query_len: int, seq_len: int, num_seqs: int) -> float:
+    """QK^T and PV over the keys each query sees (its prefix and the new tokens up to itself)."""
+    prefix = seq_len - query_len
+    pairs = query_len * prefix + query_len * (query_len + 1) / 2
+    return num_seqs * pairs * NUM_HEADS * HEAD_DIM * 4
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_case(name: str, query_len: int, seq_len: int, num_seqs: int, repeats: int) -> dict:
+    batch = make_paged_batch(
+        [query_len] * num_seqs, [seq_len] * num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16
+    )
+    args = (batch.k_cache, batch.v_cache, batch.meta, HEAD_DIM**-0.5)
+    kernel, torch_path = CpuAttentionBackend(), TorchAttentionBackend()
+    kernel_ms = median_ms(lambda: kernel.attend(batch.q, *args), repeats)
+    torch_ms = median_ms(lambda: torch_path.attend(batch.q, *args), repeats)
+    diff = (kernel.attend(batch.q, *args).float() - torch_path.attend(batch.q, *args).float()).abs().max().item()
+    flops = attention_flops(query_len, seq_len, num_seqs)
+    return {
+        "case": name,
+        "kernel_ms": kernel_ms,
+        "torch_ms": torch_ms,
+        "speedup": torch_ms / kernel_ms,
+        "kernel_gflops": flops / kernel_ms / 1e6,
+        "torch_gflops": flops / torch_ms / 1e6,
+        "max_abs_diff": diff,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args(argv)
+    if (reason := unsupported_reason()) is not None or not load_kernel():
+        print(f"cpu_kernel_bench: the kernel cannot run here: {reason or 'it did not build'}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    results = []
+    for case in CASES:
+        row = bench_case(*case, args.repeats)
+        results.append(row)
+        print(
+            f"{row['case']:<28} kernel {row['kernel_ms']:7.2f} ms ({row['kernel_gflops']:5.0f} GFLOP/s)   "
+            f"torch {row['torch_ms']:7.2f} ms ({row['torch_gflops']:5.0f} GFLOP/s)   "
+            f"{row['speedup']:4.2f}x   max |diff| {row['max_abs_diff']:.1e}",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"threads": args.threads, "cases": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
