@@ -44,9 +44,9 @@ class StepRunner(Protocol):
 
 def resolve_dtype(name: str, model_kind: str) -> torch.dtype:
     """`auto` is bfloat16 for real models. Measured with loadtest.engine_bench on this CPU (SmolLM2, 2 threads)
-    it beats float32 everywhere: prefill 2.4x at 1,000 tokens and 2.9x at 3,000 (attention runs in the AVX-512
-    BF16 kernel), single-stream decode 1.4x (half the weight bytes to read per token), 32-stream throughput
-    1.4x; against float32 its top-1 agreement is 0.968 and its mean KL 0.0011 over 600 positions of real text.
+    it beats float32 everywhere: prefill 2.4x at 1,000 tokens and 3.0x at 3,000 (attention runs in the AVX-512
+    BF16 kernel), single-stream decode 1.6x (half the weight bytes to read per token), 32-stream throughput
+    1.75x; against float32 its top-1 agreement is 0.968 and its mean KL 0.0011 over 600 positions of real text.
     float32 is what the reference checks run.
 
     The tiny test model's `auto` is float32, its native dtype: its random weights give near-tied logits, and
