@@ -151,25 +151,11 @@ def kvroute_decode(engine: LLMEngine, prompt: list[int]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-@torch.inference_mode()
-def all_position_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """float32 logits [len(prompt), vocab] from one uncached forward through the engine's runner."""
-    engine.add_request("logits", prompt, SamplingParams(max_tokens=1), cache_salt="no-prefix-hit")
-    batch = engine.scheduler.schedule()
-    runner = engine.runner
-    inputs = runner.prepare_inputs(batch)
-    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
-    logits = runner.model.compute_logits(hidden)
-    engine.abort_request("logits")
-    engine.step()
-    return logits
-
-
 def bf16_quality(fp32: LLMEngine, bf16: LLMEngine, prompts: list[list[int]]) -> dict:
     agree, kl, positions = 0.0, 0.0, 0
     for prompt in prompts:
-        ref = all_position_logits(fp32, prompt).log_softmax(-1)
-        low = all_position_logits(bf16, prompt).log_softmax(-1)
+        ref = fp32.prompt_logits(prompt, cache_salt="uncached").log_softmax(-1)
+        low = bf16.prompt_logits(prompt, cache_salt="uncached").log_softmax(-1)
         agree += (ref.argmax(-1) == low.argmax(-1)).sum().item()
         kl += (ref.exp() * (ref - low)).sum(-1).sum().item()
         positions += len(prompt)

@@ -86,6 +86,25 @@ def test_warm_up_leaves_no_trace() -> None:
     make_engine(model="sim").warm_up()
 
 
+def test_prompt_logits_scores_one_step_and_leaves_nothing_running() -> None:
+    engine = make_engine()
+    prompt = random_prompts([40])[0]
+    full = engine.prompt_logits(prompt)
+    assert full.shape == (40, 49152) and full.dtype == torch.float32
+    assert engine.prompt_logits(prompt).shape[0] == 40  # it caches nothing itself
+    engine.generate([prompt], GREEDY)  # a real request leaves 32 tokens cached: the step computes the last 8
+    torch.testing.assert_close(engine.prompt_logits(prompt), full[32:], atol=1e-4, rtol=1e-4)
+    assert not engine.has_unfinished_requests() and engine.stats().num_blocks_used == 0
+    engine.check_invariants()
+    with pytest.raises(ValueError, match="more than one step"):
+        engine.prompt_logits(random_prompts([100])[0])  # max_num_batched_tokens is 64
+    engine.add_request("busy", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.prompt_logits(prompt)
+    with pytest.raises(RuntimeError, match="needs a model"):
+        make_engine(model="sim").prompt_logits(prompt)
+
+
 def test_cached_prefix_is_reused_and_gives_the_same_tokens() -> None:
     engine = make_engine()
     prompt = random_prompts([70])[0]

@@ -121,20 +121,11 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-def last_prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    engine.add_request("logits", prompt, SamplingParams(max_tokens=1))
-    batch = engine.scheduler.schedule()
-    assert batch.sampling, "the whole prompt fits the step's token budget"
-    logits = engine.runner.compute_logits(batch)[0]
-    engine.abort_request("logits")
-    engine.check_invariants()
-    return logits
-
-
 def test_logits_match_transformers(reference: Reference) -> None:
     engine = reference.engine(max_num_batched_tokens=4096)
     prompt = reference.prompts[5]
-    ours = last_prompt_logits(engine, prompt)
+    ours = engine.prompt_logits(prompt)[-1]
+    engine.check_invariants()
     with torch.inference_mode():
         theirs = reference.hf(input_ids=torch.tensor([prompt])).logits[0, -1]
     max_diff = (ours - theirs).abs().max().item()
@@ -187,18 +178,6 @@ def test_preempted_run_gives_the_same_tokens(reference: Reference) -> None:
     assert hf_greedy_mismatches(reference.hf, prompts, outputs) == [[]] * len(outputs)
 
 
-@torch.inference_mode()
-def all_prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """float32 logits [len(prompt), vocab] of one uncached forward through the engine's runner."""
-    engine.add_request("all-logits", prompt, SamplingParams(max_tokens=1), cache_salt="no-prefix-hit")
-    runner = engine.runner
-    inputs = runner.prepare_inputs(engine.scheduler.schedule())
-    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
-    engine.abort_request("all-logits")
-    engine.check_invariants()
-    return runner.model.compute_logits(hidden)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # the torch path; the AVX-512 BF16 kernel on CPUs
 def test_fp8_kv_cache_agrees_with_auto(smollm2_reference: Reference, dtype: str) -> None:
@@ -216,7 +195,7 @@ def test_fp8_kv_cache_agrees_with_auto(smollm2_reference: Reference, dtype: str)
     fp8_tokens = fp8.generate([prompt], GREEDY)[0].token_ids
     agree = next((i for i, (a, b) in enumerate(zip(auto_tokens, fp8_tokens, strict=True)) if a != b), NUM_TOKENS)
     context = prompt + auto_tokens[:-1]
-    ref, low = (all_prompt_logits(e, context)[len(prompt) - 1 :] for e in (auto, fp8))
+    ref, low = (e.prompt_logits(context, cache_salt="uncached")[len(prompt) - 1 :] for e in (auto, fp8))
     top1 = (ref.argmax(-1) == low.argmax(-1)).float().mean().item()
     logit_error = (ref - low).abs().max().item()
     print(

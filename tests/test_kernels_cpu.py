@@ -114,18 +114,6 @@ def test_unsupported_reason_names_the_missing_flags(monkeypatch):
     assert unsupported_reason() == "the CPU lacks avx512vl, avx512_bf16"
 
 
-def step_logits(engine: LLMEngine, prompt: list[int], cache_salt: str = "") -> torch.Tensor:
-    """float32 logits of the rows one engine step computes for `prompt` (all of it, or what follows its cached
-    prefix), through the engine's scheduler, runner and attention backend."""
-    engine.add_request("step-logits", prompt, SamplingParams(max_tokens=1), cache_salt=cache_salt)
-    runner = engine.runner
-    inputs = runner.prepare_inputs(engine.scheduler.schedule())
-    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
-    engine.abort_request("step-logits")
-    engine.check_invariants()
-    return runner.model.compute_logits(hidden)
-
-
 @needs_kernel
 def test_bf16_engine_with_the_kernel_agrees_with_the_torch_path():
     """A prefill and an extend over a cached prefix of the tiny model in bf16, teacher-forced: the kernel's
@@ -136,9 +124,9 @@ def test_bf16_engine_with_the_kernel_agrees_with_the_torch_path():
         engine = LLMEngine(EngineConfig(model="tiny", dtype="bfloat16", attention_backend=backend, num_kv_blocks=64))
         assert engine.runner.backend.name == backend
         engine.generate([prompt[:96]], [SamplingParams(max_tokens=1, temperature=0.0)])  # caches 96 tokens
-        extend = step_logits(engine, prompt)
+        extend = engine.prompt_logits(prompt)
         assert extend.shape[0] == 130 - 96
-        logits[backend] = torch.cat([step_logits(engine, prompt, cache_salt="uncached"), extend])
+        logits[backend] = torch.cat([engine.prompt_logits(prompt, cache_salt="uncached"), extend])
     scale = logits["torch"].abs().max().item()
     assert (logits["cpu"] - logits["torch"]).abs().max().item() < 0.05 * scale
     assert (logits["cpu"].argmax(-1) == logits["torch"].argmax(-1)).float().mean().item() >= 0.95

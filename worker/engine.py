@@ -219,6 +219,33 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
         )
 
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_token_ids: list[int], cache_salt: str = "") -> torch.Tensor:
+        """float32 logits [n, vocab] at the prompt positions one step computes: all of them, or those after the
+        prompt's cached prefix (a salt no other request uses gets none). For checks and benchmarks, on an idle
+        engine with a model; the request is dropped afterwards and caches nothing."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("prompt_logits needs an idle engine: its step would carry other requests")
+        if not hasattr(self.runner, "model"):
+            raise RuntimeError(f"prompt_logits needs a model; {self.model_id!r} has none")
+        request_id = f"prompt-logits-{next(self._ids)}"
+        self.add_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt)
+        try:
+            batch = self.scheduler.schedule()
+            (scheduled,) = batch.seqs
+            if scheduled.start + scheduled.num_new_tokens < len(prompt_token_ids):
+                raise ValueError(
+                    f"a {len(prompt_token_ids)}-token prompt needs more than one step of "
+                    f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+                )
+            runner = self.runner
+            inputs = runner.prepare_inputs(batch)
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
+            return runner.model.compute_logits(hidden)
+        finally:
+            self.abort_request(request_id)
+            self._pending.clear()  # the abort notice of a request nobody else knows about
+
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv_manager.drain_events()
 
