@@ -95,12 +95,33 @@ inline __m512 exp2_ps(__m512 x) {
 
 // ---- pass 1: pack -------------------------------------------------------------------------------------
 
+// The 256-entry FP8 -> bf16 table in eight registers, looked up 32 bytes at a time: each vpermt2w indexes 64
+// entries by the low 6 bits, and bits 6 and 7 pick among the four results.
+struct Fp8Table {
+  __m512i part[8];
+  explicit Fp8Table(const bf16* lut) {
+    for (int i = 0; i < 8; ++i) part[i] = _mm512_loadu_si512(lut + 32 * i);
+  }
+  __m512i lookup(const uint8_t* src) const {  // 32 bytes -> 32 bf16
+    const __m512i index = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    const __m512i r0 = _mm512_permutex2var_epi16(part[0], index, part[1]);
+    const __m512i r1 = _mm512_permutex2var_epi16(part[2], index, part[3]);
+    const __m512i r2 = _mm512_permutex2var_epi16(part[4], index, part[5]);
+    const __m512i r3 = _mm512_permutex2var_epi16(part[6], index, part[7]);
+    const __mmask32 bit6 = _mm512_test_epi16_mask(index, _mm512_set1_epi16(64));
+    const __mmask32 bit7 = _mm512_test_epi16_mask(index, _mm512_set1_epi16(128));
+    return _mm512_mask_blend_epi16(bit7, _mm512_mask_blend_epi16(bit6, r0, r1), _mm512_mask_blend_epi16(bit6, r2, r3));
+  }
+};
+
 // Copies the tile's 64 K (or V) rows of one KV head out of the paged cache into rows[64][D] as bf16 (FP8
 // through its lookup table). Keys past seq_len are zeros: masked scores multiply them by 0, and stale cache
 // memory could hold NaN.
 template <int D, typename Elem>
 void stage_rows(const Step& step, const Seq& seq, const void* cache, const bf16* lut, int kv_head, int tile,
                 bf16* rows) {
+  std::optional<Fp8Table> table;
+  if constexpr (sizeof(Elem) == 1) table.emplace(lut);
   for (int j = 0; j < kKeyTile; ++j) {
     const int pos = tile * kKeyTile + j;
     bf16* out = rows + j * D;
@@ -112,7 +133,7 @@ void stage_rows(const Step& step, const Seq& seq, const void* cache, const bf16*
                          pos % step.block_size;
     const Elem* src = static_cast<const Elem*>(cache) + (slot * step.num_kv_heads + kv_head) * D;
     if constexpr (sizeof(Elem) == 1) {
-      for (int d = 0; d < D; ++d) out[d] = lut[src[d]];
+      for (int d = 0; d < D; d += 32) _mm512_storeu_si512(out + d, table->lookup(src + d));
     } else {
       std::memcpy(out, src, D * sizeof(bf16));
     }

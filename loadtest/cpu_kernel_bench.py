@@ -4,7 +4,8 @@ For each case, the kernel (kernels/cpu_attention.cpp, through CpuAttentionBacken
 (TorchAttentionBackend: SDPA over K/V gathered from the cache) on the same paged step, in the same run: median
 milliseconds per layer, GFLOP/s of attention (QK^T and PV, causal work only) and the speedup; each case also
 reports the largest difference between the two outputs. Shapes are SmolLM2-135M's attention (9 query heads,
-3 KV heads, head_dim 64), bfloat16, block 16. Needs a CPU with AVX-512 BF16; elsewhere it exits with code 2.
+3 KV heads, head_dim 64), bfloat16 (one case with an FP8 KV cache), block 16. Needs a CPU with AVX-512 BF16;
+elsewhere it exits with code 2.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ from pathlib import Path
 
 import torch
 
+from kernels.attention import FP8_DTYPE
 from kernels.cpu_backend import CpuAttentionBackend, load_kernel, unsupported_reason
 from kernels.reference import make_paged_batch
 from kernels.torch_attention import TorchAttentionBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-# (name, new tokens per sequence, context per sequence after the step, sequences)
+# (name, new tokens per sequence, context per sequence after the step, sequences, KV cache dtype)
 CASES = [
-    ("prefill 3000", 3000, 3000, 1),
-    ("extend 400 over 2900 cached", 400, 3300, 1),
-    ("decode 32 x 264", 1, 264, 32),
-    ("decode 32 x 1000", 1, 1000, 32),
-    ("decode 1 x 3300", 1, 3300, 1),
+    ("prefill 3000", 3000, 3000, 1, torch.bfloat16),
+    ("extend 400 over 2900 cached", 400, 3300, 1, torch.bfloat16),
+    ("decode 32 x 264", 1, 264, 32, torch.bfloat16),
+    ("decode 32 x 1000", 1, 1000, 32, torch.bfloat16),
+    ("decode 32 x 1000, FP8 KV", 1, 1000, 32, FP8_DTYPE),
+    ("decode 1 x 3300", 1, 3300, 1, torch.bfloat16),
 ]
 
 
@@ -51,11 +54,18 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_case(name: str, query_len: int, seq_len: int, num_seqs: int, repeats: int) -> dict:
+def bench_case(name: str, query_len: int, seq_len: int, num_seqs: int, cache_dtype: torch.dtype, repeats: int) -> dict:
     batch = make_paged_batch(
-        [query_len] * num_seqs, [seq_len] * num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16
+        [query_len] * num_seqs,
+        [seq_len] * num_seqs,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        torch.bfloat16,
+        cache_dtype,
     )
-    args = (batch.k_cache, batch.v_cache, batch.meta, HEAD_DIM**-0.5)
+    args = (batch.k_cache, batch.v_cache, batch.meta, HEAD_DIM**-0.5, batch.k_scale, batch.v_scale)
     kernel, torch_path = CpuAttentionBackend(), TorchAttentionBackend()
     kernel_ms = median_ms(lambda: kernel.attend(batch.q, *args), repeats)
     torch_ms = median_ms(lambda: torch_path.attend(batch.q, *args), repeats)
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_case(*case, args.repeats)
         results.append(row)
         print(
-            f"{row['case']:<28} kernel {row['kernel_ms']:7.2f} ms ({row['kernel_gflops']:5.0f} GFLOP/s)   "
+            f"{row['case']:<30} kernel {row['kernel_ms']:7.2f} ms ({row['kernel_gflops']:5.0f} GFLOP/s)   "
             f"torch {row['torch_ms']:7.2f} ms ({row['torch_gflops']:5.0f} GFLOP/s)   "
             f"{row['speedup']:4.2f}x   max |diff| {row['max_abs_diff']:.1e}",
             flush=True,
