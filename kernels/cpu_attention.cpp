@@ -392,7 +392,7 @@ void run_step(const Step& step) {
       pack_tile<D, Elem>(step, step.seqs[b], h, t, step.k_pack + offset, step.v_pack + offset);
     }
   });
-  // Pass 2: attend, longest work items first, each thread taking the next from a shared counter.
+  // Pass 2: attend, each thread taking the next work item from a shared counter.
   std::vector<WorkItem> items;
   const int group = step.num_heads / num_kv_heads;
   for (int b = 0; b < static_cast<int>(step.seqs.size()); ++b) {

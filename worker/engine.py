@@ -226,7 +226,7 @@ class LLMEngine:
         engine with a model; the request is dropped afterwards and caches nothing."""
         if self.has_unfinished_requests():
             raise RuntimeError("prompt_logits needs an idle engine: its step would carry other requests")
-        if not hasattr(self.runner, "model"):
+        if not hasattr(self.runner, "compute_logits"):
             raise RuntimeError(f"prompt_logits needs a model; {self.model_id!r} has none")
         request_id = f"prompt-logits-{next(self._ids)}"
         self.add_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt)
@@ -238,10 +238,7 @@ class LLMEngine:
                     f"a {len(prompt_token_ids)}-token prompt needs more than one step of "
                     f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
                 )
-            runner = self.runner
-            inputs = runner.prepare_inputs(batch)
-            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, runner.backend)
-            return runner.model.compute_logits(hidden)
+            return self.runner.compute_logits(batch, every_row=True)
         finally:
             self.abort_request(request_id)
             self._pending.clear()  # the abort notice of a request nobody else knows about

@@ -75,7 +75,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse the heap instead of faulting in fresh pages every layer
-        if self.device.type == "cpu":
             pack_linears(model)  # weights in oneDNN's layout: see worker/model/packed_linear.py
         self.model = model
         self.model_config = model_config
@@ -127,11 +126,12 @@ class ModelRunner:
             v_cache[blocks] = 0
 
     @torch.inference_mode()
-    def compute_logits(self, batch: SchedulerOutput) -> torch.Tensor:
-        """float32 logits [N, vocab] at the last new token of each sequence in `batch.sampling`."""
+    def compute_logits(self, batch: SchedulerOutput, every_row: bool = False) -> torch.Tensor:
+        """float32 logits [N, vocab] at the last new token of each sequence in `batch.sampling`; with
+        `every_row`, at every new token of the step instead."""
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        return self.model.compute_logits(hidden if every_row else hidden[inputs.sample_rows])
 
     def prepare_inputs(self, batch: SchedulerOutput) -> StepInputs:
         """Token ids, positions and attention metadata for the step, built with a handful of tensor ops."""
