@@ -13,13 +13,24 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_STATE_UNSPECIFIED: _ClassVar[EngineState]
+    ENGINE_STATE_SERVING: _ClassVar[EngineState]
+    ENGINE_STATE_DRAINING: _ClassVar[EngineState]
+    ENGINE_STATE_DEAD: _ClassVar[EngineState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+ENGINE_STATE_UNSPECIFIED: EngineState
+ENGINE_STATE_SERVING: EngineState
+ENGINE_STATE_DRAINING: EngineState
+ENGINE_STATE_DEAD: EngineState
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +39,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -36,7 +48,8 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "block_hashes", "trace_context")
@@ -72,23 +85,33 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "usage", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_running", "num_waiting", "prefix_queries", "prefix_hits", "num_preemptions", "kv_cache_usage", "prompt_tokens_total", "generation_tokens_total", "kv_event_seq")
+    __slots__ = ("num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_running", "num_waiting", "prefix_queries", "prefix_hits", "num_preemptions", "kv_cache_usage", "prompt_tokens_total", "generation_tokens_total", "kv_event_seq", "worker_id", "incarnation", "engine_state", "engine_error")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +124,10 @@ class WorkerStats(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ERROR_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_used: int
     num_blocks_cached: int
@@ -113,14 +140,18 @@ class WorkerStats(_message.Message):
     prompt_tokens_total: int
     generation_tokens_total: int
     kv_event_seq: int
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_event_seq: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    incarnation: int
+    engine_state: EngineState
+    engine_error: str
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_event_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_state: _Optional[_Union[EngineState, str]] = ..., engine_error: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "block_size", "hash_fingerprint", "max_model_len", "vocab_size", "num_kv_blocks", "kv_cache_dtype", "dtype", "max_num_seqs", "tokenizer_fingerprint")
+    __slots__ = ("model_id", "block_size", "hash_fingerprint", "max_model_len", "vocab_size", "num_kv_blocks", "kv_cache_dtype", "dtype", "max_num_seqs", "tokenizer_fingerprint", "worker_id", "incarnation", "attention_backend", "dtype_reason")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +162,10 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_size: int
     hash_fingerprint: str
@@ -141,7 +176,11 @@ class WorkerInfo(_message.Message):
     dtype: str
     max_num_seqs: int
     tokenizer_fingerprint: str
-    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    incarnation: int
+    attention_backend: str
+    dtype_reason: str
+    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., attention_backend: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
 
 class GetKVEventsRequest(_message.Message):
     __slots__ = ("after_seq", "max_events")
@@ -174,15 +213,19 @@ class KVEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("is_snapshot", "snapshot_seq", "snapshot_hashes", "events", "latest_seq")
+    __slots__ = ("is_snapshot", "snapshot_seq", "snapshot_hashes", "events", "latest_seq", "worker_id", "incarnation")
     IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HASHES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LATEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     is_snapshot: bool
     snapshot_seq: int
     snapshot_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     latest_seq: int
-    def __init__(self, is_snapshot: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., latest_seq: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    incarnation: int
+    def __init__(self, is_snapshot: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., latest_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
