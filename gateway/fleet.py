@@ -41,6 +41,11 @@ class FleetView:
         ids = tuple(sorted(replicas))
         return cls(ids, {r: ReplicaLoad() for r in ids}, kv_index or KVIndex(ids))
 
+    def without(self, exclude: frozenset[str]) -> FleetView:
+        """The view less some replicas (a retry's failed workers): same loads, the index narrowed to match."""
+        kept = tuple(r for r in self.replicas if r not in exclude)
+        return FleetView(kept, {r: self.loads[r] for r in kept}, self.kv_index.narrowed(kept))
+
     @property
     def total_in_flight(self) -> int:
         return sum(load.in_flight for load in self.loads.values())

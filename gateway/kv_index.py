@@ -73,6 +73,10 @@ class KVIndex:
         _set_depth(matched, alive, len(block_hashes))
         return matched
 
+    def narrowed(self, replicas: Sequence[str]) -> NarrowedKVIndex:
+        """A read-only view of this index over some of its replicas (`match` aligned with `replicas`)."""
+        return NarrowedKVIndex(self, replicas)
+
     # -- changes -------------------------------------------------------------------------------
 
     def add(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
@@ -126,6 +130,20 @@ class KVIndex:
         self.add(replica, block_hashes)
         self._last_seq[replica] = seq
         self._stale.discard(replica)
+
+
+class NarrowedKVIndex:
+    """`match` of a KVIndex restricted to some of its replicas, in the order given."""
+
+    def __init__(self, index: KVIndex, replicas: Sequence[str]) -> None:
+        self.replicas = tuple(replicas)
+        self._index = index
+        position = {r: i for i, r in enumerate(index.replicas)}
+        self._positions = [position[r] for r in self.replicas]
+
+    def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
+        matched = self._index.match(block_hashes)
+        return [matched[i] for i in self._positions]
 
 
 class LearnedKVIndex(KVIndex):

@@ -87,16 +87,30 @@ class PolicyOptions:
         return LoadBound(self.epsilon, self.queue_limit, self.kv_high_watermark, self.min_in_flight)
 
 
+class NoReplicaAvailable(LookupError):
+    """The view has no replica to route to (an empty fleet, or every replica excluded)."""
+
+
 class RoutingPolicy(ABC):
-    """Chooses a replica for a request from a read-only fleet view; never mutates the view."""
+    """Chooses a replica for a request from a read-only fleet view; never mutates the view.
+
+    `pick(request, fleet, exclude)` never returns a replica in `exclude` (the workers a retry already
+    failed on); it raises NoReplicaAvailable when no replica is left."""
 
     name: ClassVar[str]
 
     def __init__(self, options: PolicyOptions) -> None:
         self.options = options
 
+    def pick(self, request: RouteRequest, fleet: FleetView, exclude: frozenset[str] = frozenset()) -> RouteDecision:
+        if exclude:
+            fleet = fleet.without(exclude)
+        if not fleet.replicas:
+            raise NoReplicaAvailable("no live worker to route to" + (" (all excluded)" if exclude else ""))
+        return self._pick(request, fleet)
+
     @abstractmethod
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision: ...
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision: ...
 
 
 def _stable_int(*parts: str) -> int:
@@ -110,7 +124,7 @@ class RoundRobin(RoutingPolicy):
         super().__init__(options)
         self._turn = 0
 
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         replica = fleet.replicas[self._turn % len(fleet.replicas)]
         self._turn += 1
         return RouteDecision(replica, "round_robin")
@@ -119,7 +133,7 @@ class RoundRobin(RoutingPolicy):
 class Random(RoutingPolicy):
     name = "random"
 
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         i = _stable_int(str(self.options.seed), request.request_id) % len(fleet.replicas)
         return RouteDecision(fleet.replicas[i], "random")
 
@@ -127,7 +141,7 @@ class Random(RoutingPolicy):
 class LeastLoaded(RoutingPolicy):
     name = "least_loaded"
 
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         n = len(fleet.replicas)
         start = _stable_int(request.request_id) % n  # spread ties instead of favouring replica 0
 
@@ -164,7 +178,7 @@ class _RingPolicy(RoutingPolicy):
 class SessionAffinity(_RingPolicy):
     name = "session"
 
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         key = request.session_id if request.session_id is not None else request.request_id
         return self._ring_decision(self.ring(fleet).walk_bounded(key, fleet, self.bound), "session")
 
@@ -172,7 +186,7 @@ class SessionAffinity(_RingPolicy):
 class PrefixRing(_RingPolicy):
     name = "prefix"
 
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         pick = self.ring(fleet).walk_bounded(self.prefix_key(request), fleet, self.bound)
         return self._ring_decision(pick, "ring")
 
@@ -180,14 +194,14 @@ class PrefixRing(_RingPolicy):
 class KVAware(_RingPolicy):
     name = "kv_aware"
 
-    def pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         ring = self.ring(fleet)
         key = self.prefix_key(request)
         matched = fleet.kv_index.match(request.block_hashes)
         order = ring.successors(key)
         total = len(request.block_hashes)
         best_replica, best = None, min(self.options.key_blocks, total) - 1  # rule 1: beat the key's depth
-        for replica in order:
+        for replica in order if total else ():  # a prompt with no full block matches nothing: to the ring
             m = matched[fleet.index_of[replica]]
             if m > best and not self.bound.is_over(replica, fleet, self.bound.in_flight_limit(fleet, 1 + m / total)):
                 best_replica, best = replica, m

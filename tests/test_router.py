@@ -3,7 +3,7 @@ import pytest
 from gateway.fleet import FleetView
 from gateway.hash_ring import HashRing, LoadBound
 from gateway.kv_index import KVIndex
-from gateway.router import POLICY_NAMES, RouteRequest, make_policy
+from gateway.router import POLICY_NAMES, NoReplicaAvailable, RouteRequest, make_policy
 
 REPLICAS = [f"r{i}" for i in range(8)]
 
@@ -175,3 +175,28 @@ def test_kv_aware_lets_a_replica_holding_the_prompt_carry_more_load():
     assert make_policy("kv_aware", key_blocks=2).pick(req, view).replica == "r6"
     view.loads["r6"].in_flight = 5  # ceil(2.0 * 20 / 8) = 5: now over even with the slack
     assert make_policy("kv_aware", key_blocks=2).pick(req, view).replica != "r6"
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_an_empty_fleet_or_every_replica_excluded_raises_no_replica_available(name):
+    with pytest.raises(NoReplicaAvailable, match="no live worker"):
+        make_policy(name).pick(RouteRequest("r", [], 5), FleetView.empty([]))
+    with pytest.raises(NoReplicaAvailable, match="all excluded"):
+        make_policy(name).pick(RouteRequest("r", [], 5), FleetView.empty(["a", "b"]), exclude=frozenset({"a", "b"}))
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_pick_never_returns_an_excluded_replica(name):
+    fleet = FleetView.empty(["a", "b", "c"])
+    fleet.kv_index.add("b", [b"h0", b"h1"])
+    policy = make_policy(name)
+    for i in range(20):
+        request = RouteRequest(f"r{i}", [b"h0", b"h1"], 40, session_id="s")
+        assert policy.pick(request, fleet, exclude=frozenset({"b"})).replica in ("a", "c")
+
+
+def test_kv_aware_routes_a_prompt_with_no_full_block():
+    """A prompt shorter than one block has no hash: it goes to the ring like any new prefix (no ZeroDivision)."""
+    fleet = FleetView.empty(["a", "b"])
+    decision = make_policy("kv_aware").pick(RouteRequest("short", [], 9), fleet)
+    assert decision.reason == "ring" and decision.matched_blocks == 0

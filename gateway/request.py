@@ -1,0 +1,119 @@
+"""The gateway's one internal request type and what comes back, between the front doors and the request path.
+
+    HTTP (OpenAI) ─┐                                                          ┌─► Chunk, Chunk, ... (per choice)
+    gRPC Gateway ──┼─► GatewayRequest ─► RequestPath.generate(request) ─► Generation ─┤
+    gRPC Worker ───┘   (validated shape)  auth → template → tokenize → hash    └─► usage, route
+                                           → route → forward → detokenize
+
+A front door only translates: it parses its wire format into a `GatewayRequest` (refusing malformed input
+with gateway.errors.InvalidRequestError naming the field), calls `RequestPath.generate`, and renders the
+`Generation` back. Everything else (auth, limits, templates, tokenization, routing, retries, stop strings,
+detokenization) happens once, in the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvroute.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who is calling, from the authenticated API key (or the one open tenant when no keys are configured)."""
+
+    name: str
+    cache_salt: str  # set on the server; a client's salt is only ever mixed in under it
+    max_concurrency: int | None = None  # requests in flight at once; past it: 429 with Retry-After
+
+
+@dataclass
+class GatewayRequest:
+    """One client request, validated for shape by its front door. Exactly one of `prompt`, `messages` and
+    `prompt_token_ids` is set."""
+
+    api_key: str | None  # as the client sent it (Authorization: Bearer / gRPC metadata); None when absent
+    model: str | None  # the model the client named; None or the served model's name are both accepted
+    prompt: str | None = None  # completions: plain text, tokenized with the model's BOS when it wants one
+    messages: list[dict[str, Any]] | None = None  # chat: rendered through the model's chat template
+    prompt_token_ids: list[int] | None = None  # token-level clients (gRPC); used as given
+    params: SamplingParams = field(default_factory=SamplingParams)  # token-level sampling, sent to the worker
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text across token boundaries
+    n: int = 1  # independent choices for the same prompt (each its own worker request)
+    session_id: str | None = None  # x-session-id header or OpenAI `user`: the `session` policy's key
+    app: str | None = None  # x-kvroute-app header: the prefix doctor's grouping (default: the API key's tenant)
+    client_cache_salt: str = ""  # mixed in under the tenant's salt, never replacing it
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. `tools`, passed to the chat template
+    skip_special_tokens: bool = True
+    stream: bool = False
+    kind: Literal["chat", "completion", "tokens"] = "completion"
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent from the client, if any
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    """Where a request went and why: the `x-kvroute-worker` and `x-kvroute-route` headers."""
+
+    worker_id: str
+    address: str
+    policy: str
+    reason: str
+    matched_blocks: int = 0
+    skipped: tuple[str, ...] = ()  # replicas passed over for load (or excluded after a failure)
+    attempts: int = 1  # workers tried, the last one included
+
+    def header(self) -> str:
+        """`policy=kv_aware; reason=hit; matched_blocks=12; skipped=w1,w3; attempts=1`."""
+        parts = [f"policy={self.policy}", f"reason={self.reason}", f"matched_blocks={self.matched_blocks}"]
+        if self.skipped:
+            parts.append(f"skipped={','.join(self.skipped)}")
+        parts.append(f"attempts={self.attempts}")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str  # the token's text (bytes that are not valid UTF-8 alone are shown as in OpenAI: "bytes:\\xe2")
+    token_id: int
+    logprob: float
+    bytes: list[int]
+    top: tuple[TokenLogprob, ...] = ()  # the most likely alternatives, most likely first (top_logprobs)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output of one choice: text to append (stop strings already cut) and the tokens it came from.
+    The last chunk of a choice has `finish_reason` set ("stop" | "length" | "abort")."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when params.logprobs
+    finish_reason: str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # over every choice
+    cached_tokens: int = 0  # prompt tokens the worker served from its prefix cache (of the first choice)
+
+
+class Generation:
+    """The answer to one request. `route` is known before the first chunk (so headers can be sent), `usage`
+    once the iteration has ended. Iterating yields Chunks of every choice, interleaved; an error after the
+    first chunk raises a GatewayError (UpstreamError) from the iteration. Leaving the iteration early (a
+    client that disconnected) cancels every worker request of this generation, freeing their blocks."""
+
+    request_id: str
+    route: RouteInfo
+    prompt_token_ids: list[int]
+    usage: Usage
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
