@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m kernels.cpu_backend
 	touch $(STAMP)
 
+# The main job: a local fleet (2 SmolLM2 workers + the gateway, `kvroute up`) answers a chat request, shows where
+# it was routed and its cached tokens on a repeat, and stops (launch/demo.py). Then the routing replay.
 run: setup
+	$(PY) -m launch.demo --workers 2 --model smollm2
 	$(VENV)/bin/kvroute replay synthetic:multiturn --replicas 4 --policies round_robin,prefix,kv_aware
-	$(VENV)/bin/kvroute generate --model smollm2 --chat --prompt "What is the capital of France?" --max-tokens 32 --temperature 0
 
 test: setup
 	$(PY) -m pytest -q

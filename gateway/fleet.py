@@ -2,6 +2,7 @@
 
 The live gateway fills it from heartbeats and KV events (embedded or through Redis); the replay fills it
 from its simulated replicas. A policy only reads it, so two gateways with equal views decide alike.
+The fleet state changes its membership in place (`add_replica`, `remove_replica`), between two picks.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ class FleetView:
         """The view less some replicas (a retry's failed workers): same loads, the index narrowed to match."""
         kept = tuple(r for r in self.replicas if r not in exclude)
         return FleetView(kept, {r: self.loads[r] for r in kept}, self.kv_index.narrowed(kept))
+
+    def add_replica(self, replica: str, load: ReplicaLoad | None = None) -> None:
+        """A worker joins: in `replicas` (sorted), `loads` and the KV index (with no entries)."""
+        self.kv_index.add_replica(replica)
+        self.loads[replica] = load or ReplicaLoad()
+        self.replicas = self.kv_index.replicas
+        self.index_of = {r: i for i, r in enumerate(self.replicas)}
+
+    def remove_replica(self, replica: str) -> None:
+        """A worker leaves: out of `replicas`, `loads` and the KV index; the others' entries stay."""
+        self.kv_index.remove_replica(replica)
+        del self.loads[replica]
+        self.replicas = self.kv_index.replicas
+        self.index_of = {r: i for i, r in enumerate(self.replicas)}
 
     @property
     def total_in_flight(self) -> int:

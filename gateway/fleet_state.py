@@ -22,10 +22,15 @@ view and the KV index in place, never rebuilding them from nothing.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from gateway.fleet import FleetView
+from gateway.kv_index import BlockKey, KVEventLike
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,3 +82,225 @@ class FleetState(ABC):
 
     @abstractmethod
     def on_failure(self, worker_id: str) -> None: ...
+
+
+# -- the books both implementations keep ------------------------------------------------------------------
+
+
+@dataclass
+class FleetCounters:
+    """Membership and parity events since start, for the gateway's metrics (all monotonic)."""
+
+    joins: int = 0
+    leaves: int = 0
+    restarts: int = 0  # a known worker came back with a new incarnation
+    resyncs: int = 0  # a worker's KV entries were replaced from a snapshot
+    parity_mismatches: dict[str, int] = field(default_factory=dict)  # worker id -> mismatched incarnations seen
+
+
+@dataclass
+class _Reported:
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class FleetBook:
+    """Members, reported load, this gateway's own in-flight counts and the KV index: the state both fleet
+    states keep, whatever feeds it. Used from one event loop; every method is synchronous, so a `view()`
+    taken for one pick never changes under it.
+
+    Caller contract (the feeding side):
+      1. `admit(...)` when a worker answers GetInfo / appears in the registry: it joins, or, with a new
+         incarnation, restarts (its entries dropped; its sequence starts over at 0). It returns the member.
+      2. `report_load` with each stats report; `apply_events` with its KV events in order (False on a
+         sequence gap: resync it), `resync` with a snapshot. Each takes the incarnation the data came
+         with and ignores data from any other incarnation (returning False from `apply_events`).
+      3. `leave(worker_id, reason)` when its heartbeat expires, it stops answering, or its engine is dead.
+    Load of a member: its reported running + waiting, plus this gateway's requests dispatched since that
+    report less those finished since, never below this gateway's own in-flight count (with no report yet,
+    the own count alone). `queued` and `kv_usage` are as reported.
+    """
+
+    def __init__(self, identity: FleetIdentity) -> None:
+        self.identity = identity
+        self.fleet = FleetView.empty([])
+        self.counters = FleetCounters()
+        self._members: dict[str, WorkerMember] = {}
+        self._own: dict[str, int] = {}  # this gateway's requests in flight per worker (members or not)
+        self._since_report: dict[str, int] = {}  # own dispatches less own finishes since the last report
+        self._reported: dict[str, _Reported] = {}
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def member(self, worker_id: str) -> WorkerMember | None:
+        return self._members.get(worker_id)
+
+    def members(self) -> list[WorkerMember]:
+        return [self._members[w] for w in sorted(self._members)]
+
+    def is_current(self, worker_id: str, incarnation: int) -> bool:
+        member = self._members.get(worker_id)
+        return member is not None and member.incarnation == incarnation
+
+    def last_seq(self, worker_id: str) -> int:
+        """The last KV event seq applied for a member (0: nothing yet, or its entries are not scored)."""
+        return self.fleet.kv_index.last_seq(worker_id)
+
+    def in_flight(self, worker_id: str) -> int:
+        """This gateway's own requests in flight on a worker."""
+        return self._own.get(worker_id, 0)
+
+    # -- membership -----------------------------------------------------------------------------------
+
+    def admit(
+        self,
+        worker_id: str,
+        address: str,
+        incarnation: int,
+        model_id: str,
+        block_size: int,
+        max_model_len: int,
+        hash_fingerprint: str,
+        tokenizer_fingerprint: str,
+    ) -> WorkerMember:
+        """A worker as it describes itself: joins, restarts (new incarnation) or stays (a changed address
+        is taken). Parity is checked here: a mismatch is logged once per incarnation and counted."""
+        identity = self.identity
+        parity_ok = hash_fingerprint == identity.hash_fingerprint and tokenizer_fingerprint == (
+            identity.tokenizer_fingerprint
+        )
+        member = WorkerMember(
+            worker_id, address, incarnation, model_id, block_size, max_model_len,
+            hash_fingerprint, tokenizer_fingerprint, parity_ok,
+        )  # fmt: skip
+        old = self._members.get(worker_id)
+        if old == member:
+            return old
+        if old is None:
+            self.fleet.add_replica(worker_id)
+            self.counters.joins += 1
+            logger.info("fleet: worker %s joined at %s (incarnation %d)", worker_id, address, incarnation)
+        elif old.incarnation != incarnation:
+            self.fleet.kv_index.reset_replica(worker_id)
+            self._reported.pop(worker_id, None)
+            self._since_report.pop(worker_id, None)
+            self.counters.restarts += 1
+            logger.info(
+                "fleet: worker %s restarted (incarnation %d -> %d); its KV entries were dropped",
+                worker_id, old.incarnation, incarnation,
+            )  # fmt: skip
+        if not parity_ok and (old is None or old.incarnation != incarnation or old.parity_ok):
+            self.counters.parity_mismatches[worker_id] = self.counters.parity_mismatches.get(worker_id, 0) + 1
+            logger.warning(
+                "fleet: worker %s at %s fails hash parity (model %r, block size %d, hash %s, tokenizer %s; this "
+                "gateway: model %r, block size %d, hash %s, tokenizer %s): routed by load only, its cached "
+                "prefixes are not scored",
+                worker_id, address, model_id, block_size, hash_fingerprint[:12], tokenizer_fingerprint[:12],
+                identity.model_id, identity.block_size, identity.hash_fingerprint[:12],
+                identity.tokenizer_fingerprint[:12],
+            )  # fmt: skip
+            self.fleet.kv_index.reset_replica(worker_id)
+        self._members[worker_id] = member
+        self._refresh_load(worker_id)
+        return member
+
+    def leave(self, worker_id: str, reason: str) -> None:
+        """The worker stops being a candidate; its KV entries go, every other worker's stay."""
+        if self._members.pop(worker_id, None) is None:
+            return
+        self.fleet.remove_replica(worker_id)
+        self._reported.pop(worker_id, None)
+        self._since_report.pop(worker_id, None)
+        self.counters.leaves += 1
+        logger.warning("fleet: worker %s left the candidates: %s", worker_id, reason)
+
+    # -- reports --------------------------------------------------------------------------------------
+
+    def report_load(self, worker_id: str, incarnation: int, running: int, waiting: int, kv_usage: float) -> None:
+        if not self.is_current(worker_id, incarnation):
+            return
+        self._reported[worker_id] = _Reported(running, waiting, kv_usage)
+        self._since_report[worker_id] = 0
+        self._refresh_load(worker_id)
+
+    def apply_events(self, worker_id: str, incarnation: int, events: Iterable[KVEventLike]) -> bool:
+        """Apply a member's KV events in order. False on a sequence gap (resync it) or for data of another
+        incarnation (re-admit it). A worker that fails parity keeps no entries: its events are dropped."""
+        if not self.is_current(worker_id, incarnation):
+            return False
+        if not self._members[worker_id].parity_ok:
+            return True
+        return self.fleet.kv_index.apply(worker_id, events)
+
+    def resync(self, worker_id: str, incarnation: int, seq: int, block_hashes: Iterable[BlockKey]) -> None:
+        """Replace a member's entries with its snapshot as of event `seq`."""
+        if not self.is_current(worker_id, incarnation):
+            return
+        if not self._members[worker_id].parity_ok:
+            block_hashes = ()
+        self.fleet.kv_index.resync(worker_id, seq, block_hashes)
+        self.counters.resyncs += 1
+
+    # -- this gateway's own requests ------------------------------------------------------------------
+
+    def on_dispatch(self, worker_id: str) -> None:
+        self._own[worker_id] = self._own.get(worker_id, 0) + 1
+        if worker_id in self._since_report:
+            self._since_report[worker_id] += 1
+        self._refresh_load(worker_id)
+
+    def on_finish(self, worker_id: str) -> None:
+        own = self._own.get(worker_id, 0)
+        if own <= 1:
+            self._own.pop(worker_id, None)
+        else:
+            self._own[worker_id] = own - 1
+        if worker_id in self._since_report:
+            self._since_report[worker_id] -= 1
+        self._refresh_load(worker_id)
+
+    def _refresh_load(self, worker_id: str) -> None:
+        load = self.fleet.loads.get(worker_id)
+        if load is None:
+            return
+        own = self._own.get(worker_id, 0)
+        reported = self._reported.get(worker_id)
+        if reported is None:
+            load.in_flight, load.queued, load.kv_usage = own, 0, 0.0
+            return
+        estimate = reported.running + reported.waiting + self._since_report[worker_id]
+        load.in_flight = max(own, estimate)
+        load.queued = reported.waiting
+        load.kv_usage = reported.kv_usage
+
+
+class BookkeepingFleetState(FleetState):
+    """The part of a FleetState that reads and writes its FleetBook; implementations feed the book."""
+
+    def __init__(self, identity: FleetIdentity) -> None:
+        self.book = FleetBook(identity)
+
+    @property
+    def identity(self) -> FleetIdentity:
+        return self.book.identity
+
+    @property
+    def counters(self) -> FleetCounters:
+        """Joins, leaves, restarts, resyncs and parity mismatches per worker (for the gateway's metrics)."""
+        return self.book.counters
+
+    def view(self) -> FleetView:
+        return self.book.fleet
+
+    def member(self, worker_id: str) -> WorkerMember | None:
+        return self.book.member(worker_id)
+
+    def members(self) -> list[WorkerMember]:
+        return self.book.members()
+
+    def on_dispatch(self, worker_id: str) -> None:
+        self.book.on_dispatch(worker_id)
+
+    def on_finish(self, worker_id: str) -> None:
+        self.book.on_finish(worker_id)

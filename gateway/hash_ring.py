@@ -77,7 +77,9 @@ class HashRing:
             raise ValueError("a hash ring needs at least one replica")
         self.replicas = tuple(replicas)
         self._ring = _UHashRing(nodes=list(self.replicas), vnodes=vnodes)
-        self._points = sorted(point for point, _ in self._ring.get_points())
+        points = sorted(self._ring.get_points())
+        self._points = [point for point, _ in points]
+        self._owners = [owner for _, owner in points]
         self._successors: dict[int, tuple[str, ...]] = {}
 
     def position(self, key: Hashable) -> int:
@@ -89,8 +91,13 @@ class HashRing:
         pos = self.position(key)
         cached = self._successors.get(pos)
         if cached is None:
-            cached = tuple(self._ring.iterate_nodes(ring_key(key)))
-            self._successors[pos] = cached
+            seen: dict[str, None] = {}
+            owners, n, total = self._owners, len(self.replicas), len(self._owners)
+            for i in range(pos, pos + total):  # the continuum from the key's point, wrapping once
+                seen.setdefault(owners[i % total])
+                if len(seen) == n:
+                    break
+            cached = self._successors[pos] = tuple(seen)
         return cached
 
     def walk_bounded(self, key: Hashable, fleet: FleetView, bound: LoadBound) -> RingPick:

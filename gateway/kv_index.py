@@ -10,6 +10,12 @@ events carry a sequence number that grows by one; a gap means events were lost, 
 entries can no longer be trusted: `apply` returns False, the replica is marked stale (it matches
 nothing) until the caller resyncs it from the worker's snapshot (`BlockPool.snapshot()`).
 
+Membership changes in place (DESIGN §4): `add_replica` (a worker joined), `remove_replica` (it left: its
+entries go, everyone else's stay), `reset_replica` (it restarted with a new incarnation: its entries and
+sequence number start over, even when the new numbers would pass the old ones); after any of them
+`replicas` is sorted. Each replica owns one bit of a holder mask for as long as it is a member (a
+freed bit is reused by the next joiner), so a membership change touches only that replica's blocks.
+
 `LearnedKVIndex` is the index of a gateway that sees no events: it assumes the blocks of every request
 it routed are stored on the replica it chose, bounded per replica by an LRU of the replica's capacity.
 """
@@ -33,8 +39,13 @@ class KVIndex:
     """Per replica, the set of cached block hashes; one dict hash -> bitmask of holders for matching."""
 
     def __init__(self, replicas: Sequence[str]) -> None:
+        if len(set(replicas)) != len(replicas):
+            raise ValueError(f"replica ids must be distinct, got {tuple(replicas)}")
         self.replicas = tuple(replicas)
         self._bit = {r: 1 << i for i, r in enumerate(self.replicas)}
+        self._slot_order: list[int] | None = None  # slot of each replica in order; None while slot == position
+        self._num_slots = len(self.replicas)
+        self._alive = (1 << len(self.replicas)) - 1  # the bits of the replicas that are not stale
         self._holders: dict[BlockKey, int] = {}
         self._held: dict[str, set[BlockKey]] = {r: set() for r in self.replicas}
         self._last_seq: dict[str, int] = {r: 0 for r in self.replicas}
@@ -48,6 +59,15 @@ class KVIndex:
     def holds(self, replica: str, block_hash: BlockKey) -> bool:
         return block_hash in self._held[replica]
 
+    def holder_count(self, block_hash: BlockKey) -> int:
+        """How many replicas hold `block_hash` (stale replicas not counted)."""
+        return (self._holders.get(block_hash, 0) & self._alive).bit_count()
+
+    def holders(self, block_hash: BlockKey) -> tuple[str, ...]:
+        """The replicas that hold `block_hash`, in `self.replicas` order (stale replicas left out)."""
+        mask = self._holders.get(block_hash, 0) & self._alive
+        return tuple(r for r in self.replicas if mask & self._bit[r]) if mask else ()
+
     def is_stale(self, replica: str) -> bool:
         """True after a sequence gap, until `resync`: the replica's entries are ignored by `match`."""
         return replica in self._stale
@@ -57,11 +77,9 @@ class KVIndex:
 
     def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
         """Leading blocks of `block_hashes` held by each replica, in `self.replicas` order."""
-        n = len(self.replicas)
-        matched = [0] * n
-        alive = (1 << n) - 1
-        for replica in self._stale:
-            alive &= ~self._bit[replica]
+        order = self._slot_order
+        matched = [0] * self._num_slots
+        alive = self._alive
         holders = self._holders
         for depth, block_hash in enumerate(block_hashes):
             held = holders.get(block_hash, 0) & alive
@@ -69,13 +87,57 @@ class KVIndex:
                 _set_depth(matched, alive & ~held, depth)
                 alive = held
                 if not alive:
-                    return matched
-        _set_depth(matched, alive, len(block_hashes))
-        return matched
+                    break
+        else:
+            _set_depth(matched, alive, len(block_hashes))
+        return matched if order is None else [matched[slot] for slot in order]
 
     def narrowed(self, replicas: Sequence[str]) -> NarrowedKVIndex:
         """A read-only view of this index over some of its replicas (`match` aligned with `replicas`)."""
         return NarrowedKVIndex(self, replicas)
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add_replica(self, replica: str) -> None:
+        """A new member with no entries and sequence 0; `replicas` keeps its sorted order."""
+        if replica in self._bit:
+            raise ValueError(f"replica {replica!r} is already in the index")
+        used = set(self._bit.values())
+        slot = next(i for i in range(len(used) + 1) if 1 << i not in used)
+        self._bit[replica] = 1 << slot
+        self._held[replica] = set()
+        self._last_seq[replica] = 0
+        self.replicas = tuple(sorted((*self.replicas, replica)))
+        self._alive |= self._bit[replica]
+        self._renumber()
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget a member and its entries; the other replicas' entries are untouched."""
+        self.clear(replica)
+        self._alive &= ~self._bit[replica]
+        del self._bit[replica], self._held[replica], self._last_seq[replica]
+        self._stale.discard(replica)
+        self.replicas = tuple(r for r in self.replicas if r != replica)
+        self._renumber()
+
+    def reset_replica(self, replica: str) -> None:
+        """Drop a member's entries and restart its sequence at 0 (a restart: a new incarnation)."""
+        self.clear(replica)
+        self._last_seq[replica] = 0
+        self._set_stale(replica, False)
+
+    def _renumber(self) -> None:
+        order = [self._bit[r].bit_length() - 1 for r in self.replicas]
+        self._slot_order = None if order == list(range(len(order))) else order
+        self._num_slots = max(order, default=-1) + 1
+
+    def _set_stale(self, replica: str, stale: bool) -> None:
+        if stale:
+            self._stale.add(replica)
+            self._alive &= ~self._bit[replica]
+        else:
+            self._stale.discard(replica)
+            self._alive |= self._bit[replica]
 
     # -- changes -------------------------------------------------------------------------------
 
@@ -111,7 +173,7 @@ class KVIndex:
             if event.seq < expected:
                 continue
             if event.seq > expected:
-                self._stale.add(replica)
+                self._set_stale(replica, True)
                 return False
             if event.kind == "stored":
                 self.add(replica, event.block_hashes)
@@ -129,7 +191,7 @@ class KVIndex:
         self.clear(replica)
         self.add(replica, block_hashes)
         self._last_seq[replica] = seq
-        self._stale.discard(replica)
+        self._set_stale(replica, False)
 
 
 class NarrowedKVIndex:
@@ -145,6 +207,13 @@ class NarrowedKVIndex:
         matched = self._index.match(block_hashes)
         return [matched[i] for i in self._positions]
 
+    def holders(self, block_hash: BlockKey) -> tuple[str, ...]:
+        kept = set(self.replicas)
+        return tuple(r for r in self._index.holders(block_hash) if r in kept)
+
+    def holder_count(self, block_hash: BlockKey) -> int:
+        return len(self.holders(block_hash))
+
 
 class LearnedKVIndex(KVIndex):
     """A gateway's own guess of the fleet's cache, learned from its routing decisions only.
@@ -156,6 +225,18 @@ class LearnedKVIndex(KVIndex):
         super().__init__(replicas)
         self.capacity_blocks = capacity_blocks
         self._lru: dict[str, OrderedDict[BlockKey, None]] = {r: OrderedDict() for r in self.replicas}
+
+    def add_replica(self, replica: str) -> None:
+        super().add_replica(replica)
+        self._lru[replica] = OrderedDict()
+
+    def remove_replica(self, replica: str) -> None:
+        super().remove_replica(replica)
+        del self._lru[replica]
+
+    def reset_replica(self, replica: str) -> None:
+        super().reset_replica(replica)
+        self._lru[replica].clear()
 
     def record_routed(self, replica: str, block_hashes: Sequence[BlockKey]) -> None:
         lru = self._lru[replica]

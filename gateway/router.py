@@ -1,38 +1,40 @@
 """Routing policies: one interface, `RoutingPolicy.pick(request, fleet) -> RouteDecision`.
 
-Every policy is deterministic given the same fleet view, so two gateways with equal views agree
-(`round_robin` is the exception by nature: its turn is the gateway's own counter).
-
 - `round_robin`, `random` (seeded, keyed by request id), `least_loaded` (fewest in flight + queued).
-- `session`: the session id on the consistent-hash ring, bounded loads (see gateway.hash_ring).
-- `prefix`: the request's prefix key on the ring, bounded loads. The key is the chained hash of the first
-  `key_blocks` blocks (of all blocks when fewer); since hashes are chained, that is simply the hash at
-  depth min(key_blocks, len) - 1. The depth must pass the prefix that *all* traffic shares (a system
-  prompt) or every request lands on one ring position, and stop before the part that grows turn by
-  turn, or a conversation's turns scatter. The default, 1,024 tokens (2 blocks of Mooncake's 512, 64
-  of ours of 16), comes from the Mooncake conversation trace: block 0 (512 tokens) is shared by all
-  12,031 requests, block 1 already names the conversation (7,373 distinct keys), and every request has
-  at least 2 blocks, so no turn falls back to a shorter key than its conversation's.
-- `kv_aware`: the longest cached prefix according to the fleet KV index, weighed against load. The
-  exact rule, chosen on the Mooncake conversation trace (8 replicas, see the replay's figures):
-    1. a hit must cover the prefix key's block (depth min(key_blocks, len)): a shorter match is only
-       the prefix that all traffic shares (the trace's block 0, a system prompt) and says nothing. (A
-       looser rule, "or half of the prompt", followed each tenant's salted system prompt on the synthetic
-       many-tenant workload, 37,472 -> 25,568 prefill tokens, but drew every new chat to the replicas that
-       held the shared system prompt and split chats across them: multi-turn, 120 requests, 16,928 ->
-       26,928 with two replicas idle. A prompt whose shared part ends before the key's depth is scattered
-       by its key; a deeper or shallower key, `--prefix-key-tokens`, is the workload's knob.)
-    2. a replica that holds a share f of the prompt may carry more load before it is skipped: it is a
-       candidate while under the bound with epsilon x (1 + f) (so a full hit doubles the slack; a
-       recompute costs far more than a slightly longer queue);
-    3. among the candidates, the longest match wins, ties broken by the prefix key's ring order
-       (reason "hit"; `skipped` lists the better-matching replicas that were over their bound);
-    4. no candidate: the request is new to the fleet (or its holders are full), so it takes the
-       bounded ring walk of `prefix` ("ring" or "fallback-overloaded"): a new conversation's next
-       turns, and its spill, go to predictable replicas.
-  Without the load term every request follows block 0 to one replica (the trace README's warning);
-  with a plain bound (no step 2) and epsilon 0.5 (the default) kv_aware prefilled 96.4 M tokens, 6%
-  above the ideal's 90.7 M; with step 2, 92.3 M (within 2%), at a busy-time imbalance of 1.02.
+- `session`: the session id on the consistent-hash ring (gateway.hash_ring), bounded loads.
+- `prefix`: the request's routing key on the ring, bounded loads; it reads no KV index. The key's owner
+  is taken to hold the whole prompt, so it has the slack of a full hit (rule 2 below with f = 1).
+- `kv_aware`: the longest cached prefix per the fleet KV index, weighed against load; the ring for the rest.
+
+The routing key (`prefix`, `kv_aware`) is the first block past the common prefix: the leading blocks that
+more than one replica's share of recent traffic carries (gateway.common_prefix). It lies past a system
+prompt or a popular tenant's tool schemas whatever their length, and at a conversation's, a small
+tenant's or a one-off request's first block of its own, which its later turns carry too. A prompt with
+no full block is keyed by its request id.
+
+`kv_aware` decides by these rules, in order (`KVAware._pick` follows them one by one):
+  1. A replica's match is the leading blocks it holds per the index. Only a match deeper than the common
+     prefix says where the request belongs.
+  2. A replica that holds a share f of the prompt stays a candidate under the load bound with epsilon
+     scaled by (1 + HIT_SLACK x f): a recompute costs more than a somewhat longer queue.
+  3. Among the candidates the longest match wins, ties broken by the key's ring order (reason "hit";
+     `skipped` lists the better-matching replicas that were over their bound).
+  4. No candidate: the request's own part is new to the fleet. It goes to the first replica in the key's
+     ring order that holds the common prefix and is under its bound (with rule 2's slack for the share
+     of the prompt that prefix is), so only its own part is computed (reason "ring"); if none does, to the
+     first under the plain bound ("ring", or "fallback-overloaded" when the walk passed replicas over
+     it). A new prefix's next requests, and its spill, go to predictable replicas.
+Every ring policy then applies the starvation guard to a request that is not a hit: a replica that never
+received a request holds no block, so rules 1-4 would never send it one. While the chosen replica is
+busy (a prefill queue, or a request more than the fleet's mean in flight), the request goes instead to the
+first idle replica in the key's ring order that the policy has not chosen in its last
+STARVATION_WINDOW x N decisions (reason "idle"; any idle replica it never chose qualifies at once). A light
+fleet is never busy, so it keeps its stickiness.
+
+Every policy is deterministic for the same fleet view and the same earlier requests (`round_robin`'s turn,
+the common-prefix sketch and the guard's memory are the policy's own state): two gateways with equal views
+that were dealt the same traffic agree. The live gateway's loads come from worker reports plus its own
+in-flight counts, the replay's from its simulation; the rules read only `FleetView`.
 """
 
 from __future__ import annotations
@@ -40,14 +42,16 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
+from gateway.common_prefix import CommonPrefixSketch
 from gateway.fleet import FleetView
-from gateway.hash_ring import DEFAULT_VNODES, HashRing, LoadBound, RingPick
+from gateway.hash_ring import DEFAULT_VNODES, HashRing, LoadBound
 
 BlockKey = Hashable
-DEFAULT_KEY_BLOCKS = 64  # 1,024 tokens of 16-token blocks; see the module docstring
+HIT_SLACK = 2.0  # rule 2: a replica holding a share f of the prompt has epsilon x (1 + HIT_SLACK x f)
+STARVATION_WINDOW = 4  # the guard: decisions per replica an idle replica may go unchosen while others are busy
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class RouteRequest:
 @dataclass(frozen=True)
 class RouteDecision:
     replica: str
-    reason: str  # hit, ring, session, fallback-overloaded, round_robin, least_loaded, random
+    reason: str  # hit, ring, session, fallback-overloaded, idle, round_robin, least_loaded, random
     matched_blocks: int = 0  # leading blocks the chosen replica holds, per the view's KV index
     skipped: tuple[str, ...] = ()  # ring successors (or better-matching replicas) passed over for load
 
@@ -72,13 +76,10 @@ class PolicyOptions:
     queue_limit: int = 8
     kv_high_watermark: float = 0.95
     min_in_flight: int = 3
-    key_blocks: int = DEFAULT_KEY_BLOCKS
     vnodes: int = DEFAULT_VNODES
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.key_blocks < 1:
-            raise ValueError(f"key_blocks must be >= 1, got {self.key_blocks}")
         if self.vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {self.vnodes}")
 
@@ -152,27 +153,65 @@ class LeastLoaded(RoutingPolicy):
         return RouteDecision(fleet.replicas[min(range(n), key=load)], "least_loaded")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's prefix puts it on the ring (see the module docstring)."""
+
+    key: BlockKey  # the first block past the common prefix: the request's own routing key
+    common: int  # leading blocks that more than one replica's share of recent traffic carries
+    order: tuple[str, ...]  # every replica once, in the key's ring order
+
+
 class _RingPolicy(RoutingPolicy):
-    """A policy that walks a consistent-hash ring over the fleet's replicas (rebuilt when they change)."""
+    """A policy that walks a consistent-hash ring over the fleet's replicas (rebuilt when they change),
+    with the starvation guard of the module docstring."""
 
     def __init__(self, options: PolicyOptions) -> None:
         super().__init__(options)
         self.bound = options.bound
         self._ring: HashRing | None = None
+        self._decisions = 0
+        self._last_chosen: dict[str, int] = {}  # replica -> the decision that last chose it
 
     def ring(self, fleet: FleetView) -> HashRing:
         if self._ring is None or self._ring.replicas != fleet.replicas:
             self._ring = HashRing(fleet.replicas, self.options.vnodes)
         return self._ring
 
-    def prefix_key(self, request: RouteRequest) -> BlockKey:
-        if not request.block_hashes:
-            return request.request_id  # no full block: nothing to share, spread by request
-        return request.block_hashes[min(self.options.key_blocks, len(request.block_hashes)) - 1]
+    def _walk(self, order: Sequence[str], fleet: FleetView, slack: float = 1.0) -> tuple[str | None, tuple[str, ...]]:
+        """The first replica of `order` under its bound (None if none is), and the ones over it before it."""
+        limit = self.bound.in_flight_limit(fleet, slack)
+        for i, replica in enumerate(order):
+            if not self.bound.is_over(replica, fleet, limit):
+                return replica, tuple(order[:i])
+        return None, tuple(order)
 
     @staticmethod
-    def _ring_decision(pick: RingPick, reason: str) -> RouteDecision:
-        return RouteDecision(pick.replica, "fallback-overloaded" if pick.skipped else reason, skipped=pick.skipped)
+    def _least_loaded(order: Sequence[str], fleet: FleetView) -> RouteDecision:
+        """Every replica is over its bound: the least loaded one (ties to the earlier in `order`)."""
+        replica = min(order, key=lambda r: fleet.loads[r].in_flight + fleet.loads[r].queued)
+        return RouteDecision(replica, "fallback-overloaded", 0, tuple(r for r in order if r != replica))
+
+    def _guarded(
+        self, decision: RouteDecision, order: Sequence[str], fleet: FleetView, matched: list[int] | None = None
+    ) -> RouteDecision:
+        """The decision, or (for a request that is not a hit) the first starving replica in `order`: an
+        idle one that this policy never chose, or, while the chosen replica is busy (it has a prefill queue,
+        or a request more than the fleet's mean in flight), an idle one this policy has not chosen in its
+        last STARVATION_WINDOW x N decisions. Records the choice."""
+        self._decisions += 1
+        chosen = fleet.loads[decision.replica]
+        if decision.reason != "hit" and chosen.in_flight > 0:
+            busy = chosen.queued > 0 or chosen.in_flight >= fleet.total_in_flight / len(fleet.replicas) + 1
+            horizon = self._decisions - STARVATION_WINDOW * len(fleet.replicas)
+            for replica in order:
+                last = self._last_chosen.get(replica)
+                if fleet.loads[replica].in_flight == 0 and (last is None or (busy and last <= horizon)):
+                    depth = matched[fleet.index_of[replica]] if matched else 0
+                    decision = RouteDecision(replica, "idle", depth, (decision.replica,))
+                    break
+        self._last_chosen[decision.replica] = self._decisions
+        return decision
 
 
 class SessionAffinity(_RingPolicy):
@@ -180,37 +219,76 @@ class SessionAffinity(_RingPolicy):
 
     def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
         key = request.session_id if request.session_id is not None else request.request_id
-        return self._ring_decision(self.ring(fleet).walk_bounded(key, fleet, self.bound), "session")
+        order = self.ring(fleet).successors(key)
+        replica, skipped = self._walk(order, fleet)
+        if replica is None:
+            return self._guarded(self._least_loaded(order, fleet), order, fleet)
+        reason = "fallback-overloaded" if skipped else "session"
+        return self._guarded(RouteDecision(replica, reason, 0, skipped), order, fleet)
 
 
 class PrefixRing(_RingPolicy):
+    """The request's key on the ring, bounded loads; reads no KV index. The key's owner is taken to hold
+    the whole prompt, so it has the slack of a full hit (rule 2 with f = 1)."""
+
     name = "prefix"
 
+    def __init__(self, options: PolicyOptions) -> None:
+        super().__init__(options)
+        self.sketch = CommonPrefixSketch()
+
+    def placement(self, request: RouteRequest, fleet: FleetView) -> Placement:
+        """The request's key, common depth and ring order; records the request in the sketch."""
+        ring = self.ring(fleet)
+        blocks = request.block_hashes
+        if not blocks:
+            return Placement(request.request_id, 0, ring.successors(request.request_id))
+        cells = self.sketch.cells(blocks)
+        common, _ = self.sketch.observe(cells, len(fleet.replicas))
+        key = blocks[min(common, len(blocks) - 1)]
+        return Placement(key, common, ring.successors(key))
+
     def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
-        pick = self.ring(fleet).walk_bounded(self.prefix_key(request), fleet, self.bound)
-        return self._ring_decision(pick, "ring")
+        order = self.placement(request, fleet).order
+        replica, skipped = self._walk(order, fleet, 1 + HIT_SLACK)
+        if replica is None:
+            return self._guarded(self._least_loaded(order, fleet), order, fleet)
+        reason = "fallback-overloaded" if skipped else "ring"
+        return self._guarded(RouteDecision(replica, reason, 0, skipped), order, fleet)
 
 
-class KVAware(_RingPolicy):
+class KVAware(PrefixRing):
     name = "kv_aware"
 
     def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
-        ring = self.ring(fleet)
-        key = self.prefix_key(request)
+        place = self.placement(request, fleet)
         matched = fleet.kv_index.match(request.block_hashes)
-        order = ring.successors(key)
         total = len(request.block_hashes)
-        best_replica, best = None, min(self.options.key_blocks, total) - 1  # rule 1: beat the key's depth
-        for replica in order if total else ():  # a prompt with no full block matches nothing: to the ring
-            m = matched[fleet.index_of[replica]]
-            if m > best and not self.bound.is_over(replica, fleet, self.bound.in_flight_limit(fleet, 1 + m / total)):
-                best_replica, best = replica, m
-        if best_replica is None:
-            pick = ring.walk_bounded(key, fleet, self.bound)
-            reason = "fallback-overloaded" if pick.skipped else "ring"
-            return RouteDecision(pick.replica, reason, matched[fleet.index_of[pick.replica]], pick.skipped)
-        skipped = tuple(r for r in order if matched[fleet.index_of[r]] > best)
-        return RouteDecision(best_replica, "hit", best, skipped)
+
+        def depth(replica: str) -> int:
+            return matched[fleet.index_of[replica]]
+
+        best: str | None = None
+        for replica in place.order:  # rule 3: the order breaks ties, so the first longest match wins
+            m = depth(replica)
+            if m <= place.common or (best is not None and m <= depth(best)):
+                continue  # rule 1: no deeper than the common prefix; or no better than the best so far
+            if not self.bound.is_over(replica, fleet, self.bound.in_flight_limit(fleet, 1 + HIT_SLACK * m / total)):
+                best = replica  # rule 2
+        if best is not None:
+            better = tuple(r for r in place.order if depth(r) > depth(best))  # over their bound
+            return self._guarded(RouteDecision(best, "hit", depth(best), better), place.order, fleet, matched)
+        common = min(place.common, total)  # rule 4
+        holders = [r for r in place.order if depth(r) >= common]
+        replica, _ = self._walk(holders, fleet, 1 + HIT_SLACK * common / max(total, 1))
+        if replica is not None:
+            return self._guarded(RouteDecision(replica, "ring", depth(replica)), place.order, fleet, matched)
+        replica, skipped = self._walk(place.order, fleet)
+        if replica is None:
+            decision = self._least_loaded(place.order, fleet)
+            return self._guarded(replace(decision, matched_blocks=depth(decision.replica)), place.order, fleet, matched)
+        reason = "fallback-overloaded" if skipped else "ring"
+        return self._guarded(RouteDecision(replica, reason, depth(replica), skipped), place.order, fleet, matched)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from pathlib import Path
 
@@ -29,18 +30,63 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 HEAD_DIMS = (32, 64, 128)
+# Comma-separated flags to treat as absent: runs (and measures) on this machine the branch a CPU without them
+# takes, e.g. KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 for an AVX2-only CPU's dtype and attention path.
+HIDE_FLAGS_ENV = "KVROUTE_CPU_HIDE_FLAGS"
+# The flags by which a CPU multiplies bfloat16 natively, per architecture: AVX-512 BF16 dot products or AMX tiles
+# on x86, FEAT_BF16 (BFDOT / BFMMLA) on ARM. Without one, torch emulates bf16 matmuls, several times slower than
+# float32.
+NATIVE_BF16_FLAGS = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+@functools.cache
+def _proc_cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def _proc_cpu_flags() -> frozenset[str]:
+    info = _proc_cpuinfo()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())  # x86 | ARM
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (`flags` on x86, `Features` on ARM; empty where there is none),
+    less those named in $KVROUTE_CPU_HIDE_FLAGS. Every CPU feature check of the engine reads this."""
+    hidden = {flag.strip() for flag in os.environ.get(HIDE_FLAGS_ENV, "").split(",")}
+    return set(_proc_cpu_flags()) - hidden
+
+
+def cpu_description() -> str:
+    """The CPU's model and the flags the engine's choices read, with what is hidden or capped, for benchmark
+    reports (e.g. "Intel(R) Xeon(R) Processor; avx2 avx512f avx512_bf16 amx_bf16")."""
+    info = _proc_cpuinfo()
+    model = info.get("model name") or info.get("CPU part") or platform.processor() or platform.machine()
+    relevant = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "bf16")
+    parts = [model, " ".join(flag for flag in relevant if flag in cpu_flags())]
+    for env in (HIDE_FLAGS_ENV, "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
+        if os.environ.get(env):
+            parts.append(f"{env}={os.environ[env]}")
+    return "; ".join(parts)
+
+
+def native_bf16() -> tuple[bool, str]:
+    """Whether this CPU multiplies bfloat16 natively, and the flags that say so, or the ones it lacks
+    (e.g. `(False, "no avx512_bf16/amx_bf16")`)."""
+    machine = {"AMD64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
+    wanted = NATIVE_BF16_FLAGS.get(machine)
+    if wanted is None:
+        return False, f"no bf16 instructions known for {machine}"
+    found = [flag for flag in wanted if flag in cpu_flags()]
+    return (True, "/".join(found)) if found else (False, "no " + "/".join(wanted))
 
 
 def unsupported_reason() -> str | None:
@@ -83,6 +129,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         super().__init__()
         self.luts: dict[float, torch.Tensor] = {}
+        self.unsupported = unsupported_reason()  # read once: the hide switch holds for this backend's life
+
+    def describe(self, dtype: torch.dtype, head_dim: int) -> str:
+        """Which path `attend` takes for a model of this dtype and head size, and why, in one line for the
+        startup log and GetInfo. Builds the kernel when the model will use it, as warm-up would."""
+        if dtype != torch.bfloat16:
+            return f"cpu: torch path (a {str(dtype).removeprefix('torch.')} model; the C++ kernel runs bfloat16)"
+        if head_dim not in HEAD_DIMS:
+            return f"cpu: torch path (head_dim {head_dim}; the C++ kernel runs {'/'.join(map(str, HEAD_DIMS))})"
+        if self.unsupported is not None:
+            return f"cpu: torch path ({self.unsupported})"
+        if not load_kernel():
+            return "cpu: torch path (the C++ kernel did not build; see the warning)"
+        return "cpu: C++ AVX-512 BF16 paged attention kernel"
 
     def attend(
         self,
@@ -120,6 +180,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and q.dtype == torch.bfloat16
             and k_cache.dtype in (torch.bfloat16, FP8_DTYPE)
             and q.shape[-1] in HEAD_DIMS
+            and self.unsupported is None
             and load_kernel()
         )
 

@@ -9,8 +9,12 @@ import sys
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "replay": ("loadtest.replay_cli", "replay a trace through simulated replicas and compare routing policies"),
+    "doctor": ("loadtest.doctor", "find where each app's prompts stop sharing their prefix, and what it costs"),
     "generate": ("worker.cli_generate", "generate text offline with the worker engine"),
-    "worker": ("worker.cli_worker", "run a worker: the engine behind its gRPC service"),
+    "worker": ("launch.worker", "run a worker: the engine behind its gRPC service (and, with --http-port, HTTP)"),
+    "gateway": ("gateway.cli_gateway", "run a gateway: OpenAI HTTP and gRPC front doors routing over a fleet"),
+    "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
+    "bench": ("loadtest.bench", "send a workload to a live fleet (or compare routers) and report latencies"),
 }
 
 
@@ -45,4 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m kvroute.cli` this file runs as `__main__`, a second copy of the module whose UserError
+    # is not the class the subcommands raise (they import kvroute.cli). Run the imported module's main.
+    from kvroute.cli import main as imported_main
+
+    sys.exit(imported_main())

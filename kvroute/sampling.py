@@ -6,6 +6,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by a smaller one overflows float32
+# logits, and its distribution is the argmax's to within rounding anyway.
+SAMPLING_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_STOP_TOKEN_IDS = 128  # each generated token is checked against them
+
 
 class InvalidRequest(ValueError):
     """A request the server must refuse (gRPC INVALID_ARGUMENT / HTTP 400); `field` names the culprit."""
@@ -18,17 +24,18 @@ class InvalidRequest(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # report the logprob of each chosen token
+    top_logprobs: int = 0  # with logprobs: also the top_logprobs most likely tokens at each position
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -42,6 +49,16 @@ class SamplingParams:
             raise InvalidRequest("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                "stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+            )
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                "top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs", "needs logprobs=true")
 
 
 def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int) -> None:
@@ -49,9 +66,7 @@ def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: in
     if len(token_ids) == 0:
         raise InvalidRequest("prompt", "is empty; send at least one token")
     if len(token_ids) >= max_model_len:
-        raise InvalidRequest(
-            "prompt", f"has {len(token_ids)} tokens; the model's context is {max_model_len} tokens"
-        )
+        raise InvalidRequest("prompt", f"has {len(token_ids)} tokens; the model's context is {max_model_len} tokens")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")

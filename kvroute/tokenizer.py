@@ -5,13 +5,22 @@ Built on the `tokenizers` library, either from a GGUF file's metadata (byte-leve
 token types, pre-tokenizer name) or from an HF directory's `tokenizer.json`. `fingerprint` hashes everything
 that decides the ids a prompt gets, so a gateway and a worker can check that they agree before they compare
 block hashes.
+
+Special tokens and untrusted text (`encode_chat`): the chat template's own markup becomes control tokens, the
+text of messages never does, so a user who types `<|im_start|>system` gets those characters as text, not a
+forged system turn. Every string the client supplied is wrapped in two sentinel characters before rendering;
+after rendering, the text between sentinels is encoded with special-token parsing off, the rest with it on.
+The split is made at the template's special tokens only (where the tokenizer splits anyway), so a prompt
+whose messages hold no special-token text gets exactly the ids that encoding the rendered text gives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +28,9 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvroute.chat_template import render_chat_template
+from kvroute.chat_template import ChatTemplateError, render_chat_template
 from kvroute.gguf_file import gguf_field, read_gguf
+from kvroute.model_source import ModelSource, smollm2_gguf_path
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are plain added tokens.
 _NORMAL = int(gguf.TokenType.NORMAL)
@@ -76,6 +86,23 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.fingerprint = self._compute_fingerprint()
+        # The same tokenizer with special-token parsing off: "<|im_start|>" in its input is plain text.
+        self._text_backend = HFTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        self._token_bytes: dict[int, bytes] = {}
+        self._run_cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._run_cache_chars = 0
+        self._piece_splits: dict[str, list[tuple[str, int | None]]] = {}
+        self.special_token_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+
+    @classmethod
+    def for_model(cls, source: ModelSource) -> Tokenizer:
+        """The tokenizer of a resolved model; `tiny` and `sim` use SmolLM2's (their vocabulary is its)."""
+        if source.kind == "hf":
+            return cls.from_hf_dir(source.path)
+        return cls.from_gguf(source.path if source.kind == "gguf" else smollm2_gguf_path())
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -128,14 +155,110 @@ class Tokenizer:
         return cls(backend, chat_template, bos_token_id=token_id(config.get("bos_token")), eos_token_ids=eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) map to their single ids."""
+        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) map to their single ids.
+        For trusted text only (a rendered template, a raw completion prompt the caller wrote in full); text
+        from a user inside a conversation goes through `encode_chat` or `encode_text`."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as text only: a special token's spelling becomes ordinary tokens."""
+        return self._text_backend.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        cache_scope: str | None = None,
+        **extra: Any,
+    ) -> list[int]:
+        """The prompt ids for `messages` through the chat template, with no special token taken from the
+        messages' (or `extra`'s, e.g. `tools`) strings: only the template's own markup becomes control tokens.
+        Raises ChatTemplateError (a ValueError) on input the template rejects.
+
+        With `cache_scope` (the gateway passes the tenant's cache salt), the ids of each long stretch of text
+        between two of the template's special tokens (a system prompt, an earlier turn) are remembered for
+        later prompts of the same scope: the same text is not tokenized twice, and no scope can learn from
+        the timing whether another scope sent a text."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        open_mark, close_mark = _pick_sentinels(messages, extra, self.chat_template)
+        rendered = render_chat_template(
+            self.chat_template,
+            _wrap_strings(messages, open_mark, close_mark),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **_wrap_strings(extra, open_mark, close_mark),
+        )
+        ids: list[int] = []
+        text_run: list[str] = []  # template text and user text between two of the template's special tokens
+        for piece, is_user_text in _split_marked(rendered, open_mark, close_mark):
+            if is_user_text:
+                text_run.append(piece)
+                continue
+            for text, special_id in self._split_at_special_tokens(piece):
+                text_run.append(text)
+                if special_id is not None:
+                    ids.extend(self._encode_run("".join(text_run), cache_scope))
+                    text_run.clear()
+                    ids.append(special_id)
+        ids.extend(self._encode_run("".join(text_run), cache_scope))
+        return ids
+
+    def _split_at_special_tokens(self, piece: str) -> list[tuple[str, int | None]]:
+        """A piece of template markup as (text, special token id or None) pairs, where the tokenizer itself
+        finds special tokens. Remembered: a template renders the same few pieces for every prompt."""
+        split = self._piece_splits.get(piece)
+        if split is None:
+            encoding = self.backend.encode(piece, add_special_tokens=False)
+            split, start = [], 0
+            for token_id, (begin, end) in zip(encoding.ids, encoding.offsets, strict=True):
+                if token_id in self.special_token_ids:
+                    split.append((piece[start:begin], token_id))
+                    start = end
+            split.append((piece[start:], None))
+            if len(piece) <= _PIECE_CACHE_MAX_CHARS:
+                if len(self._piece_splits) >= _PIECE_CACHE_ENTRIES:
+                    self._piece_splits.clear()
+                self._piece_splits[piece] = split
+        return split
+
+    def _encode_run(self, text: str, cache_scope: str | None) -> list[int]:
+        """`encode_text(text)`, remembered per scope for long texts (an LRU bounded in entries and characters)."""
+        if cache_scope is None or len(text) < _RUN_CACHE_MIN_CHARS:
+            return self.encode_text(text)
+        key = (cache_scope, text)
+        cache = self._run_cache
+        ids = cache.get(key)
+        if ids is not None:
+            cache.move_to_end(key)
+            return ids
+        ids = self.encode_text(text)
+        cache[key] = ids
+        self._run_cache_chars += len(text)
+        while len(cache) > _RUN_CACHE_ENTRIES or self._run_cache_chars > _RUN_CACHE_CHARS:
+            (_, evicted), _ = cache.popitem(last=False)
+            self._run_cache_chars -= len(evicted)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+        found = self._token_bytes.get(token_id)
+        if found is None:
+            piece = self.backend.id_to_token(token_id) or ""
+            if token_id in self.special_token_ids or not all(c in _BYTE_OF_CHAR for c in piece):
+                found = self.decode([token_id], skip_special_tokens=False).encode()
+            else:
+                found = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            self._token_bytes[token_id] = found
+        return found
 
     @property
     def bos_token(self) -> str:
@@ -211,6 +334,99 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte in a token's spelling."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+# encode_chat's memory of long text runs: tokenizing 16 KB of text costs ~20 ms here, a lookup ~10 µs.
+_RUN_CACHE_MIN_CHARS = 256
+_RUN_CACHE_ENTRIES = 1024
+_RUN_CACHE_CHARS = 32 * 2**20
+_PIECE_CACHE_ENTRIES = 4096
+_PIECE_CACHE_MAX_CHARS = 1024
+# Unicode noncharacters: valid in strings, reserved for a program's internal use, never assigned a glyph.
+_SENTINEL_CANDIDATES = [chr(c) for c in range(0xFDD0, 0xFDF0)]
+# Keys whose values a chat template compares or dispatches on; their values are left as they are (a template
+# that tests `message['role'] == 'user'` must still see "user"). Front doors validate these values.
+_CONTROL_KEYS = frozenset({"role", "type"})
+
+
+class _UserText(str):
+    """A client's string wrapped in sentinels. `strip` and friends (Jinja's `trim`) act on the text inside, so
+    a template that trims content renders the same text as it does unwrapped."""
+
+    inner: str
+    marks: tuple[str, str]
+
+    def __new__(cls, inner: str, open_mark: str, close_mark: str) -> _UserText:
+        self = super().__new__(cls, f"{open_mark}{inner}{close_mark}")
+        self.inner, self.marks = inner, (open_mark, close_mark)
+        return self
+
+    def strip(self, chars: str | None = None) -> _UserText:
+        return _UserText(self.inner.strip(chars), *self.marks)
+
+    def lstrip(self, chars: str | None = None) -> _UserText:
+        return _UserText(self.inner.lstrip(chars), *self.marks)
+
+    def rstrip(self, chars: str | None = None) -> _UserText:
+        return _UserText(self.inner.rstrip(chars), *self.marks)
+
+
+def _all_strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _all_strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _all_strings(item)
+
+
+def _pick_sentinels(messages: Any, extra: Any, template: str) -> tuple[str, str]:
+    """Two sentinel characters that appear in none of the request's strings nor in the template."""
+    seen = "".join(_all_strings([messages, extra, template]))
+    free = [c for c in _SENTINEL_CANDIDATES if c not in seen][:2]
+    if len(free) < 2:
+        raise ChatTemplateError("messages: too many Unicode noncharacters (U+FDD0..U+FDEF) in the text")
+    return free[0], free[1]
+
+
+def _wrap_strings(value: Any, open_mark: str, close_mark: str, key: str | None = None) -> Any:
+    if isinstance(value, str):
+        return value if key in _CONTROL_KEYS else _UserText(value, open_mark, close_mark)
+    if isinstance(value, dict):
+        return {k: _wrap_strings(v, open_mark, close_mark, k) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_wrap_strings(v, open_mark, close_mark) for v in value]
+    return value
+
+
+def _split_marked(rendered: str, open_mark: str, close_mark: str) -> Iterator[tuple[str, bool]]:
+    """(piece, is_user_text) in order, the sentinels removed. A sentinel without its partner (a template that
+    sliced a string) is dropped; the text after an unmatched opening mark counts as user text."""
+    inside = False
+    for i, part in enumerate(re.split(f"([{open_mark}{close_mark}])", rendered)):
+        if i % 2 == 0:
+            if part:
+                yield part, inside
+        elif part == open_mark:
+            inside = True
+        else:
+            inside = False
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """Engine benchmark on CPU: kvroute's engine against HF transformers on the same weights, in one run.
 
-    python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5]
+    python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5] [--sections prefill,...]
+
+To measure another CPU's branch on this one, hide its features and cap oneDNN, MKL and ATen to its ISA, e.g. an
+AVX2-only CPU: KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ATEN_CPU_CAPABILITY=avx2. The report names the CPU, the dtype and attention path taken, and why.
 
 Measures (medians of `--repeats` runs where affordable):
   prefix_ttft   TTFT of a 3,300-token prompt whose first 2,900 tokens are cached vs the same prompt uncached;
@@ -11,8 +15,9 @@ Measures (medians of `--repeats` runs where affordable):
   bf16_quality  kvroute bf16 against kvroute fp32 over a few hundred positions of real text: top-1 agreement
                 and mean KL(fp32 || bf16).
 kvroute's headline figures (`prefix_ttft`, `throughput.kvroute_tok_s`, `decode_b1.kvroute_tok_s`) are for the
-engine's default dtype, named in `dtype` (auto: bfloat16 for SmolLM2); each section repeats them for float32
-under `*_fp32` keys. Transformers runs in float32. Text comes from the docstrings of the Python standard
+engine's default dtype, named in `dtype` with `dtype_reason` (auto: bfloat16 where the CPU has bf16
+instructions, else float32); each section repeats them for float32 under `*_fp32` keys (the same engine, measured
+once, when the default is float32). Transformers runs in float32. Text comes from the docstrings of the Python standard
 library, so the benchmark needs no download.
 """
 
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_backend import cpu_description
 from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -61,6 +67,7 @@ STDLIB_MODULES = [
     "zipfile",
 ]
 PREFIX_PROMPT, PREFIX_CACHED = 3300, 2900
+SECTIONS = ("prefill", "prefix_ttft", "decode_b1", "throughput", "bf16_quality")
 THROUGHPUT_REQUESTS, THROUGHPUT_PROMPT, OUTPUT_TOKENS = 32, 200, 64
 
 
@@ -207,84 +214,110 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def run(model: str, repeats: int) -> dict:
+def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS) -> dict:
     engine = LLMEngine(EngineConfig(model=model))  # the default dtype: what `kvroute worker` serves
-    fp32 = LLMEngine(EngineConfig(model=model, dtype="float32"))
+    same = engine.dtype == torch.float32  # auto took float32: the fp32 figures are the default's
+    fp32 = engine if same else LLMEngine(EngineConfig(model=model, dtype="float32"))
     corpus = Corpus(fp32.tokenizer.encode(real_text()))
     print(f"corpus: {len(corpus.ids)} tokens; fp32 engine {fp32.runner.num_kv_blocks} KV blocks", flush=True)
-    hf = load_transformers(fp32)
-    dtype = str(engine.runner.dtype).removeprefix("torch.")
-    report: dict = {"model": fp32.model_id, "dtype": dtype, "threads": torch.get_num_threads(), "repeats": repeats}
+    dtype = str(engine.dtype).removeprefix("torch.")
+    report: dict = {
+        "model": fp32.model_id,
+        "cpu": cpu_description(),
+        "dtype": dtype,
+        "dtype_reason": engine.dtype_reason,
+        "attention_backend": engine.attention_backend,
+        "attention_backend_fp32": fp32.attention_backend,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+    }
+    print(f"cpu: {report['cpu']}\ndtype: {engine.dtype_reason}; attention: {engine.attention_backend}", flush=True)
+    hf = load_transformers(fp32) if {"prefill", "decode_b1", "throughput"} & set(sections) else None
 
-    prefill: dict = {}
-    for n in (1000, 3000):
-        row = {
-            "kvroute_tok_s": n / median_time(lambda n=n: ttft(engine, corpus.take(n))[0], repeats),
-            "kvroute_fp32_tok_s": n / median_time(lambda n=n: ttft(fp32, corpus.take(n))[0], repeats),
-            "transformers_fp32_tok_s": n / median_time(lambda n=n: hf_prefill_seconds(hf, corpus.take(n)), repeats),
+    def both(measure: Callable[[LLMEngine], float]) -> tuple[float, float]:
+        ours = measure(engine)
+        return ours, ours if same else measure(fp32)
+
+    if "prefill" in sections:
+        prefill: dict = {}
+        for n in (1000, 3000):
+            ours, ours_fp32 = both(lambda e, n=n: n / median_time(lambda: ttft(e, corpus.take(n))[0], repeats))
+            row = {
+                "kvroute_tok_s": ours,
+                "kvroute_fp32_tok_s": ours_fp32,
+                "transformers_fp32_tok_s": n / median_time(lambda n=n: hf_prefill_seconds(hf, corpus.take(n)), repeats),
+            }
+            row["ratio"] = row["kvroute_tok_s"] / row["transformers_fp32_tok_s"]
+            prefill[str(n)] = row
+            print(f"prefill {n}: {row}", flush=True)
+        report["prefill"] = prefill
+
+    if "prefix_ttft" in sections:
+        report["prefix_ttft"] = prefix_ttft(engine, corpus, repeats)
+        report["prefix_ttft_fp32"] = report["prefix_ttft"] if same else prefix_ttft(fp32, corpus, repeats)
+        print(f"prefix ttft: {dtype} {report['prefix_ttft']} fp32 {report['prefix_ttft_fp32']}", flush=True)
+
+    if "decode_b1" in sections:
+        short = corpus.take(20)
+        hf_decode = (OUTPUT_TOKENS - 1) / (
+            median_time(lambda: hf_generate_seconds(hf, [short], OUTPUT_TOKENS), repeats)
+            - median_time(lambda: hf_generate_seconds(hf, [short], 1), repeats)
+        )
+        ours, ours_fp32 = both(lambda e: statistics.median(kvroute_decode(e, short) for _ in range(repeats)))
+        report["decode_b1"] = {"kvroute_tok_s": ours, "kvroute_fp32_tok_s": ours_fp32, "transformers_tok_s": hf_decode}
+        print(f"decode b1: {report['decode_b1']}", flush=True)
+
+    if "throughput" in sections:
+        prompts = [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
+        hf_tok_s = THROUGHPUT_REQUESTS * OUTPUT_TOKENS / hf_generate_seconds(hf, prompts, OUTPUT_TOKENS)
+        ours, ours_fp32 = both(lambda e: kvroute_throughput(e, prompts))
+        report["throughput"] = {
+            "kvroute_tok_s": ours,
+            "kvroute_fp32_tok_s": ours_fp32,
+            "transformers_tok_s": hf_tok_s,
+            "ratio": ours / hf_tok_s,
+            "ratio_fp32": ours_fp32 / hf_tok_s,
         }
-        row["ratio"] = row["kvroute_tok_s"] / row["transformers_fp32_tok_s"]
-        prefill[str(n)] = row
-        print(f"prefill {n}: {row}", flush=True)
-    report["prefill"] = prefill
+        print(f"throughput: {report['throughput']}", flush=True)
 
-    report["prefix_ttft"] = prefix_ttft(engine, corpus, repeats)
-    report["prefix_ttft_fp32"] = prefix_ttft(fp32, corpus, repeats)
-    print(f"prefix ttft: {dtype} {report['prefix_ttft']} fp32 {report['prefix_ttft_fp32']}", flush=True)
-
-    short = corpus.take(20)
-    hf_decode = (OUTPUT_TOKENS - 1) / (
-        median_time(lambda: hf_generate_seconds(hf, [short], OUTPUT_TOKENS), repeats)
-        - median_time(lambda: hf_generate_seconds(hf, [short], 1), repeats)
-    )
-    report["decode_b1"] = {
-        "kvroute_tok_s": statistics.median(kvroute_decode(engine, short) for _ in range(repeats)),
-        "kvroute_fp32_tok_s": statistics.median(kvroute_decode(fp32, short) for _ in range(repeats)),
-        "transformers_tok_s": hf_decode,
-    }
-    print(f"decode b1: {report['decode_b1']}", flush=True)
-
-    prompts = [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
-    hf_tok_s = THROUGHPUT_REQUESTS * OUTPUT_TOKENS / hf_generate_seconds(hf, prompts, OUTPUT_TOKENS)
-    ours = kvroute_throughput(engine, prompts)
-    ours_fp32 = kvroute_throughput(fp32, prompts)
-    report["throughput"] = {
-        "kvroute_tok_s": ours,
-        "kvroute_fp32_tok_s": ours_fp32,
-        "transformers_tok_s": hf_tok_s,
-        "ratio": ours / hf_tok_s,
-        "ratio_fp32": ours_fp32 / hf_tok_s,
-    }
-    print(f"throughput: {report['throughput']}", flush=True)
-
-    if engine.runner.dtype != torch.float32:
+    if "bf16_quality" in sections and not same:
         report["bf16_quality"] = bf16_quality(fp32, engine, [corpus.take(200) for _ in range(3)])
     return report
 
 
 def print_table(report: dict) -> None:
-    p, p32, t, d = report["prefix_ttft"], report["prefix_ttft_fp32"], report["throughput"], report["decode_b1"]
     dtype = report["dtype"]
-    rows = [
-        (
-            f"prefix TTFT {dtype} | fp32 (3300 tok, 2900 cached)",
-            f"{p['uncached_ms']:.0f} -> {p['cached_ms']:.0f} ms | "
-            f"{p32['uncached_ms']:.0f} -> {p32['cached_ms']:.0f} ms",
-            f"{p['speedup']:.2f}x | {p32['speedup']:.2f}x",
-        ),
-        (
-            f"throughput 32x(200+64) tok/s {dtype} | fp32 vs HF",
-            f"{t['kvroute_tok_s']:.1f} | {t['kvroute_fp32_tok_s']:.1f} vs {t['transformers_tok_s']:.1f}",
-            f"{t['ratio']:.2f}x | {t['ratio_fp32']:.2f}x",
-        ),
-        (
-            f"decode b1 tok/s {dtype} | fp32 vs HF",
-            f"{d['kvroute_tok_s']:.1f} | {d['kvroute_fp32_tok_s']:.1f} vs {d['transformers_tok_s']:.1f}",
-            f"{d['kvroute_tok_s'] / d['transformers_tok_s']:.2f}x | "
-            f"{d['kvroute_fp32_tok_s'] / d['transformers_tok_s']:.2f}x",
-        ),
-    ]
-    for n, row in report["prefill"].items():
+    print(f"{report['model']} on {report['cpu']}, {report['threads']} threads, medians of {report['repeats']}")
+    print(f"dtype {report['dtype_reason']}; attention {report['attention_backend']}")
+    rows = []
+    if p := report.get("prefix_ttft"):
+        p32 = report["prefix_ttft_fp32"]
+        rows.append(
+            (
+                f"prefix TTFT {dtype} | fp32 (3300 tok, 2900 cached)",
+                f"{p['uncached_ms']:.0f} -> {p['cached_ms']:.0f} ms | "
+                f"{p32['uncached_ms']:.0f} -> {p32['cached_ms']:.0f} ms",
+                f"{p['speedup']:.2f}x | {p32['speedup']:.2f}x",
+            )
+        )
+    if t := report.get("throughput"):
+        rows.append(
+            (
+                f"throughput 32x(200+64) tok/s {dtype} | fp32 vs HF",
+                f"{t['kvroute_tok_s']:.1f} | {t['kvroute_fp32_tok_s']:.1f} vs {t['transformers_tok_s']:.1f}",
+                f"{t['ratio']:.2f}x | {t['ratio_fp32']:.2f}x",
+            )
+        )
+    if d := report.get("decode_b1"):
+        rows.append(
+            (
+                f"decode b1 tok/s {dtype} | fp32 vs HF",
+                f"{d['kvroute_tok_s']:.1f} | {d['kvroute_fp32_tok_s']:.1f} vs {d['transformers_tok_s']:.1f}",
+                f"{d['kvroute_tok_s'] / d['transformers_tok_s']:.2f}x | "
+                f"{d['kvroute_fp32_tok_s'] / d['transformers_tok_s']:.2f}x",
+            )
+        )
+    for n, row in report.get("prefill", {}).items():
         rows.append(
             (
                 f"prefill {n} tok/s {dtype} | fp32 vs HF fp32",
@@ -300,7 +333,7 @@ def print_table(report: dict) -> None:
                 str(q["positions"]),
             )
         )
-    width = max(len(r[0]) for r in rows)
+    width = max((len(r[0]) for r in rows), default=0)
     for name, value, ratio in rows:
         print(f"{name:<{width}}  {value:<40}  {ratio}")
 
@@ -311,9 +344,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
     args = parser.parse_args()
+    sections = tuple(args.sections.split(","))
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     torch.set_num_threads(args.threads)
-    report = run(args.model, args.repeats)
+    report = run(args.model, args.repeats, sections)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -11,7 +11,7 @@ model:
     offered to the cache at admission (a later request on that replica prefills after it), the blocks
     of a known answer at finish (a multi-turn chat's next turn reuses them).
   * busy time of a replica = its prefill time + the time it has at least one request decoding;
-    load_imbalance = max / mean busy time.
+    load_imbalance = max / mean busy time; busy_min_share = min / mean (a starved replica shows 0).
 Mooncake traces: a block is 512 tokens, each hash id one cacheable block, the last partial one
 included (allocated as if full; a hit on it counts its real tokens). Token-id traces: chained hashes
 of full blocks (kvroute.hashing, model id "replay", the request's tenant salt), and at least the
@@ -21,7 +21,9 @@ The router sees, per replica, in_flight (routed, not finished), queued (prefill 
 kv_usage. With G gateways (requests dealt round-robin by arrival) and `shared_view`, every gateway
 reads the fleet's KV index (fed by the block pools' KV events) and loads, as through Redis; without
 it each gateway sees only its own decisions: its own in-flight counts and a `LearnedKVIndex`.
-The ideal is one unlimited cache, in arrival order, with no routing.
+Two yardsticks are printed with every replay: the ideal (one unlimited cache, in arrival order, no
+routing) and the bounded oracle (loadtest.oracle: exact caches, longest prefix under a request-count
+bound), which runs with every replay through one gateway with the exact fleet index.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ import numpy as np
 
 from gateway.fleet import FleetView, ReplicaLoad
 from gateway.kv_index import LearnedKVIndex
-from gateway.router import RouteRequest, RoutingPolicy, make_policy
+from gateway.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
+from loadtest.oracle import BoundedOracle
 from loadtest.traces import Trace, TraceRequest
 from worker.kv_cache_manager import KVCacheManager
 
 REPLAY_MODEL_ID = "replay"
-DEFAULT_PREFIX_KEY_TOKENS = 1024
+ORACLE = BoundedOracle.name
+REPLAY_POLICIES = (*POLICY_NAMES, ORACLE)
 
 
 class ReplayError(ValueError):
@@ -57,14 +61,13 @@ class ReplayConfig:
     shared_view: bool = False
     prefill_us_per_token: float = 32.0
     decode_ms_per_step: float = 20.0
-    prefix_key_tokens: int = DEFAULT_PREFIX_KEY_TOKENS  # the prefix policies' key depth, in tokens
     epsilon: float = 0.5
     min_in_flight: int = 3
     seed: int = 0
     progress: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "capacity_blocks", "gateways", "prefix_key_tokens", "min_in_flight"):
+        for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight"):
             if getattr(self, name) < 1:
                 raise ReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon"):
@@ -72,6 +75,20 @@ class ReplayConfig:
                 raise ReplayError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.policies:
             raise ReplayError("no policies given")
+        for policy in self.policies:
+            if policy not in REPLAY_POLICIES:
+                raise ReplayError(f"unknown policy {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
+
+    @property
+    def policy_options(self) -> dict[str, float | int]:
+        return {"epsilon": self.epsilon, "min_in_flight": self.min_in_flight, "seed": self.seed}
+
+
+def make_replay_policy(name: str, config: ReplayConfig) -> RoutingPolicy:
+    """A fresh policy: the router's by name, or the replay's bounded oracle."""
+    if name == ORACLE:
+        return BoundedOracle()
+    return make_policy(name, **config.policy_options)
 
 
 @dataclass
@@ -79,7 +96,8 @@ class PolicyResult:
     policy: str
     prefill_tokens: int
     hit_rate: float
-    load_imbalance: float
+    load_imbalance: float  # busy time, max / mean
+    busy_min_share: float  # busy time, min / mean
     ttft_ms: dict[str, float]
     per_replica_requests: list[int]
     per_replica_busy_s: list[float]
@@ -94,6 +112,7 @@ class PolicyResult:
             "prefill_tokens": self.prefill_tokens,
             "hit_rate": round(self.hit_rate, 6),
             "load_imbalance": round(self.load_imbalance, 4),
+            "busy_min_share": round(self.busy_min_share, 4),
             "ttft_ms": {k: round(v, 3) for k, v in self.ttft_ms.items()},
             "per_replica_requests": self.per_replica_requests,
             "per_replica_busy_s": [round(b, 3) for b in self.per_replica_busy_s],
@@ -129,6 +148,10 @@ class ReplayResult:
     @property
     def ideal_hit_rate(self) -> float:
         return 1 - self.ideal_prefill_tokens / self.input_tokens
+
+    @property
+    def oracle_prefill_tokens(self) -> int:
+        return self.policies[ORACLE].prefill_tokens
 
     def to_json(self) -> dict:
         return {
@@ -263,7 +286,10 @@ class _Gateway:
     learned: LearnedKVIndex | None  # None: reads the shared fleet view
 
 
-class _Simulation:
+class Simulation:
+    """One policy's run over a prepared trace: `replicas` (each with its `manager`), the shared `fleet`
+    view and its KV index stay readable after `run()` (tests check the books balance)."""
+
     def __init__(
         self,
         trace: Trace,
@@ -284,21 +310,14 @@ class _Simulation:
         names = tuple(r.name for r in self.replicas)
         self.fleet = FleetView.empty(names)
         self.feed_index = shared or gateways == 1
-        key_blocks = max(1, config.prefix_key_tokens // trace.block_size)
-        options = {
-            "epsilon": config.epsilon,
-            "min_in_flight": config.min_in_flight,
-            "key_blocks": key_blocks,
-            "seed": config.seed,
-        }
         self.gateways = []
         for _ in range(gateways):
             if shared or gateways == 1:
-                self.gateways.append(_Gateway(make_policy(policy, **options), self.fleet, None))
+                self.gateways.append(_Gateway(make_replay_policy(policy, config), self.fleet, None))
             else:
                 learned = LearnedKVIndex(names, config.capacity_blocks)
                 view = FleetView(names, {r: ReplicaLoad() for r in names}, learned)
-                self.gateways.append(_Gateway(make_policy(policy, **options), view, learned))
+                self.gateways.append(_Gateway(make_replay_policy(policy, config), view, learned))
         self.finishes: list[tuple[float, int, int, int]] = []  # (time, request, replica, gateway)
         self.cached = [0] * len(prepared)
         self.replica_of = [0] * len(prepared)
@@ -388,6 +407,7 @@ class _Simulation:
             prefill_tokens=input_tokens - cached,
             hit_rate=cached / input_tokens,
             load_imbalance=max(busy) / mean_busy if mean_busy > 0 else 1.0,
+            busy_min_share=min(busy) / mean_busy if mean_busy > 0 else 1.0,
             ttft_ms=percentiles,
             per_replica_requests=[r.requests for r in self.replicas],
             per_replica_busy_s=[b / 1000 for b in busy],
@@ -402,20 +422,21 @@ class _Simulation:
 
 
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
-    """Replay `trace` once per policy (and, with G > 1 gateways, once more with one gateway)."""
-    for policy in config.policies:
-        make_policy(policy)  # unknown names fail before any work
+    """Replay `trace` once per policy (and, with G > 1 gateways, once more with one gateway), and once
+    with the bounded oracle (one gateway) whether or not it is among the policies; it is the last result."""
     prepared = _prepare(trace)
     _check_fits(trace, prepared, config)
-    runs = len(config.policies) * (2 if config.gateways > 1 else 1)
+    policies = [p for p in config.policies if p != ORACLE]
+    runs = len(policies) * (2 if config.gateways > 1 else 1) + 1
     with _progress(len(prepared) * runs, config.progress) as bar:
         results = {}
-        for policy in config.policies:
+        for policy in policies:
             results[policy] = _run(trace, prepared, policy, config.gateways, config.shared_view, config, bar)
             if config.gateways > 1:
                 one = _run(trace, prepared, policy, 1, True, config, bar)
                 loss = (one.hit_rate - results[policy].hit_rate) / one.hit_rate if one.hit_rate else 0.0
                 results[policy].vs_one_gateway = loss
+        results[ORACLE] = _run(trace, prepared, ORACLE, 1, True, config, bar)
     return ReplayResult(
         trace=trace.name,
         requests=len(prepared),
@@ -430,9 +451,18 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
 def _run(
     trace: Trace, prepared: list[_Prepared], policy: str, gateways: int, shared: bool, config: ReplayConfig, bar
 ) -> PolicyResult:
-    sim = _Simulation(trace, prepared, policy, gateways, shared, config, bar.update)
+    sim = Simulation(trace, prepared, policy, gateways, shared, config, bar.update)
     sim.run()
     return sim.result(policy)
+
+
+def simulate(trace: Trace, policy: str, config: ReplayConfig) -> Simulation:
+    """Run one policy through one gateway (the shared view) and return the finished simulation."""
+    prepared = _prepare(trace)
+    _check_fits(trace, prepared, config)
+    sim = Simulation(trace, prepared, policy, 1, True, config, lambda: None)
+    sim.run()
+    return sim
 
 
 def _check_fits(trace: Trace, prepared: list[_Prepared], config: ReplayConfig) -> None:

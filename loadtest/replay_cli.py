@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from gateway.router import POLICY_NAMES
 from kvroute.cli import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
-from loadtest.replay import DEFAULT_PREFIX_KEY_TOKENS, ReplayConfig, ReplayError, ReplayResult, replay
+from loadtest.replay import ORACLE, REPLAY_POLICIES, ReplayConfig, ReplayError, ReplayResult, replay
 from loadtest.traces import Trace, TraceError, read_mooncake
 from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
 
@@ -28,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default="round_robin,prefix,kv_aware",
-        help=f"comma list from: {', '.join(POLICY_NAMES)} (default round_robin,prefix,kv_aware)",
+        help=f"comma list from: {', '.join(REPLAY_POLICIES)} (default round_robin,prefix,kv_aware; "
+        f"the bounded {ORACLE} always runs: it is the yardstick)",
     )
     parser.add_argument("--capacity-blocks", type=int, default=10_000, help="KV blocks per replica (default 10000)")
     parser.add_argument(
@@ -65,12 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ReplayConfig.min_in_flight,
         help=f"no replica counts as overloaded below this many in flight (default {ReplayConfig.min_in_flight})",
     )
-    parser.add_argument(
-        "--prefix-key-tokens",
-        type=int,
-        default=DEFAULT_PREFIX_KEY_TOKENS,
-        help=f"depth of the prefix policies' ring key, tokens (default {DEFAULT_PREFIX_KEY_TOKENS})",
-    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG comparing the policies")
 
@@ -78,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     for policy in policies:
-        if policy not in POLICY_NAMES:
-            raise UserError(f"unknown policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
+        if policy not in REPLAY_POLICIES:
+            raise UserError(f"unknown policy {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
     trace = load_trace(args.trace, args.block_size, args.requests, args.seed)
     started = time.perf_counter()
     try:
@@ -91,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
             shared_view=args.shared_view,
             prefill_us_per_token=args.prefill_us_per_token,
             decode_ms_per_step=args.decode_ms_per_step,
-            prefix_key_tokens=args.prefix_key_tokens,
             epsilon=args.epsilon,
             min_in_flight=args.min_in_flight,
             seed=args.seed,
@@ -135,14 +128,16 @@ def write_output(path: Path, write) -> None:
 
 
 def format_table(result: ReplayResult) -> str:
-    """One row per policy plus the ideal, aligned."""
+    """One row per policy, the oracle and the ideal, aligned; busy time per replica as max / mean and min / mean."""
     gateways = result.config.gateways
     header = [
         "policy",
         "prefill tokens",
+        "x oracle",
         "x ideal",
         "hit rate",
-        "imbalance",
+        "busy max/mean",
+        "min/mean",
         "TTFT p50 ms",
         "p90",
         "p99",
@@ -153,20 +148,28 @@ def format_table(result: ReplayResult) -> str:
     rows = []
     for name, p in result.policies.items():
         row = [
-            name,
+            f"{name} (bounded, yardstick)" if name == ORACLE else name,
             f"{p.prefill_tokens:,}",
+            f"{p.prefill_tokens / result.oracle_prefill_tokens:.3f}",
             f"{p.prefill_tokens / result.ideal_prefill_tokens:.3f}",
             f"{p.hit_rate:.3f}",
             f"{p.load_imbalance:.3f}",
+            f"{p.busy_min_share:.3f}",
             f"{p.ttft_ms['p50']:.0f}",
             f"{p.ttft_ms['p90']:.0f}",
             f"{p.ttft_ms['p99']:.0f}",
             f"{min(p.per_replica_requests)}-{max(p.per_replica_requests)}",
         ]
         if gateways > 1:
-            row.append(f"{100 * (p.vs_one_gateway or 0.0):.1f}%")
+            row.append("" if p.vs_one_gateway is None else f"{100 * p.vs_one_gateway:.1f}%")
         rows.append(row)
-    ideal = ["ideal (one unlimited cache)", f"{result.ideal_prefill_tokens:,}", "1.000", f"{result.ideal_hit_rate:.3f}"]
+    ideal = [
+        "ideal (one unlimited cache)",
+        f"{result.ideal_prefill_tokens:,}",
+        f"{result.ideal_prefill_tokens / result.oracle_prefill_tokens:.3f}",
+        "1.000",
+        f"{result.ideal_hit_rate:.3f}",
+    ]
     rows.append(ideal + [""] * (len(header) - len(ideal)))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [

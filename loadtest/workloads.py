@@ -20,6 +20,15 @@ Token ids are random draws, so distinct segments never share a block by chance. 
                      round-robin over 4 replicas a repeat finds its holder about 1 time in 4
   lru-churn          5 prefixes of 4 blocks each, in order, twice: through 16 blocks (4 slots) none of
                      the 10 hits, through 20 blocks (5 slots) the second pass hits, 5 of 10
+
+Four shapes whose shared prefix is longer than any fixed routing key, or not at the front (each function's
+docstring gives its numbers; sized for 8 replicas under load, 2,000 requests by default):
+
+  platform           a 1,500-token platform prompt on everything, per-tenant tool schemas (Zipf tenants),
+                     growing agent sessions and one-off requests
+  many-apps          24 apps whose shared prefixes run from 200 to 6,000 tokens, mixed in one stream
+  hot-prompt         one 2,000-token prompt on every request, at high load
+  rag-middle         a system prompt, then a topic's documents (the shared middle), then the question
 """
 
 from __future__ import annotations
@@ -49,10 +58,11 @@ class _Gen:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(1, VOCAB_SIZE) for _ in range(n)]
 
-    def next_turn(self, at: float, think_ms: float) -> float:
-        """The user's next turn: after the answer (10 s covers it under the default cost model), plus a
-        random think time, so that chats do not advance in lockstep (which would flatter round-robin)."""
-        return round(at + 10_000.0 + self.rng.expovariate(1 / think_ms), 3)
+    def next_turn(self, at: float, think_ms: float, answer_ms: float = 10_000.0) -> float:
+        """The user's next turn: after the answer (10 s covers a 300-token one under the default cost
+        model), plus a random think time, so that chats do not advance in lockstep (which would flatter
+        round-robin)."""
+        return round(at + answer_ms + self.rng.expovariate(1 / think_ms), 3)
 
     def gaps(self, n: int) -> list[float]:
         """Poisson arrival times for n requests."""
@@ -158,6 +168,84 @@ def tenants(n: int, gen: _Gen, block_size: int, num_tenants: int = 4) -> list[Tr
     ]
 
 
+def _zipf_weights(k: int, s: float = 1.1) -> list[float]:
+    return [1 / (i + 1) ** s for i in range(k)]
+
+
+def platform(n: int, gen: _Gen, block_size: int, num_tenants: int = 16) -> list[TraceRequest]:
+    """A 1,500-token platform prompt, then one of 16 tenants' tool schemas (2,000-3,000 tokens; tenants
+    drawn Zipf(1.1): the first carries about 30% of the traffic), then either an agent session (75% of
+    requests: 200 tokens of instructions, and per step a 150-token tool result and a 100-token answer,
+    3 to 8 steps a few seconds apart) or a one-off question (50-400 tokens). About 8 requests/s.
+    Every request shares the first 1,500 tokens, and most share 3,500-4,500 with their tenant."""
+    system = gen.tokens(1500)
+    schemas = [system + gen.tokens(gen.rng.randint(2000, 3000)) for _ in range(num_tenants)]
+    weights = _zipf_weights(num_tenants)
+    out: list[TraceRequest] = []
+    at, session = 0.0, 0
+    while len(out) < 0.75 * n:  # agent sessions: 5.5 steps on average, 6 requests/s of steps
+        at += gen.rng.expovariate(6.0 / 5.5 / 1000)
+        tenant = gen.rng.choices(range(num_tenants), weights)[0]
+        history, step_at = schemas[tenant] + gen.tokens(200), at
+        for _ in range(gen.rng.randint(3, 8)):
+            history = history + gen.tokens(150)
+            answer = gen.tokens(100)
+            out.append(_request(round(step_at, 3), history, len(answer), f"t{tenant}-agent-{session}", answer))
+            history = history + answer
+            step_at = gen.next_turn(step_at, 3000.0, answer_ms=2_000.0)  # 100 tokens: about 2 s
+        session += 1
+    at = 0.0
+    while len(out) < 1.25 * n:  # one-offs: 2 requests/s
+        at += gen.rng.expovariate(2.0 / 1000)
+        tenant = gen.rng.choices(range(num_tenants), weights)[0]
+        prompt = schemas[tenant] + gen.tokens(gen.rng.randint(50, 400))
+        out.append(_request(round(at, 3), prompt, 100, f"t{tenant}-oneoff"))
+    return sorted(out, key=lambda r: r.arrival_ms)[:n]
+
+
+def many_apps(n: int, gen: _Gen, block_size: int, num_apps: int = 24) -> list[TraceRequest]:
+    """24 apps, each with its own shared prefix of 200 to 6,000 tokens (log-uniform), drawn Zipf(1.1);
+    each request is its app's prefix and a unique 50-500-token part, answered in 50-300 tokens. About 10
+    requests/s. The shared part is 200 tokens for some apps and 30 times that for others, so no one key
+    depth fits them all."""
+    prefixes = [gen.tokens(round(200 * 30 ** gen.rng.random())) for _ in range(num_apps)]
+    weights = _zipf_weights(num_apps)
+    gen.mean_gap_ms = 100.0
+    out = []
+    for at in gen.gaps(n):
+        app = gen.rng.choices(range(num_apps), weights)[0]
+        prompt = prefixes[app] + gen.tokens(gen.rng.randint(50, 500))
+        out.append(_request(at, prompt, gen.rng.randint(50, 300), f"app-{app}"))
+    return out
+
+
+def hot_prompt(n: int, gen: _Gen, block_size: int) -> list[TraceRequest]:
+    """One 2,000-token prompt on every request, then a unique 100-token question; 150-token answers, 25
+    requests/s (about 9 requests in flight per replica of 8). Every replica should hold the prompt and
+    take an even share: pinning it to one replica, or to the few a ring walk reaches, queues them."""
+    prompt = gen.tokens(2000)
+    gen.mean_gap_ms = 40.0
+    return [_request(at, prompt + gen.tokens(100), 150, "hot") for at in gen.gaps(n)]
+
+
+def rag_middle(n: int, gen: _Gen, block_size: int, num_topics: int = 40) -> list[TraceRequest]:
+    """A 600-token system prompt, then 3 of its topic's 6 documents (400 tokens each, in the topic's
+    canonical order), then a unique 60-token question; topics drawn Zipf(1.1), 100-token answers, about
+    8 requests/s. The shared part is in the middle: two requests of a topic share the system prompt and
+    the documents up to the first that differs (0 to 3 documents), never the question."""
+    system = gen.tokens(600)
+    topics = [[gen.tokens(400) for _ in range(6)] for _ in range(num_topics)]
+    weights = _zipf_weights(num_topics)
+    gen.mean_gap_ms = 125.0
+    out = []
+    for at in gen.gaps(n):
+        topic = gen.rng.choices(range(num_topics), weights)[0]
+        chosen = sorted(gen.rng.sample(range(6), 3))
+        prompt = system + [t for d in chosen for t in topics[topic][d]] + gen.tokens(60)
+        out.append(_request(at, prompt, 100, f"topic-{topic}"))
+    return out
+
+
 def repeat(n: int, gen: _Gen, block_size: int) -> list[TraceRequest]:
     """n // 2 distinct prompts, then each once more in a shuffled order."""
     prompts = [gen.tokens(512) for _ in range(max(n // 2, 1))]
@@ -189,6 +277,10 @@ WORKLOADS: dict[str, tuple[Generator, int]] = {
     "tenants": (tenants, DEFAULT_REQUESTS),
     "repeat": (repeat, 400),
     "lru-churn": (lru_churn, 10),
+    "platform": (platform, 2000),
+    "many-apps": (many_apps, 2000),
+    "hot-prompt": (hot_prompt, 2000),
+    "rag-middle": (rag_middle, 2000),
 }
 WORKLOAD_NAMES = tuple(WORKLOADS)
 

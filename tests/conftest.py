@@ -16,3 +16,12 @@ def model_smollm2_source() -> ModelSource:
 @pytest.fixture(scope="session")
 def tokenizer_smollm2(model_smollm2_source: ModelSource) -> Tokenizer:
     return Tokenizer.from_gguf(model_smollm2_source.path)
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free port (tests/redis_server.py); `.stop()`, `.start()`, `.restart()`, `.url`."""
+    from redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server

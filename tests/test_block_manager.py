@@ -1,8 +1,11 @@
+import itertools
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from gateway.kv_index import KVIndex
 from kvroute.hashing import block_hashes
 from worker.block_pool import BlockPool
 from worker.kv_cache_manager import KVCacheManager
@@ -99,6 +102,52 @@ def test_one_physical_block_per_hash_and_no_false_removed_events():
     assert sorted(removed) == sorted(hs)
 
 
+def test_stored_events_split_around_held_hashes_each_with_its_true_parent():
+    pool = BlockPool(8)
+    hs = hashes(list(range(16)))  # 4 chained blocks
+    other = pool.allocate(1)
+    pool.cache_blocks(other, [hs[1]], hs[0])  # another sequence's block already holds h1
+    pool.drain_events()
+    pool.cache_blocks(pool.allocate(4), hs, None)
+    stored = [(e.block_hashes, e.parent_hash) for e in pool.drain_events()]
+    assert stored == [((hs[0],), None), ((hs[2], hs[3]), hs[1])]
+    pool.check_invariants()
+
+
+def test_a_range_cached_after_another_requests_copy_chains_onto_that_copy():
+    """Two requests compute one prefix at once (neither saw the other's cache); the second's own blocks
+    follow the first's, and its stored event names the first's last block as its parent."""
+    mgr = KVCacheManager(num_blocks=16, block_size=BS)
+    hs = hashes(list(range(20)))  # 5 blocks
+    assert mgr.allocate_slots("a", 12) is not None and mgr.allocate_slots("b", 20) is not None
+    mgr.cache_blocks("a", hs[:3])
+    mgr.cache_blocks("b", hs[:1])
+    mgr.cache_blocks("b", hs)
+    stored = [(e.block_hashes, e.parent_hash) for e in mgr.drain_events()]
+    assert stored == [(tuple(hs[:3]), None), (tuple(hs[3:]), hs[2])]
+    mgr.check_invariants()
+
+
+def test_an_undrained_pool_keeps_its_newest_events_and_its_reader_resyncs():
+    pool = BlockPool(4, max_pending_events=8)
+    index = KVIndex(["w"])
+
+    def cache_one(key: str) -> None:
+        blocks = pool.allocate(1)
+        pool.cache_blocks(blocks, [key], None)
+        pool.free(blocks)
+
+    for i in range(20):  # 20 stored and 16 removed events, nobody draining
+        cache_one(f"h{i}")
+    events = pool.drain_events()
+    assert [e.seq for e in events] == list(range(pool.event_seq - 7, pool.event_seq + 1))
+    assert not index.apply("w", events), "the reader sees the gap"
+    index.resync("w", *pool.snapshot())
+    cache_one("h20")
+    assert index.apply("w", pool.drain_events())
+    assert {h for h in pool.cached if index.holds("w", h)} == set(pool.cached) and index.num_blocks("w") == 4
+
+
 def test_event_sequence_numbers_are_gapless():
     mgr = KVCacheManager(num_blocks=4, block_size=BS)
     for i in range(6):
@@ -135,11 +184,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(num_blocks=12, block_size=BS)
         self.tokens: dict[str, list[int]] = {}
         self.next_id = 0
+        self.parent_of: dict = {}  # every hash the machine made -> the hash before it (None: a first block)
+        self.cached: set = set()  # the pool's cached set, as a reader rebuilds it from the events
+
+    def hashes(self, tokens: list[int]) -> list:
+        hs = hashes(tokens)
+        self.parent_of.update(zip(hs, [None, *hs], strict=False))
+        return hs
 
     @rule(prefix=st.integers(0, 3), length=st.integers(1, 20))
     def admit(self, prefix, length):
         tokens = [prefix] * min(length, 8) + list(range(length - min(length, 8)))
-        hit = self.mgr.get_computed_blocks(hashes(tokens), len(tokens))
+        hit = self.mgr.get_computed_blocks(self.hashes(tokens), len(tokens))
         assert hit.num_tokens < len(tokens)
         req = f"r{self.next_id}"
         self.next_id += 1
@@ -157,13 +213,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         tokens = self.tokens[req] + [7] * extra
         if self.mgr.allocate_slots(req, len(tokens)) is not None:
             self.tokens[req] = tokens
-            self.mgr.cache_blocks(req, hashes(tokens))
+            self.mgr.cache_blocks(req, self.hashes(tokens))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def finish(self, data):
         req = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.mgr.cache_blocks(req, hashes(self.tokens.pop(req)))
+        self.mgr.cache_blocks(req, self.hashes(self.tokens.pop(req)))
         self.mgr.free(req)
 
     @precondition(lambda self: self.tokens)
@@ -178,6 +234,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.mgr.check_invariants()
         for h, block in self.mgr.pool.cached.items():
             assert block.block_hash == h
+
+    @invariant()
+    def events_chain_onto_true_parents_and_rebuild_the_cached_set(self):
+        for event in self.mgr.drain_events():
+            if event.kind == "stored":
+                chain = list(event.block_hashes)
+                assert event.parent_hash == self.parent_of[chain[0]]
+                assert all(self.parent_of[h] == p for p, h in itertools.pairwise(chain))
+                self.cached |= set(chain)
+            else:
+                self.cached -= set(event.block_hashes)
+        assert self.cached == set(self.mgr.pool.cached)
 
     def teardown(self):
         for req in list(self.tokens):

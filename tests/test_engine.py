@@ -15,7 +15,7 @@ from worker.config import EngineConfig
 from worker.engine import LLMEngine, RequestOutput
 from worker.model.tiny import tiny_config
 from worker.model_runner import kv_bytes_per_block
-from worker.sampler import Sampler, apply_top_k_top_p
+from worker.sampler import Sampler, truncate
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -180,6 +180,10 @@ def test_abort_while_waiting() -> None:
         ([1], SamplingParams(top_p=0.0), "top_p"),
         ([1], SamplingParams(top_p=1.5), "top_p"),
         ([1], SamplingParams(top_k=-1), "top_k"),
+        ([1], SamplingParams(logprobs=True, top_logprobs=21), "top_logprobs"),
+        ([1], SamplingParams(logprobs=True, top_logprobs=-1), "top_logprobs"),
+        ([1], SamplingParams(top_logprobs=5), "top_logprobs"),  # without logprobs
+        ([1], SamplingParams(stop_token_ids=tuple(range(129))), "stop_token_ids"),
     ],
 )
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(prompt, params, field) -> None:
@@ -224,8 +228,9 @@ def test_sampling_is_seeded_batched_and_logprobs_are_the_models() -> None:
 
 def test_sampler_top_k_top_p_masks() -> None:
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
-    masked = apply_top_k_top_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
-    assert torch.isfinite(masked).tolist() == [[True, True, False, False], [False, False, True, False]]
+    values, _ = logits.softmax(-1).sort(dim=-1, descending=True)
+    kept = truncate(values, torch.tensor([2, 0]), torch.tensor([1.0, 0.5]))
+    assert (kept > 0).tolist() == [[True, True, False, False], [True, False, False, False]]
     sampler = Sampler(seed=0)
     params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=1.0, top_k=1)]
     out = sampler(logits, params, [None, None])

@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvroute.hashing import (
+    HASH_BYTES,
     BlockHasher,
     block_hashes,
     hash_block,
@@ -37,7 +38,14 @@ def test_definition_from_first_principles():
     h0 = hashlib.blake2b(root + data, digest_size=16).digest()
     assert root_hash("smollm2") == root
     assert block_hashes(tokens, model_id="smollm2") == [h0]
-    assert len(h0) * 8 >= 128
+
+
+def test_the_library_digests_have_at_least_128_bits():
+    """DESIGN §2: a 64-bit hash is too easy to collide on purpose across tenants."""
+    assert HASH_BYTES * 8 >= 128
+    digests = [root_hash("m", "salt"), hash_block(root_hash("m"), [1, 2]), *block_hashes(list(range(48)), model_id="m")]
+    assert [len(d) for d in digests] == [HASH_BYTES] * 5
+    assert len(BlockHasher("m").root) == HASH_BYTES
 
 
 def test_only_full_blocks_are_hashed():

@@ -1,3 +1,6 @@
+import pytest
+
+from gateway.fleet import FleetView
 from gateway.kv_index import KVIndex, LearnedKVIndex
 from kvroute.hashing import block_hashes
 from worker.kv_cache_manager import KVCacheManager
@@ -69,3 +72,74 @@ def test_learned_index_is_an_lru_of_the_replica_capacity_evicting_tails_first():
     assert index.match(["s", "p1", "p2"]) == [2, 0, 0]
     assert index.match(["s", "q1", "q2"]) == [3, 0, 0]
     assert index.num_blocks("a") == 4 and index.num_blocks("b") == 0
+
+
+def stored(seq: int, *block_hashes: str) -> object:
+    return type("Event", (), {"seq": seq, "kind": "stored", "block_hashes": block_hashes})()
+
+
+def test_membership_changes_in_place_keep_the_other_replicas_entries():
+    index = KVIndex(REPLICAS)
+    index.add("a", ["x0", "x1"])
+    index.add("b", ["x0"])
+    index.add("c", ["x0", "x1", "x2"])
+    index.remove_replica("b")
+    assert index.replicas == ("a", "c")
+    assert index.match(["x0", "x1", "x2"]) == [2, 3]
+    index.add_replica("bb")  # takes b's freed bit, sorted between a and c, with nothing cached
+    assert index.replicas == ("a", "bb", "c")
+    assert index.match(["x0", "x1", "x2"]) == [2, 0, 3]
+    index.add("bb", ["x0", "x1", "x2", "x3"])
+    index.add_replica("0")  # a fourth bit, sorted first
+    assert index.match(["x0", "x1", "x2", "x3"]) == [0, 2, 4, 3]
+    assert index.narrowed(("c", "bb")).match(["x0", "x1", "x2", "x3"]) == [3, 4]
+    assert index.holder_count("x1") == 3 and index.holders("x2") == ("bb", "c")
+    assert index.narrowed(("a", "c")).holders("x2") == ("c",) and index.narrowed(("a",)).holder_count("x1") == 1
+    with pytest.raises(ValueError, match="already"):
+        index.add_replica("a")
+
+
+def test_a_restart_drops_entries_even_when_new_sequence_numbers_pass_the_old():
+    index = KVIndex(REPLICAS)
+    assert index.apply("a", [stored(1, "old0"), stored(2, "old1")])
+    index.reset_replica("a")  # new incarnation: its seq starts over at 1
+    assert index.match(["old0"]) == [0, 0, 0] and index.last_seq("a") == 0
+    assert index.apply("a", [stored(1, "new0"), stored(2, "new1"), stored(3, "new2")])
+    assert index.match(["new0", "new1", "new2"]) == [3, 0, 0]
+    assert index.match(["old0", "old1"]) == [0, 0, 0]
+
+
+def test_stale_replicas_are_not_counted_as_holders():
+    index = KVIndex(REPLICAS)
+    index.add("a", ["x0"])
+    index.add("b", ["x0"])
+    assert not index.apply("a", [stored(7, "x1")])
+    assert index.holder_count("x0") == 1 and index.holders("x0") == ("b",)
+    index.resync("a", 7, ["x0"])
+    assert index.holder_count("x0") == 2
+
+
+def test_fleet_view_membership_keeps_loads_index_and_retry_views_aligned():
+    view = FleetView.empty(REPLICAS)
+    view.kv_index.add("c", ["x0"])
+    view.loads["c"].in_flight = 4
+    view.add_replica("ab")
+    assert view.replicas == ("a", "ab", "b", "c") and view.index_of["c"] == 3
+    assert view.kv_index.match(["x0"])[view.index_of["c"]] == 1
+    view.remove_replica("a")
+    assert view.replicas == ("ab", "b", "c") and view.index_of == {"ab": 0, "b": 1, "c": 2}
+    assert view.loads["c"].in_flight == 4 and view.total_in_flight == 4
+    retry = view.without(frozenset({"b"}))
+    assert retry.replicas == ("ab", "c") and retry.kv_index.match(["x0"]) == [0, 1]
+
+
+def test_learned_index_follows_membership():
+    index = LearnedKVIndex(REPLICAS, capacity_blocks=2)
+    index.record_routed("b", ["s", "p"])
+    index.remove_replica("a")
+    index.add_replica("d")
+    index.record_routed("d", ["s", "q", "r"])  # capacity 2: the tail r goes first
+    assert index.replicas == ("b", "c", "d")
+    assert index.match(["s", "q", "r"]) == [1, 0, 2]
+    index.reset_replica("b")
+    assert index.num_blocks("b") == 0

@@ -107,3 +107,20 @@ def test_each_worker_has_its_own_registry() -> None:
     assert first.registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "a"}) == 0.4
     assert first.registry.get_sample_value("vllm:num_requests_waiting", {"model_name": "a"}) == 1
     assert second.registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "b"}) is None
+
+
+def test_metrics_listen_where_the_grpc_port_listens_unless_told_otherwise() -> None:
+    engine = LLMEngine(EngineConfig(model=MODEL, num_kv_blocks=16))
+
+    async def main() -> list[tuple[str, int] | None]:
+        addresses = []
+        for metrics_host in (None, "0.0.0.0"):
+            server = await start_worker_server(engine, "127.0.0.1", port=0, metrics_port=0, metrics_host=metrics_host)
+            addresses.append(server.metrics.address)
+            await server.stop(drain_timeout=0)
+            assert server.metrics.address is None
+        return addresses
+
+    loopback, everywhere = asyncio.run(main())
+    assert loopback is not None and loopback[0] == "127.0.0.1"
+    assert everywhere is not None and everywhere[0] == "0.0.0.0"

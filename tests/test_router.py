@@ -1,9 +1,10 @@
 import pytest
 
+from gateway.common_prefix import HALF_LIFE, CommonPrefixSketch
 from gateway.fleet import FleetView
 from gateway.hash_ring import HashRing, LoadBound
 from gateway.kv_index import KVIndex
-from gateway.router import POLICY_NAMES, NoReplicaAvailable, RouteRequest, make_policy
+from gateway.router import POLICY_NAMES, STARVATION_WINDOW, NoReplicaAvailable, RouteRequest, make_policy
 
 REPLICAS = [f"r{i}" for i in range(8)]
 
@@ -13,9 +14,17 @@ def fleet() -> FleetView:
 
 
 def request(i: int, prefix: str = "p", tail: int = 3, session: str | None = None) -> RouteRequest:
-    """Blocks: the prefix's 2 blocks (the key at key_blocks=2), then `tail` blocks unique to request i."""
+    """Blocks: the prefix's 2 blocks, then `tail` blocks unique to request i."""
     blocks = [f"{prefix}/0", f"{prefix}/1"] + [f"{prefix}/req{i}/{j}" for j in range(tail)]
     return RouteRequest(f"req-{i}", blocks, 16 * len(blocks), session)
+
+
+def warm(policy, view: FleetView, prefix: str = "p", n: int = 8, blocks: int = 2) -> None:
+    """Route `n` one-off requests that share `blocks` blocks of `prefix`, so the policy's sketch knows
+    them as common (the view's loads are left as they were)."""
+    for i in range(n):
+        shared = [f"{prefix}/{j}" for j in range(blocks)]
+        policy.pick(RouteRequest(f"warm-{i}", [*shared, f"warm/{i}"], 16 * (blocks + 1)), view)
 
 
 def test_unknown_policy_and_option_are_named():
@@ -23,8 +32,8 @@ def test_unknown_policy_and_option_are_named():
         make_policy("nope")
     with pytest.raises(ValueError, match="unknown policy option 'bogus'"):
         make_policy("prefix", bogus=1)
-    with pytest.raises(ValueError, match="key_blocks"):
-        make_policy("prefix", key_blocks=0)
+    with pytest.raises(ValueError, match="vnodes"):
+        make_policy("prefix", vnodes=0)
 
 
 def test_load_bound_formula():
@@ -41,56 +50,98 @@ def test_load_bound_formula():
     assert bound.is_over("r0", view, limit) and bound.is_over("r1", view, limit)
 
 
-def test_prefix_policy_is_sticky_per_prefix():
-    policy = make_policy("prefix", key_blocks=2)
+def test_common_prefix_sketch_finds_the_shared_depth_whatever_its_length():
+    sketch = CommonPrefixSketch()
+    shared = [f"sys/{j}" for j in range(40)]  # longer than any fixed key depth
+    for i in range(192):
+        tenant = [f"t{i % 16}/{j}" for j in range(3)]  # each tenant is 1/16 of the traffic: under 1/8
+        sketch.observe(sketch.cells(shared + tenant + [f"own/{i}"]))
+    cells = sketch.cells(shared + ["t0/0", "t0/1", "t0/2", "new"])
+    assert sketch.common_prefix(cells, replicas=8) == (40, 1.0)
+    assert sketch.common_prefix(cells, replicas=16)[0] == 40  # exactly 1/16 is not more than a fair share
+    assert sketch.common_prefix(cells, replicas=32)[0] == 43  # at 32 replicas a tenant is common too
+    assert sketch.common_prefix(sketch.cells(["other/0"]), replicas=8) == (0, 0.0)
+    for i in range(2 * HALF_LIFE):  # the traffic moves on: the old prefix's share halves every HALF_LIFE
+        sketch.observe(sketch.cells(["new-app/0", f"own2/{i}"]))
+    assert sketch.common_prefix(cells, replicas=8)[0] == 0
+
+
+def test_a_conversation_stays_on_one_replica_past_a_long_shared_prefix():
+    """Chats behind a 3-block system prompt that all traffic carries: each chat's turns stay together (its
+    key is its first own block, carried by all its turns), and the chats spread over the fleet."""
+    policy = make_policy("prefix")
     view = fleet()
-    picks = {policy.pick(request(i), view).replica for i in range(20)}
-    assert len(picks) == 1
-    decision = policy.pick(request(0), view)
-    assert decision.reason == "ring" and decision.skipped == ()
-    owners = {policy.pick(request(0, prefix=f"app{k}"), view).replica for k in range(40)}
-    assert len(owners) >= 6  # distinct prefixes spread over the ring
+    warm(policy, view, "sys", blocks=3)
+    system = ["sys/0", "sys/1", "sys/2"]
+    picks: dict[int, set[str]] = {c: set() for c in range(24)}
+    for turn in range(4):
+        for chat in range(24):
+            blocks = system + [f"chat{chat}/{t}" for t in range(turn + 1)]
+            picks[chat].add(policy.pick(RouteRequest(f"c{chat}t{turn}", blocks, 16 * len(blocks)), view).replica)
+    assert all(len(replicas) == 1 for replicas in picks.values())
+    assert len({r for replicas in picks.values() for r in replicas}) >= 6
 
 
 def test_bounded_fallback_walks_ring_successors_in_order():
-    policy = make_policy("prefix", key_blocks=2, epsilon=0.0, min_in_flight=1)
+    policy = make_policy("prefix", epsilon=0.0, min_in_flight=1)
     view = fleet()
-    order = HashRing(REPLICAS).successors("p/1")
+    one_block = RouteRequest("req", ["k"], 16)  # the key of a one-block prompt is its block
+    order = HashRing(REPLICAS).successors("k")
     assert set(order) == set(REPLICAS) and len(order) == 8
-    assert policy.pick(request(0), view).replica == order[0]
+    assert policy.pick(one_block, view).replica == order[0]
     view.loads[order[0]].in_flight = 1  # limit = ceil(2 / 8) = 1: the owner is over, the rest are not
-    decision = policy.pick(request(1), view)
+    decision = policy.pick(one_block, view)
     assert (decision.replica, decision.reason, decision.skipped) == (order[1], "fallback-overloaded", (order[0],))
     view.loads[order[1]].queued = 100
-    decision = policy.pick(request(2), view)
+    decision = policy.pick(one_block, view)
     assert decision.replica == order[2] and decision.skipped == (order[0], order[1])
 
 
 def test_a_lightly_loaded_replica_is_never_over_its_bound():
     """Below min_in_flight a replica keeps its keys, whatever the fleet's mean."""
-    policy = make_policy("prefix", key_blocks=2, epsilon=0.0, min_in_flight=3)
+    policy = make_policy("prefix", epsilon=0.0, min_in_flight=3)
     view = fleet()
-    owner = HashRing(REPLICAS).successors("p/1")[0]
+    for r in REPLICAS:
+        view.loads[r].in_flight = 1  # nobody idle: the starvation guard stays out of it
+    one_block = RouteRequest("req", ["k"], 16)
+    owner = HashRing(REPLICAS).successors("k")[0]
     view.loads[owner].in_flight = 2
-    assert policy.pick(request(0), view).replica == owner
+    assert policy.pick(one_block, view).replica == owner
     view.loads[owner].in_flight = 3
-    assert policy.pick(request(1), view).reason == "fallback-overloaded"
+    assert policy.pick(one_block, view).reason == "fallback-overloaded"
 
 
-def test_hot_prefix_spills_to_a_predictable_few_replicas():
-    """One shared prefix for all traffic (no finishes): the owner fills to its bound, then its successors."""
-    policy = make_policy("prefix", key_blocks=2, epsilon=0.5)
+def test_a_prefix_all_traffic_shares_reaches_every_replica():
+    """The issue's failure: one shared prefix put every request on one ring key, and replicas that never
+    got a request were never candidates. Now the key is each request's own block."""
+    for name in ("prefix", "kv_aware"):
+        policy = make_policy(name)
+        view = fleet()
+        seen = []
+        for i in range(64):
+            decision = policy.pick(request(i, "platform", tail=2), view)
+            view.loads[decision.replica].in_flight += 1
+            view.kv_index.add(decision.replica, request(i, "platform", tail=2).block_hashes)
+            seen.append(decision.replica)
+        assert set(seen) == set(REPLICAS), name
+        assert max(seen.count(r) for r in REPLICAS) <= 16, name
+
+
+def test_identical_prompts_spill_in_ring_order():
+    """A prompt sent again and again (all of it common): its key is its last block, so the owner fills
+    to its bound and the spill follows the key's ring successors."""
+    policy = make_policy("prefix", epsilon=0.5)
     view = fleet()
-    order = HashRing(REPLICAS).successors("p/1")
+    same = RouteRequest("same", ["hot/0", "hot/1"], 32)
+    policy.sketch.observe(policy.sketch.cells(same.block_hashes))  # seen before: all of it is common
     seen = []
-    for i in range(16):
-        replica = policy.pick(request(i), view).replica
+    for _ in range(24):
+        replica = policy.pick(same, view).replica
         view.loads[replica].in_flight += 1
         seen.append(replica)
-    assert seen[0] == order[0]
-    assert len(set(seen)) > 4  # not pinned to one replica
     first_use = list(dict.fromkeys(seen))
-    assert first_use == list(order[: len(first_use)])  # spill follows the ring order
+    assert len(first_use) > 4  # not pinned to one replica
+    assert first_use == list(HashRing(REPLICAS).successors("hot/1")[: len(first_use)])
 
 
 @pytest.mark.parametrize("name", [p for p in POLICY_NAMES if p != "round_robin"])
@@ -100,7 +151,7 @@ def test_two_router_instances_with_the_same_view_agree(name):
     index.add("r3", ["p/0", "p/1", "p/req5/0"])
     for i, r in enumerate(REPLICAS):
         view.loads[r].in_flight = i % 3
-    a, b = make_policy(name, key_blocks=2), make_policy(name, key_blocks=2)
+    a, b = make_policy(name), make_policy(name)
     for i in range(30):
         req = request(i, prefix=f"app{i % 4}", session=f"s{i % 5}")
         assert a.pick(req, view) == b.pick(req, view)
@@ -143,17 +194,31 @@ def test_session_policy_follows_the_session_id():
 def test_kv_aware_follows_the_longest_cached_prefix():
     view = fleet()
     for r in REPLICAS:  # the prefix everyone holds (a system prompt) says nothing
-        view.kv_index.add(r, ["p/0"])
-    policy, ring_policy = make_policy("kv_aware", key_blocks=2), make_policy("prefix", key_blocks=2)
+        view.kv_index.add(r, ["p/0", "p/1"])
+    policy, ring_policy = make_policy("kv_aware"), make_policy("prefix")
+    warm(policy, view, n=40)  # request 0 is sent 3 times below: 3 of 43 stays under 1/8, not common
+    warm(ring_policy, view, n=40)
     decision = policy.pick(request(0), view)
     assert decision.reason == "ring" and decision.replica == ring_policy.pick(request(0), view).replica
-    view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0"])
-    view.kv_index.add("r2", ["p/0", "p/1"])
+    view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0", "p/req0/1"])
+    view.kv_index.add("r2", ["p/0", "p/1", "p/req0/0"])
     decision = policy.pick(request(0), view)
-    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r6", "hit", 3)
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r6", "hit", 4)
     view.loads["r6"].queued = 100  # the best holder is overloaded: the next best candidate
     decision = policy.pick(request(0), view)
-    assert (decision.replica, decision.reason, decision.matched_blocks, decision.skipped) == ("r2", "hit", 2, ("r6",))
+    assert (decision.replica, decision.reason, decision.matched_blocks, decision.skipped) == ("r2", "hit", 3, ("r6",))
+
+
+def test_kv_aware_sends_a_new_prefix_to_a_holder_of_the_common_prefix():
+    """Rule 4: of the key's ring successors, the first that holds what the traffic shares."""
+    view = fleet()
+    policy = make_policy("kv_aware")
+    warm(policy, view)
+    order = HashRing(REPLICAS).successors("p/req0/0")
+    view.kv_index.add(order[2], ["p/0", "p/1"])
+    view.kv_index.add(order[5], ["p/0", "p/1"])
+    decision = policy.pick(request(0), view)
+    assert (decision.replica, decision.reason, decision.matched_blocks) == (order[2], "ring", 2)
 
 
 def test_kv_aware_ignores_stale_replicas():
@@ -161,7 +226,7 @@ def test_kv_aware_ignores_stale_replicas():
     view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0"])
     view.kv_index.apply("r6", [type("E", (), {"seq": 5, "kind": "stored", "block_hashes": ()})()])
     assert view.kv_index.is_stale("r6")
-    assert make_policy("kv_aware", key_blocks=2).pick(request(0), view).reason == "ring"
+    assert make_policy("kv_aware").pick(request(0), view).reason == "ring"
 
 
 def test_kv_aware_lets_a_replica_holding_the_prompt_carry_more_load():
@@ -169,12 +234,39 @@ def test_kv_aware_lets_a_replica_holding_the_prompt_carry_more_load():
     for r in REPLICAS:
         view.loads[r].in_flight = 2
     view.loads["r6"].in_flight = 4  # 18 in flight: the plain bound is ceil(1.5 * 19 / 8) = 4, r6 is over it
-    view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0"])  # but it holds the whole prompt: slack 2 x epsilon
+    view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0"])  # a full hit: epsilon x (1 + 2) = 1.5
     req = RouteRequest("req-0", ["p/0", "p/1", "p/req0/0"], 48)
-    assert make_policy("prefix", key_blocks=2).bound.is_over("r6", view, 4)
-    assert make_policy("kv_aware", key_blocks=2).pick(req, view).replica == "r6"
-    view.loads["r6"].in_flight = 5  # ceil(2.0 * 20 / 8) = 5: now over even with the slack
-    assert make_policy("kv_aware", key_blocks=2).pick(req, view).replica != "r6"
+    assert make_policy("kv_aware").bound.is_over("r6", view, 4)
+    assert make_policy("kv_aware").pick(req, view).replica == "r6"  # ceil(2.5 * 19 / 8) = 6
+    view.loads["r6"].in_flight = 7  # ceil(2.5 * 22 / 8) = 7: now over even with the slack
+    assert make_policy("kv_aware").pick(req, view).replica != "r6"
+
+
+def test_starvation_guard_sends_a_new_prefix_to_an_idle_replica():
+    """Three replicas hold the shared prefix, one holds nothing: rules 1-4 never choose it. The guard does,
+    once at once (a replica never chosen) and then whenever it idled STARVATION_WINDOW x N decisions while
+    the chosen replica was busy; a hit is never redirected, and a light fleet is left alone."""
+    names = ["a", "b", "c", "d"]
+    view = FleetView.empty(names)
+    policy = make_policy("kv_aware")
+    for r in "abc":
+        view.kv_index.add(r, ["p/0", "p/1"])
+    warm(policy, view)
+    assert {policy.pick(request(i), view).replica for i in range(40)} <= {"a", "b", "c"}  # light: sticky
+    for r in "abc":
+        view.loads[r].in_flight = 3
+    decision = policy.pick(request(50), view)
+    assert (decision.replica, decision.reason) == ("d", "idle") and decision.skipped[0] in "abc"
+    assert policy.pick(request(51), view).replica != "d"  # chosen recently: the window runs again
+    view.loads["d"].in_flight = 1
+    for i in range(STARVATION_WINDOW * len(names)):
+        policy.pick(request(60 + i), view)
+    view.loads["d"].in_flight = 0
+    for r in "abc":
+        view.loads[r].queued = 1  # the chosen replica has a prefill queue: busy
+    assert policy.pick(request(99), view).reason == "idle"
+    view.kv_index.add("a", ["p/0", "p/1", "p/req7/0", "p/req7/1", "p/req7/2"])
+    assert policy.pick(request(7), view).reason == "hit"  # a hit keeps its replica
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

@@ -1,8 +1,11 @@
 """The seeds' worked numbers, through the real block manager and replay (block size 16)."""
 
+from itertools import pairwise
+
 import pytest
 
 from loadtest.replay import ReplayConfig, replay
+from loadtest.traces import Trace, TraceRequest
 from loadtest.workloads import WorkloadError, generate
 
 
@@ -18,7 +21,7 @@ def test_support_request_id_on_line_2_vs_at_the_end():
     assert all(r.input_length == 3300 for r in generate("support", 5).requests)
     assert early.policies["round_robin"].cached_tokens[1:] == [32] * 49  # 32 / 3,300: about 1%
     assert late.policies["round_robin"].cached_tokens[1:] == [2896] * 49  # 181 blocks: about 88%
-    assert 2896 / 3300 == pytest.approx(0.88, abs=0.005)
+    assert late.policies["round_robin"].cached_tokens[1] / 3300 == pytest.approx(0.88, abs=0.005)
     assert early.policies["round_robin"].hit_rate == pytest.approx(0.01, abs=0.002)
     assert late.policies["round_robin"].hit_rate == pytest.approx(0.86, abs=0.02)
 
@@ -46,15 +49,22 @@ def test_rag_passage_order():
     assert all(r.input_length == 800 + 5 * 300 + 50 == 2350 for r in shuffled.requests)
     assert rs.policies["round_robin"].cached_tokens[1:] == [800] * 4  # 34%
     assert rz.policies["round_robin"].cached_tokens[1:] == [2288] * 4  # 143 blocks of 2,300 shared
-    assert 800 / 2350 == pytest.approx(0.34, abs=0.005)
-    assert 2288 / 2350 == pytest.approx(0.98, abs=0.01)
+    assert rs.policies["round_robin"].cached_tokens[1] / shuffled.requests[1].input_length == pytest.approx(
+        0.34, abs=0.005
+    )
+    assert rz.policies["round_robin"].cached_tokens[1] / shuffled.requests[1].input_length == pytest.approx(
+        0.98, abs=0.01
+    )
 
 
 def test_only_full_blocks_are_reusable():
     trace = generate("repeat", 2)  # one 512-token prompt, twice
     result = replay(trace, ReplayConfig(replicas=1, policies=("round_robin",)))
     assert result.policies["round_robin"].cached_tokens == [0, 496]  # the last token is always computed
-    assert 16 * (1500 // 16) == 1488
+    prompt = tuple(range(1500))  # 93 full blocks and 12 tokens: the repeat reuses the 93 blocks, 1,488 tokens
+    requests = (TraceRequest(0, 1500, 1, token_ids=prompt), TraceRequest(1e6, 1500, 1, token_ids=prompt))
+    twice = replay(Trace("twice", "tokens", 16, requests), ReplayConfig(replicas=1, policies=("round_robin",)))
+    assert twice.policies["round_robin"].cached_tokens == [0, 1488]
 
 
 def test_round_robin_over_4_replicas_finds_the_holder_about_1_in_4():
@@ -91,3 +101,58 @@ def test_unknown_workload_and_bad_sizes():
         generate("chat")
     with pytest.raises(WorkloadError, match="requests must be >= 1"):
         generate("support", 0)
+
+
+def _shared_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_platform_shape_platform_prompt_tenant_schemas_and_growing_sessions():
+    trace = generate("platform", 400)
+    requests = trace.requests
+    assert len(requests) == 400 and all(b.arrival_ms >= a.arrival_ms for a, b in pairwise(requests))
+    assert all(r.token_ids[:1500] == requests[0].token_ids[:1500] for r in requests)  # the platform prompt
+    tenants = {r.session_id.split("-")[0] for r in requests}
+    shares = sorted((sum(r.session_id.startswith(f"{t}-") for r in requests) / 400 for t in tenants), reverse=True)
+    assert len(tenants) >= 10 and 0.2 < shares[0] < 0.45  # Zipf: the first tenant carries about 30%
+    same_tenant = [r for r in requests if r.session_id.startswith("t0-")]
+    assert all(_shared_prefix(same_tenant[0].token_ids, r.token_ids) >= 3500 for r in same_tenant)
+    steps: dict[str, list] = {}
+    for r in requests:
+        if "agent" in r.session_id:
+            steps.setdefault(r.session_id, []).append(r)
+    grown = [s for s in steps.values() if len(s) >= 2]
+    assert grown and all(b.token_ids[: a.input_length] == a.token_ids for s in grown for a, b in pairwise(s))
+    assert all(b.input_length == a.input_length + 250 for s in grown for a, b in pairwise(s))
+    assert 0.15 < sum("oneoff" in r.session_id for r in requests) / 400 < 0.35
+
+
+def test_many_apps_shape_prefixes_from_200_to_6000_tokens():
+    trace = generate("many-apps", 600)
+    by_app: dict[str, list] = {}
+    for r in trace.requests:
+        by_app.setdefault(r.session_id, []).append(r.token_ids)
+    lengths = [_shared_prefix(p[0], p[1]) for p in by_app.values() if len(p) >= 2]
+    assert len(by_app) >= 15 and min(lengths) < 400 and max(lengths) > 4000
+    assert all(200 <= n <= 6000 for n in lengths)
+
+
+def test_hot_prompt_shape_one_prompt_at_high_load():
+    trace = generate("hot-prompt", 500)
+    assert len({r.token_ids[:2000] for r in trace.requests}) == 1
+    assert len({r.token_ids[2000:] for r in trace.requests}) == 500
+    rate = 500 / (trace.requests[-1].arrival_ms / 1000)
+    assert 20 < rate < 30  # about 25 requests/s: 9 in flight per replica of 8 at 3 s each
+
+
+def test_rag_middle_shape_shared_documents_between_a_system_prompt_and_the_question():
+    trace = generate("rag-middle", 400)
+    requests = trace.requests
+    assert all(r.input_length == 600 + 3 * 400 + 60 for r in requests)
+    assert all(r.token_ids[:600] == requests[0].token_ids[:600] for r in requests)
+    topic = [r.token_ids for r in requests if r.session_id == requests[0].session_id]
+    parts = [_shared_prefix(topic[0], t) for t in topic[1:]]
+    assert {600, 1000} <= set(parts) and max(parts) <= 1800  # 0-3 shared documents, never the question

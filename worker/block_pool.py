@@ -12,16 +12,23 @@ There is at most one physical block per hash: a block whose hash is already cach
 left uncached. So a `removed` event always means the fleet has lost that block (see DESIGN §7).
 
 Events (`stored` / `removed` / `cleared`) carry a sequence number that grows by one per event, so a
-reader can detect a gap and resync from `snapshot()`.
+reader can detect a gap and resync from `snapshot()`. The pool keeps at most `max_pending_events` events
+between two `drain_events()`; older ones are dropped, so an engine that nobody drains (offline use) keeps
+bounded memory, and its reader sees the gap and resyncs.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 BlockKey = Hashable  # a BlockHash (bytes) in the engine; any hashable id in the replay
+# Events kept between two drains. A step emits at most about twice the blocks it allocates (a `removed` per
+# eviction, a `stored` per run of new blocks), a few hundred at the default token budget, so a reader that
+# drains every step never loses one.
+MAX_PENDING_EVENTS = 16384
 
 
 @dataclass(eq=False)
@@ -99,15 +106,19 @@ class KVEvent:
 class BlockPool:
     """Bookkeeping for `num_blocks` KV blocks: ref counts, the hash map, the free queue and the event log."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, max_pending_events: int = MAX_PENDING_EVENTS
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if max_pending_events < 1:
+            raise ValueError(f"max_pending_events must be >= 1, got {max_pending_events}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
-        self.events: list[KVEvent] = []
+        self._events: deque[KVEvent] = deque(maxlen=max_pending_events)
         self.event_seq = 0
 
     # -- queries -------------------------------------------------------------------------------
@@ -167,20 +178,28 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_blocks(self, blocks: list[KVBlock], hashes: list[BlockKey], parent: BlockKey | None) -> None:
-        """Register full blocks under their hashes and emit one `stored` event for the new ones.
+        """Register consecutive full blocks of one sequence under their hashes; `parent` is the hash of the
+        block before `blocks[0]` (None when it is the sequence's first).
 
-        A hash that another block already holds is skipped (one physical block per hash)."""
+        A block already registered, or whose hash another block holds, is skipped (one physical block per
+        hash). The new blocks are announced as one `stored` event per contiguous run, each with the hash
+        just before the run as its parent, so a reader can chain every event onto what it already holds."""
         if not self.enable_caching:
             return
-        stored = []
+        run: list[BlockKey] = []
+        run_parent = parent
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None or block_hash in self.cached:
+                if run:
+                    self._emit("stored", tuple(run), run_parent)
+                    run = []
+                run_parent = block_hash
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
-            stored.append(block_hash)
-        if stored:
-            self._emit("stored", tuple(stored), parent)
+            run.append(block_hash)
+        if run:
+            self._emit("stored", tuple(run), run_parent)
 
     def reset_cache(self) -> bool:
         """Forget every cached hash (weights changed, an operator asked); only when no block is in use."""
@@ -193,7 +212,11 @@ class BlockPool:
         return True
 
     def drain_events(self) -> list[KVEvent]:
-        events, self.events = self.events, []
+        """The events since the last drain, in order. At most `max_pending_events` of them: when more piled
+        up the oldest were dropped, so the first seq returned is then more than one past the last one
+        drained, and the reader must resync from `snapshot()`."""
+        events = list(self._events)
+        self._events.clear()
         return events
 
     def snapshot(self) -> tuple[int, list[BlockKey]]:
@@ -209,7 +232,7 @@ class BlockPool:
 
     def _emit(self, kind: Literal["stored", "removed", "cleared"], hashes: tuple, parent=None) -> None:
         self.event_seq += 1
-        self.events.append(KVEvent(self.event_seq, kind, hashes, parent))
+        self._events.append(KVEvent(self.event_seq, kind, hashes, parent))
 
     # -- integrity -----------------------------------------------------------------------------
 

@@ -27,14 +27,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
 def run(args: argparse.Namespace) -> int:
+    from worker.cli_worker import check_device
     from worker.engine import LLMEngine
 
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        device=args.device,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -44,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    check_device(args.device)
     try:
         params.validate()
         engine = LLMEngine(config)

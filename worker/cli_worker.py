@@ -1,14 +1,24 @@
 """`kvroute worker`: load a model and serve it over gRPC (proto/worker.proto) until SIGINT / SIGTERM.
 
-On a signal the worker drains: health turns NOT_SERVING, new requests get UNAVAILABLE, running ones get
-`--drain-timeout` seconds to finish, then the process exits.
+Exit codes:
+  0    a signal: the worker drained (health NOT_SERVING, new requests UNAVAILABLE, running ones get
+       `--drain-timeout` seconds to finish) and stopped;
+  130  a second signal during the drain: it stops at once;
+  1    the engine died: health turned NOT_SERVING at once, and the process exits `--engine-dead-grace`
+       seconds later (so gateways see the state before the address goes away), for Kubernetes to restart it;
+  2    bad arguments, printed as one line.
+
+Parts that run beside the server in the same process (a reporter, an HTTP front door) add their flags in
+`add_arguments` and start in `serve`, next to `start_server`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 from kvroute.cli import UserError
@@ -16,6 +26,7 @@ from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineCon
 
 if TYPE_CHECKING:
     from worker.engine import LLMEngine
+    from worker.service import WorkerServer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gRPC listen address (0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: a free one)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    parser.add_argument("--metrics-host", default="0.0.0.0")
+    parser.add_argument("--metrics-host", default=None, help="metrics listen address (default: --host)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype)
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend)
@@ -40,6 +51,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on exit")
+    parser.add_argument(
+        "--worker-id",
+        default=os.environ.get("KVROUTE_WORKER_ID") or None,
+        help="stable identity (default: $KVROUTE_WORKER_ID, else <hostname>-<port>)",
+    )
+    parser.add_argument(
+        "--advertise-address",
+        default=None,
+        help="host:port gateways dial (default: --host:port, a wildcard host replaced by this host's name)",
+    )
+    parser.add_argument(
+        "--max-concurrent-streams", type=int, default=256, help="open Generate streams; past it RESOURCE_EXHAUSTED"
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, default=256, help="requests waiting for a slot; past it RESOURCE_EXHAUSTED"
+    )
+    parser.add_argument(
+        "--engine-dead-grace",
+        type=float,
+        default=10.0,
+        help="seconds between the engine's death (NOT_SERVING at once) and the process's exit with status 1",
+    )
+    parser.add_argument("--redis", default=None, help="report to Redis fleet state (redis://, rediss://, redis+sentinel://)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between Redis heartbeats")
+    parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="seconds a heartbeat stays valid in Redis")
     parser.add_argument(
         "--sim-prefill-us-per-token", type=float, default=defaults.sim_prefill_us_per_token, help="--model sim only"
     )
@@ -69,33 +105,133 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    return asyncio.run(serve(build_engine(args), args))
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine the flags describe (UserError on a bad flag); launch.worker reuses it."""
     from worker.engine import LLMEngine
 
-    if not 0 <= args.port < 65536:
-        raise UserError(f"--port must be in [0, 65536), got {args.port}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        raise UserError(f"--metrics-port must be in [0, 65536), got {args.metrics_port}")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port < 65536:
+            raise UserError(f"{flag} must be in [0, 65536), got {port}")
+    for flag, count in (("--max-concurrent-streams", args.max_concurrent_streams), ("--max-waiting", args.max_waiting)):
+        if count < 1:
+            raise UserError(f"{flag} must be >= 1, got {count}")
+    for flag, seconds in (("--drain-timeout", args.drain_timeout), ("--engine-dead-grace", args.engine_dead_grace)):
+        if not seconds >= 0:
+            raise UserError(f"{flag} must be >= 0 seconds, got {seconds}")
+    check_device(args.device)
     try:
-        engine = LLMEngine(engine_config(args))
+        return LLMEngine(engine_config(args))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
-    asyncio.run(serve(engine, args))
-    return 0
 
 
-async def serve(engine: LLMEngine, args: argparse.Namespace) -> None:
+def check_device(spec: str) -> None:
+    """Raise UserError unless `spec` names a device the worker runs on (cpu, cuda, cuda:N) and, for CUDA,
+    one this machine has."""
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"--device {spec!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise UserError(f"--device {spec!r}: the worker runs on cpu or cuda[:N]")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise UserError(f"--device {spec!r}: torch sees no CUDA device on this machine")
+    if device.index is not None and device.index >= count:
+        raise UserError(f"--device {spec!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
+async def start_server(engine: LLMEngine, args: argparse.Namespace) -> WorkerServer:
+    """The gRPC server as the flags say; UserError when it cannot listen."""
     from worker.service import start_worker_server
 
     try:
-        server = await start_worker_server(engine, args.host, args.port, args.metrics_port, args.metrics_host)
+        return await start_worker_server(
+            engine,
+            args.host,
+            args.port,
+            args.metrics_port,
+            args.metrics_host,
+            worker_id=args.worker_id,
+            advertise_address=args.advertise_address,
+            max_concurrent_streams=args.max_concurrent_streams,
+            max_waiting=args.max_waiting,
+        )
     except OSError as exc:
         raise UserError(str(exc)) from exc
-    metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port is not None else ""
-    print(f"kvroute worker: serving {engine.model_id} on {args.host}:{server.port}{metrics}", flush=True)
-    stop = asyncio.Event()
+
+
+async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
+    """Serve until a signal (drain: 0), a second signal during the drain (130) or the engine's death (1)."""
+    server = await start_server(engine, args)
+    metrics = ""
+    if server.metrics.address is not None:
+        metrics = f", metrics on {server.metrics.address[0]}:{server.metrics.address[1]}/metrics"
+    print(
+        f"kvroute worker: serving {engine.model_id} on {args.host}:{server.port} as {server.worker_id} "
+        f"(advertised {server.advertise_address}, incarnation {server.incarnation:016x}){metrics}",
+        flush=True,
+    )
+    print(f"kvroute worker: dtype {engine.dtype_reason}; attention {engine.attention_backend}", file=sys.stderr)
+    reporter = None
+    if args.redis:
+        from worker.reporter import start_reporter
+
+        try:
+            reporter = await start_reporter(
+                server, args.redis, heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl
+            )
+        except ValueError as exc:
+            await server.stop(drain_timeout=0)
+            raise UserError(str(exc)) from exc
+    try:
+        return await run_until_exit(server, args)
+    finally:
+        if reporter is not None:
+            await reporter.stop()
+
+
+async def run_until_exit(server: WorkerServer, args: argparse.Namespace) -> int:
+    """Wait for a signal or the engine's death, stop the server as the exit codes above say, and return the
+    code. The server is stopped (or, after a second signal, no longer listening) when this returns."""
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print(f"kvroute worker: draining (up to {args.drain_timeout:g} s)", flush=True)
-    await server.stop(args.drain_timeout)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    engine_dead = asyncio.ensure_future(server.engine.wait_dead())
+    first_signal = asyncio.ensure_future(signals.get())
+    await asyncio.wait({engine_dead, first_signal}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_dead.done():
+        first_signal.cancel()
+        print(
+            f"kvroute worker: the engine died ({engine_dead.result()}); health is NOT_SERVING, "
+            f"exiting with status 1 in {args.engine_dead_grace:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:  # a signal ends the grace early
+            await asyncio.wait_for(signals.get(), args.engine_dead_grace)
+        except TimeoutError:
+            pass
+        await server.stop(drain_timeout=0)
+        return 1
+    engine_dead.cancel()
+    print(f"kvroute worker: draining (up to {args.drain_timeout:g} s; a second signal stops at once)", flush=True)
+    drain = asyncio.ensure_future(server.stop(args.drain_timeout))
+    second_signal = asyncio.ensure_future(signals.get())
+    await asyncio.wait({drain, second_signal}, return_when=asyncio.FIRST_COMPLETED)
+    if drain.done():
+        second_signal.cancel()
+        drain.result()
+        return 0
+    drain.cancel()
+    print("kvroute worker: second signal; stopping without draining", file=sys.stderr, flush=True)
+    await server.server.stop(grace=None)
+    return 130

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,12 +29,16 @@ from worker.model_runner import StepRunner
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float]  # logprob of each chosen token (empty unless params.logprobs)
+    # one (token_ids, logprobs) per new token, most likely first (empty unless params.top_logprobs)
+    new_top_logprobs: list[tuple[list[int], list[float]]]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
@@ -47,6 +52,7 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,10 +76,16 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_id = source.model_id
         self.runner: StepRunner
+        self.dtype: torch.dtype
+        self.dtype_reason: str  # why this dtype, e.g. "auto: float32, the CPU has no native bf16 (...)"
+        self.attention_backend: str  # the attention path taken, and why, e.g. "cpu: torch path (...)"
         if source.kind == "sim":
             self._init_sim(source)
         else:
             self._init_model(source)
+        log.info(
+            "%s: dtype %s (%s); attention %s", self.model_id, self.dtype, self.dtype_reason, self.attention_backend
+        )
         self.kv_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager, self.eos_token_ids)
         self._pending: list[RequestOutput] = []  # abort notices, handed out by the next step
@@ -84,7 +96,7 @@ class LLMEngine:
     def _init_model(self, source: ModelSource) -> None:
         from worker.model_runner import ModelRunner, resolve_dtype
 
-        self.dtype = resolve_dtype(self.config.dtype, source.kind)
+        self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
         model, model_config = _load_model(source, self.dtype, self.config.device)
         self.tokenizer: Tokenizer = _load_tokenizer(source)
         self.vocab_size = model_config.vocab_size
@@ -93,12 +105,14 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(self.config, model, model_config)
+        self.attention_backend = self.runner.attention_path
 
     def _init_sim(self, source: ModelSource) -> None:
         from worker.model_runner import resolve_dtype
         from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
 
-        self.dtype = resolve_dtype(self.config.dtype, source.kind)
+        self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
+        self.attention_backend = "none (sim: no model)"
         self.tokenizer = _load_tokenizer(source)
         self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN
@@ -154,6 +168,10 @@ class LLMEngine:
             return outputs
         sampled = self.runner.run(batch)
         advanced = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
+        if sampled.top_logprobs:  # one entry per sampled row, in the order `advanced` has them
+            for seq, top in zip(advanced, sampled.top_logprobs, strict=True):
+                if top is not None:
+                    seq.output_top_logprobs.append(top)
         self.generation_tokens_total += len(advanced)
         outputs.extend(self._output(seq) for seq in advanced)
         return outputs
@@ -161,11 +179,13 @@ class LLMEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         new_tokens = seq.output_token_ids[seq.num_emitted :]
         new_logprobs = seq.output_logprobs[seq.num_emitted :] if seq.params.logprobs else []
+        new_top_logprobs = list(seq.output_top_logprobs[seq.num_emitted :])
         seq.num_emitted = seq.num_output_tokens
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
             new_logprobs=new_logprobs,
+            new_top_logprobs=new_top_logprobs,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
@@ -196,6 +216,7 @@ class LLMEngine:
                     continue
                 result.token_ids.extend(out.new_token_ids)
                 result.logprobs.extend(out.new_logprobs)
+                result.top_logprobs.extend(out.new_top_logprobs)
                 result.cached_tokens = out.cached_tokens
                 if out.finished:
                     result.finish_reason = out.finish_reason or ""

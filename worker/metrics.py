@@ -99,6 +99,19 @@ class WorkerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # No vLLM names for these two: vLLM neither bounds its queue nor checks a router's hashes.
+        self.requests_refused = Counter(
+            "kvroute:requests_refused",
+            "Requests refused with RESOURCE_EXHAUSTED, by the bound that was reached.",
+            ["model_name", "limit"],
+            registry=self.registry,
+        )
+        self.block_hash_mismatches = Counter(
+            "kvroute:block_hash_mismatches",
+            "Requests whose gateway block hashes differ from the worker's own (a hash-parity fault).",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
         self._http_server: WSGIServer | None = None
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
@@ -108,10 +121,18 @@ class WorkerMetrics:
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve /metrics from a daemon thread; returns the bound port (pass 0 for a free one)."""
+    def serve(self, port: int, host: str) -> int:
+        """Serve /metrics on host:port from a daemon thread; returns the bound port (pass 0 for a free one)."""
         self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._http_server.server_port
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The (host, port) /metrics is bound to, or None when not serving."""
+        if self._http_server is None:
+            return None
+        host, port = self._http_server.server_address[:2]
+        return str(host), int(port)
 
     def stop(self) -> None:
         if self._http_server is not None:

@@ -13,11 +13,12 @@ bf16 in the same memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata, get_attention_backend, token_positions
+from kernels.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, get_attention_backend, token_positions
+from kernels.cpu_backend import CpuAttentionBackend, native_bf16
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
 from worker.model.config import LlamaConfig
@@ -42,18 +43,49 @@ class StepRunner(Protocol):
         ...
 
 
-def resolve_dtype(name: str, model_kind: str) -> torch.dtype:
-    """`auto` is bfloat16 for real models. Measured with loadtest.engine_bench on this CPU (SmolLM2, 2 threads)
-    it beats float32 everywhere: prefill 2.4x at 1,000 tokens and 3.0x at 3,000 (attention runs in the AVX-512
-    BF16 kernel), single-stream decode 1.6x (half the weight bytes to read per token), 32-stream throughput
-    1.75x; against float32 its top-1 agreement is 0.968 and its mean KL 0.0011 over 600 positions of real text.
-    float32 is what the reference checks run.
+class DtypeChoice(NamedTuple):
+    dtype: torch.dtype
+    reason: str  # one line for the startup log and GetInfo, e.g. "auto: float32, the CPU has no native bf16 ..."
+
+
+def resolve_dtype(name: str, model_kind: str, device: str | torch.device = "cpu") -> DtypeChoice:
+    """The weights' dtype, and why. `auto` is a dtype the machine multiplies natively: on a CPU, bfloat16 only
+    where it has bf16 instructions (kernels.cpu_backend.native_bf16: AVX-512 BF16 or AMX on x86, FEAT_BF16 on
+    ARM), float32 elsewhere, since torch emulates bf16 matmuls several times slower than float32 (an AVX2-only
+    Zen 3: prefill at 1,000 tokens 85 tok/s in bf16 against 488 in float32); on CUDA, bfloat16 where the GPU
+    supports it. With native bf16, measured with loadtest.engine_bench (SmolLM2, 2 threads), bf16 beats float32
+    everywhere: prefill 2.4x at 1,000 tokens and 3.0x at 3,000 (attention runs in the AVX-512 BF16 kernel),
+    single-stream decode 1.6x, 32-stream throughput 1.75x; against float32 its top-1 agreement is 0.968 and its
+    mean KL 0.0011 over 600 positions of real text. float32 is what the reference checks run.
 
     The tiny test model's `auto` is float32, its native dtype: its random weights give near-tied logits, and
     bf16 rounding would let batch shape or attention backend decide its greedy tokens."""
-    if name == "auto":
-        return torch.float32 if model_kind == "tiny" else torch.bfloat16
-    return TORCH_DTYPES[name]
+    device = torch.device(device)
+    if name != "auto":
+        dtype = TORCH_DTYPES[name]
+        if dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16()[0]:
+            return DtypeChoice(dtype, f"bfloat16 as asked, though the CPU has {native_bf16()[1]}: torch emulates it")
+        return DtypeChoice(dtype, f"{name} as asked")
+    if model_kind == "tiny":
+        return DtypeChoice(torch.float32, "auto: float32, the tiny test model's own dtype")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, f"auto: bfloat16, {gpu} supports it")
+        return DtypeChoice(torch.float32, f"auto: float32, {gpu} has no bf16")
+    if device.type != "cpu":
+        return DtypeChoice(torch.float32, f"auto: float32 on {device.type}")
+    native, flags = native_bf16()
+    if native:
+        return DtypeChoice(torch.bfloat16, f"auto: bfloat16, the CPU multiplies it natively ({flags})")
+    return DtypeChoice(torch.float32, f"auto: float32, the CPU has no native bf16 ({flags})")
+
+
+def describe_attention(backend: AttentionBackend, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention path a model of this dtype takes on `backend`, and why where the backend has a choice."""
+    if isinstance(backend, CpuAttentionBackend):
+        return backend.describe(dtype, head_dim)
+    return backend.name
 
 
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -82,6 +114,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.attention_path = describe_attention(self.backend, self.dtype, model_config.head_dim)
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
         else:
@@ -106,7 +139,7 @@ class ModelRunner:
         sampling = batch.sampling
         if not sampling:  # only prefill chunks: the step filled the cache
             return SamplerOutput([], [])
-        return self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+        return self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator(self.device) for s in sampling])
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from kvroute.hashing import BlockHash, BlockHasher
 from kvroute.sampling import SamplingParams
+from worker.sampler import TopLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -32,17 +33,25 @@ class Sequence:
     cache_salt: str = ""
     token_ids: list[int] = field(init=False)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per output token, with top_logprobs
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     num_emitted: int = 0  # output tokens already handed to the caller
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The request's own RNG on `device` when params.seed is set (created, seeded, on first use), else None.
+        A sequence samples on one device all its life."""
+        if self.params.seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator(device).manual_seed(self.params.seed)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

@@ -4,22 +4,27 @@
             ◄─stream──── GenerateResponse ◄── RequestOutput ◄───────┘
 
 Errors map to status codes as the proto states: InvalidRequest -> INVALID_ARGUMENT (the message names the
-field), an id in use -> ALREADY_EXISTS, draining -> UNAVAILABLE, an engine fault -> INTERNAL. A closed
-stream (client cancellation) cancels the handler, which closes the engine stream, which aborts the request.
+field), an id in use -> ALREADY_EXISTS, a full worker (open streams, waiting queue) -> RESOURCE_EXHAUSTED,
+draining or a dead engine -> UNAVAILABLE, an engine fault -> INTERNAL. A request is validated before anything
+else is done with it (the block-hash parity check hashes the prompt). A closed stream (client cancellation)
+cancels the handler, which closes the engine stream, which aborts the request.
 
-The server also runs the standard health service (SERVING while up, NOT_SERVING while draining) and,
-optionally, Prometheus metrics on a side HTTP port.
+The server also runs the standard health service (SERVING while up; NOT_SERVING while draining and as soon as
+the engine dies) and, optionally, Prometheus metrics on a side HTTP port. Every WorkerInfo, WorkerStats and
+KVEventBatch carries the worker's id and its incarnation, a random number drawn at every start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,7 +34,17 @@ from opentelemetry import propagate, trace
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.sampling import InvalidRequest, SamplingParams
 from proto import worker_pb2, worker_pb2_grpc
-from worker.async_engine import AsyncEngine, EngineError, EngineStopped, KVEventsSince, RequestIdInUse
+from worker.async_engine import (
+    DEFAULT_MAX_STREAMS,
+    DEFAULT_MAX_WAITING,
+    AsyncEngine,
+    EngineError,
+    EngineOverloaded,
+    EngineStopped,
+    KVEventsSince,
+    Lifecycle,
+    RequestIdInUse,
+)
 from worker.engine import EngineStats, LLMEngine, RequestOutput
 from worker.metrics import RequestTimer, WorkerMetrics
 
@@ -54,6 +69,27 @@ KV_EVENT_KINDS = {
 }
 
 
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who this worker is: a stable id (a StatefulSet pod name, host-port), the address gateways dial, and
+    the incarnation, drawn at random at every start so a reader can tell a restart from a long gap."""
+
+    worker_id: str
+    advertise_address: str
+    incarnation: int = field(default_factory=lambda: secrets.randbelow(2**64 - 1) + 1)
+
+
+def default_worker_id(port: int) -> str:
+    return f"{socket.gethostname()}-{port}"
+
+
+def default_advertise_address(host: str, port: int) -> str:
+    """host:port as another machine dials it: a wildcard listen address becomes this host's name."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return _address(host, port)
+
+
 # -- proto <-> engine ----------------------------------------------------------------------------------
 
 
@@ -69,11 +105,14 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
     )
 
 
 def response_from_output(output: RequestOutput, completion_tokens: int) -> worker_pb2.GenerateResponse:
     response = worker_pb2.GenerateResponse(token_ids=output.new_token_ids, logprobs=output.new_logprobs)
+    for ids, logprobs in output.new_top_logprobs:
+        response.top_logprobs.add(token_ids=ids, logprobs=logprobs)
     if output.finished:
         response.finish_reason = FINISH_REASONS[output.finish_reason or "abort"]
         response.usage.CopyFrom(
@@ -86,7 +125,13 @@ def response_from_output(output: RequestOutput, completion_tokens: int) -> worke
     return response
 
 
-def stats_to_proto(stats: EngineStats, kv_event_seq: int) -> worker_pb2.WorkerStats:
+def stats_to_proto(
+    stats: EngineStats,
+    kv_event_seq: int,
+    identity: WorkerIdentity,
+    engine_state: worker_pb2.EngineState.ValueType,
+    engine_error: str = "",
+) -> worker_pb2.WorkerStats:
     return worker_pb2.WorkerStats(
         num_blocks_total=stats.num_blocks_total,
         num_blocks_used=stats.num_blocks_used,
@@ -100,10 +145,14 @@ def stats_to_proto(stats: EngineStats, kv_event_seq: int) -> worker_pb2.WorkerSt
         prompt_tokens_total=stats.prompt_tokens_total,
         generation_tokens_total=stats.generation_tokens_total,
         kv_event_seq=kv_event_seq,
+        worker_id=identity.worker_id,
+        incarnation=identity.incarnation,
+        engine_state=engine_state,
+        engine_error=engine_error,
     )
 
 
-def worker_info(engine: LLMEngine) -> worker_pb2.WorkerInfo:
+def worker_info(engine: LLMEngine, identity: WorkerIdentity) -> worker_pb2.WorkerInfo:
     config = engine.config
     return worker_pb2.WorkerInfo(
         model_id=engine.model_id,
@@ -116,11 +165,17 @@ def worker_info(engine: LLMEngine) -> worker_pb2.WorkerInfo:
         dtype=str(engine.dtype).removeprefix("torch."),
         max_num_seqs=config.max_num_seqs,
         tokenizer_fingerprint=engine.tokenizer.fingerprint,
+        worker_id=identity.worker_id,
+        incarnation=identity.incarnation,
+        attention_backend=engine.attention_backend,
+        dtype_reason=engine.dtype_reason,
     )
 
 
-def kv_events_to_proto(since: KVEventsSince) -> worker_pb2.KVEventBatch:
-    batch = worker_pb2.KVEventBatch(latest_seq=since.latest_seq)
+def kv_events_to_proto(since: KVEventsSince, identity: WorkerIdentity) -> worker_pb2.KVEventBatch:
+    batch = worker_pb2.KVEventBatch(
+        latest_seq=since.latest_seq, worker_id=identity.worker_id, incarnation=identity.incarnation
+    )
     if since.snapshot is not None:
         batch.is_snapshot = True
         batch.snapshot_seq = since.latest_seq
@@ -138,15 +193,37 @@ def kv_events_to_proto(since: KVEventsSince) -> worker_pb2.KVEventBatch:
 # -- the servicer ------------------------------------------------------------------------------------
 
 
+def status_code(exc: Exception) -> grpc.StatusCode:
+    """The gRPC status of an error raised by AsyncEngine before or while it streams a request."""
+    if isinstance(exc, RequestIdInUse):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, EngineOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineStopped):  # shut down, or dead: either way, send it elsewhere
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`kvroute.v1.Worker` over an AsyncEngine. Setting `draining` makes Generate answer UNAVAILABLE."""
 
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, identity: WorkerIdentity) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.info = worker_info(engine.engine)
+        self.identity = identity
+        self.info = worker_info(engine.engine, identity)
         self.draining = False
         self._warned_hash_mismatch = False
+
+    @property
+    def engine_state(self) -> worker_pb2.EngineState.ValueType:
+        if self.engine.state is Lifecycle.DEAD:
+            return worker_pb2.ENGINE_STATE_DEAD
+        if self.draining or self.engine.state is not Lifecycle.RUNNING:
+            return worker_pb2.ENGINE_STATE_DRAINING
+        return worker_pb2.ENGINE_STATE_SERVING
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -160,22 +237,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kind=trace.SpanKind.SERVER,
             attributes={"kvroute.request_id": request_id, "kvroute.prompt_tokens": len(request.prompt_token_ids)},
         )
-        if request.block_hashes:
-            span.set_attribute("kvroute.block_hash_parity", self._check_block_hashes(request))
         timer = self.metrics.start_request()
         try:
             params = sampling_params_from_proto(request.sampling)
+            self.engine.check_admission(request_id, request.prompt_token_ids, params)  # before any hashing
+            if request.block_hashes:
+                span.set_attribute("kvroute.block_hash_parity", self._check_block_hashes(request))
             async with aclosing(self._stream(request_id, request, params, timer, span)) as responses:
                 async for response in responses:
                     yield response
-        except RequestIdInUse as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except EngineError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except (InvalidRequest, EngineOverloaded, EngineStopped, EngineError) as exc:
+            if isinstance(exc, EngineOverloaded):
+                self.metrics.requests_refused.labels(self.metrics.model_name, exc.limit).inc()
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            await context.abort(status_code(exc), str(exc))
         finally:
             span.end()
 
@@ -212,7 +287,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
 
     def _check_block_hashes(self, request: worker_pb2.GenerateRequest) -> bool:
-        """Whether the gateway's routing hashes equal this worker's own; a mismatch is logged once."""
+        """Whether the gateway's routing hashes equal this worker's own; a mismatch is counted, and logged
+        once. Call only on a validated request: it hashes the whole prompt."""
         config = self.engine.engine.config
         own = block_hashes(
             request.prompt_token_ids,
@@ -221,6 +297,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_size=config.block_size,
         )
         agree = list(request.block_hashes) == own
+        if not agree:
+            self.metrics.block_hash_mismatches.inc()
         if not agree and not self._warned_hash_mismatch:
             self._warned_hash_mismatch = True
             logger.warning(
@@ -236,7 +314,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
         # The last step's books, without waiting for the step in progress (a long prefill can take seconds).
-        return stats_to_proto(self.engine.latest_stats, self.engine.kv_event_seq)
+        return stats_to_proto(
+            self.engine.latest_stats,
+            self.engine.kv_event_seq,
+            self.identity,
+            self.engine_state,
+            self.engine.error or "",
+        )
 
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -247,7 +331,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetKVEventsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KVEventBatch:
         limit = min(request.max_events or MAX_KV_EVENTS_PER_REPLY, MAX_KV_EVENTS_PER_REPLY)
-        return kv_events_to_proto(self.engine.kv_events_since(request.after_seq, limit))
+        return kv_events_to_proto(await self.engine.kv_events_since(request.after_seq, limit), self.identity)
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -255,7 +339,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 @dataclass
 class WorkerServer:
-    """A running worker: gRPC server, engine thread, health and metrics. Stop it with `stop()`."""
+    """A running worker: gRPC server, engine thread, health and metrics. Stop it with `stop()`.
+
+    Other parts of one worker process start beside it in the same event loop and read it: the Redis reporter
+    (identity, `engine.latest_stats`, `engine.kv_events_since`, `engine.kv_event_seq`, `engine.wait_dead`)
+    and an HTTP front door (`advertise_address`)."""
 
     server: grpc.aio.Server
     port: int
@@ -264,11 +352,26 @@ class WorkerServer:
     health: health_aio.HealthServicer
     metrics: WorkerMetrics
     metrics_port: int | None
+    identity: WorkerIdentity
+    _engine_watch: asyncio.Task[None]
+
+    @property
+    def worker_id(self) -> str:
+        return self.identity.worker_id
+
+    @property
+    def incarnation(self) -> int:
+        return self.identity.incarnation
+
+    @property
+    def advertise_address(self) -> str:
+        return self.identity.advertise_address
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Drain, then stop: report NOT_SERVING and refuse new requests (UNAVAILABLE, so a gateway retries
         elsewhere), let running requests finish for up to `drain_timeout` seconds, cancel the rest."""
         self.servicer.draining = True
+        self._engine_watch.cancel()
         await self.health.enter_graceful_shutdown()
         deadline = time.monotonic() + drain_timeout
         while self.engine.num_active_requests and time.monotonic() < deadline:
@@ -286,39 +389,66 @@ async def start_worker_server(
     host: str = "127.0.0.1",
     port: int = 0,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str | None = None,
+    *,
+    worker_id: str | None = None,
+    advertise_address: str | None = None,
+    max_concurrent_streams: int = DEFAULT_MAX_STREAMS,
+    max_waiting: int = DEFAULT_MAX_WAITING,
 ) -> WorkerServer:
     """Serve `engine` on host:port (0: a free port, see `.port`); health is SERVING when this returns, after
-    the engine's warm-up. Must be awaited in the event loop that will run the server."""
+    the engine's warm-up. Metrics listen on `metrics_host` (default: `host`, so a worker bound to loopback
+    never exposes them on every interface). `worker_id` defaults to `<hostname>-<port>`, `advertise_address`
+    to host:port with a wildcard host replaced by this host's name. Must be awaited in the event loop that will
+    run the server; raises OSError naming the address it cannot listen on."""
     await asyncio.get_running_loop().run_in_executor(None, engine.warm_up)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, max_streams=max_concurrent_streams, max_waiting=max_waiting)
     metrics = WorkerMetrics(engine.model_id, lambda: async_engine.latest_stats)
+    metrics_host = host if metrics_host is None else metrics_host
     bound_metrics_port = None
     if metrics_port is not None:
         try:
             bound_metrics_port = metrics.serve(metrics_port, metrics_host)
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {_address(metrics_host, metrics_port)}: {exc.strerror}") from exc
-    servicer = WorkerServicer(async_engine, metrics)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Gateways keep their channels alive with pings (every 10 s, with or without calls) so that a dead
+            # worker is found between requests; answering them with GOAWAY "too_many_pings" would drop them.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
         bound_port = server.add_insecure_port(_address(host, port))
     except RuntimeError as exc:
         metrics.stop()
         raise OSError(f"cannot listen on {_address(host, port)}: {exc}") from exc
+    identity = WorkerIdentity(
+        worker_id or default_worker_id(bound_port), advertise_address or default_advertise_address(host, bound_port)
+    )
+    servicer = WorkerServicer(async_engine, metrics, identity)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     async_engine.start()
     await server.start()
     for service in ("", WORKER_SERVICE):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return WorkerServer(server, bound_port, async_engine, servicer, health, metrics, bound_metrics_port)
+    watch = asyncio.create_task(_report_engine_death(async_engine, health), name="engine-death-watch")
+    return WorkerServer(
+        server, bound_port, async_engine, servicer, health, metrics, bound_metrics_port, identity, watch
+    )
+
+
+async def _report_engine_death(engine: AsyncEngine, health: health_aio.HealthServicer) -> None:
+    error = await engine.wait_dead()
+    logger.error("the engine died (%s); health is NOT_SERVING", error)
+    for service in ("", WORKER_SERVICE):
+        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def _address(host: str, port: int) -> str:

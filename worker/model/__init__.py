@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvroute.model_source import ModelSource, smollm2_gguf_path
+from kvroute.model_source import ModelSource
 from kvroute.tokenizer import Tokenizer
 from worker.model.config import LlamaConfig
 from worker.model.gguf_loader import iter_gguf_weights, open_gguf
@@ -59,6 +59,4 @@ def build_model(
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
     """The model's tokenizer; `tiny` and `sim` use SmolLM2's."""
-    if source.kind == "hf":
-        return Tokenizer.from_hf_dir(source.path)
-    return Tokenizer.from_gguf(source.path if source.kind == "gguf" else smollm2_gguf_path())
+    return Tokenizer.for_model(source)

@@ -1,0 +1,146 @@
+"""API keys -> tenants, and each tenant's cache salt (DESIGN §4, tenancy and security).
+
+Keys come from `--api-keys-file` or the `KVROUTE_API_KEYS` environment variable, both a JSON list:
+
+    [{"tenant": "acme", "key_sha256": "<hex sha256 of the key>", "max_concurrency": 8}, ...]
+
+Only the keys' SHA-256 digests are ever held. A presented key is hashed and looked up by its digest; the
+lookup reveals nothing an attacker can use (finding a key from a digest is a preimage attack), and the final
+comparison is `hmac.compare_digest`. Several keys may name one tenant (key rotation): they share its salt.
+With no keys configured the gateway is open: every request is the one tenant `default`, with the empty salt.
+
+The cache salt of a tenant is derived on the server from its name and never taken from a client:
+
+    salt(tenant) = hex(HMAC-SHA256(secret, "kvroute-tenant-salt-v1" ‖ 0 ‖ tenant))   with KVROUTE_CACHE_SALT_SECRET
+                 = hex(SHA-256("kvroute-tenant-salt-v1" ‖ 0 ‖ tenant))               without
+
+so two tenants never share a block, every gateway of a fleet derives the same salts (they must: the workers
+key their caches by it), and with the secret set even a client that reaches a worker directly cannot name
+another tenant's salt. A salt the client sends is mixed in under the tenant's (`cache_salt`): the result
+always starts with the tenant's salt and a NUL, which no other tenant's salt does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import AuthenticationError
+from gateway.request import Tenant
+
+API_KEYS_ENV = "KVROUTE_API_KEYS"
+SALT_SECRET_ENV = "KVROUTE_CACHE_SALT_SECRET"
+OPEN_TENANT = Tenant(name="default", cache_salt="")
+_SALT_DOMAIN = b"kvroute-tenant-salt-v1\x00"
+
+
+def tenant_salt(tenant: str, secret: bytes | None = None) -> str:
+    """The cache salt of a tenant (see the module docstring)."""
+    message = _SALT_DOMAIN + tenant.encode()
+    if secret:
+        return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return hashlib.sha256(message).hexdigest()
+
+
+def cache_salt(tenant: Tenant, client_salt: str = "") -> str:
+    """The salt a request's blocks are hashed with: the tenant's, with the client's mixed in under it."""
+    if not client_salt:
+        return tenant.cache_salt
+    return f"{tenant.cache_salt}\x00{client_salt}"
+
+
+def key_sha256(api_key: str) -> str:
+    """The digest to write in an API keys file for `api_key`."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Key:
+    digest: bytes
+    tenant: Tenant
+
+
+class Authenticator:
+    """Maps a presented API key to its Tenant; `open` when no key is configured."""
+
+    def __init__(self, entries: list[dict[str, Any]] | None = None, salt_secret: bytes | None = None) -> None:
+        """`entries`: the parsed JSON list. Raises ValueError naming the entry and field at fault."""
+        parsed: list[tuple[str, bytes]] = []
+        limits: dict[str, int | None] = {}
+        for i, entry in enumerate(entries or []):
+            where = f"api keys[{i}]"
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: must be an object with tenant, key_sha256, max_concurrency")
+            unknown = sorted(set(entry) - {"tenant", "key_sha256", "max_concurrency"})
+            if unknown:
+                raise ValueError(f"{where}: unknown field {unknown[0]!r}")
+            name, digest_hex, limit = entry.get("tenant"), entry.get("key_sha256"), entry.get("max_concurrency")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{where}.tenant: must be a non-empty string")
+            try:
+                digest = bytes.fromhex(digest_hex) if isinstance(digest_hex, str) else b""
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise ValueError(f"{where}.key_sha256: must be 64 hex digits (sha256 of the key)")
+            if any(digest == d for _, d in parsed):
+                raise ValueError(f"{where}.key_sha256: the same key is listed twice")
+            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+                raise ValueError(f"{where}.max_concurrency: must be an integer >= 1, got {limit!r}")
+            if limit is not None and limits.get(name) not in (None, limit):
+                raise ValueError(f"{where}.max_concurrency: tenant {name!r} is given two different limits")
+            limits[name] = limit if limit is not None else limits.get(name)
+            parsed.append((name, digest))
+        tenants = {name: Tenant(name, tenant_salt(name, salt_secret), limit) for name, limit in limits.items()}
+        self._keys = {digest: _Key(digest, tenants[name]) for name, digest in parsed}
+
+    @classmethod
+    def from_config(cls, api_keys_file: str | None = None, environ: dict[str, str] | None = None) -> Authenticator:
+        """Keys from the file if given, else from $KVROUTE_API_KEYS, else none (open). The salt secret is
+        $KVROUTE_CACHE_SALT_SECRET. Raises ValueError with one line on a missing or malformed source."""
+        environ = os.environ if environ is None else environ
+        secret = environ.get(SALT_SECRET_ENV, "").encode() or None
+        if api_keys_file:
+            path = Path(api_keys_file)
+            if not path.is_file():
+                raise ValueError(f"--api-keys-file: {api_keys_file!r} does not exist")
+            text, source = path.read_text(), f"--api-keys-file {api_keys_file}"
+        elif environ.get(API_KEYS_ENV):
+            text, source = environ[API_KEYS_ENV], f"${API_KEYS_ENV}"
+        else:
+            return cls(None, secret)
+        try:
+            entries = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not valid JSON ({exc})") from exc
+        if not isinstance(entries, list):
+            raise ValueError(f"{source}: must be a JSON list of keys")
+        try:
+            return cls(entries, secret)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+
+    @property
+    def open(self) -> bool:
+        return not self._keys
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        return sorted({k.tenant for k in self._keys.values()}, key=lambda t: t.name) or [OPEN_TENANT]
+
+    def authenticate(self, api_key: str | None) -> Tenant:
+        """The caller's tenant; AuthenticationError (401) for a missing or unknown key when keys exist."""
+        if not self._keys:
+            return OPEN_TENANT
+        if not api_key:
+            raise AuthenticationError("missing API key; send it as 'Authorization: Bearer <key>'")
+        digest = hashlib.sha256(api_key.encode()).digest()
+        found = self._keys.get(digest)
+        if found is None or not hmac.compare_digest(found.digest, digest):
+            raise AuthenticationError("invalid API key")
+        return found.tenant

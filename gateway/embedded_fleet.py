@@ -1,0 +1,318 @@
+"""The embedded fleet state: the gateway reads each worker directly over gRPC (DESIGN §1).
+
+`kvroute up`'s default, and the fallback of a Redis gateway while Redis is down. One `WorkerPoller` per
+configured address, every `poll_interval` seconds (default 0.1):
+
+    GetStats ──► engine_state, identity, load ──► FleetBook.report_load
+       │ not a member yet, or a new worker_id / incarnation at this address
+       └──► GetInfo ──► FleetBook.admit (join / restart: old entries dropped; parity checked)
+    GetKVEvents(after_seq = last applied, max_events) ──► FleetBook.apply_events, paged until latest_seq;
+       a snapshot reply (`is_snapshot`) ──► FleetBook.resync; a sequence gap ──► a full resync from seq 0.
+
+Leaving and rejoining, as stated times:
+  - a worker whose polls have failed for `unreachable_after` seconds (default 2.0) leaves the candidates:
+    at most unreachable_after + rpc_timeout + poll_interval (3.1 s by default) after it stopped answering.
+    (A CPU worker busy with a long prefill can miss a 0.5 s deadline; a shorter default made such workers
+    flap in and out of the fleet on a 2-core machine.)
+    `on_failure(worker_id)` (the request path could not reach it) polls it at once instead of waiting.
+  - a worker that reports engine_state DEAD or DRAINING leaves at the next poll (within poll_interval).
+  - a worker that answers again rejoins at the next poll with GetInfo and replays its KV events from 0 (a
+    snapshot when they are no longer retained). The channel reconnects with a backoff of 0.1 s to 1 s, so
+    a restarted worker is back within about a second of listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
+from gateway.kv_index import BlockKey
+from proto import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 * 2**20  # the worker's own limit: a snapshot of a large cache fits
+_KINDS = {
+    worker_pb2.KVEvent.KIND_STORED: "stored",
+    worker_pb2.KVEvent.KIND_REMOVED: "removed",
+    worker_pb2.KVEvent.KIND_CLEARED: "cleared",
+}
+_NOT_ROUTABLE = {
+    worker_pb2.ENGINE_STATE_DEAD: "its engine is dead",
+    worker_pb2.ENGINE_STATE_DRAINING: "it is draining",
+}
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+@dataclass(frozen=True)
+class PollOptions:
+    poll_interval: float = 0.1  # seconds between two polls of one worker (stats and KV events)
+    unreachable_after: float = 2.0  # seconds of failed polls before a worker leaves the candidates
+    rpc_timeout: float = 1.0  # deadline of each GetInfo / GetStats / GetKVEvents call
+    max_events: int = 4096  # GetKVEvents page size
+
+    def __post_init__(self) -> None:
+        for name in ("poll_interval", "unreachable_after", "rpc_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {self.max_events}")
+
+
+@dataclass(frozen=True)
+class _Event:
+    seq: int
+    kind: str
+    block_hashes: Sequence[BlockKey]
+
+
+class _WorkerChanged(Exception):
+    """The worker changed under a poll (it restarted): the next poll's GetStats re-admits it."""
+
+
+class _Conflict(Exception):
+    """The worker at this address cannot be a member (its id is already served from another address)."""
+
+
+def validate_address(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address must be host:port, got {address!r}")
+    return address
+
+
+class WorkerPoller:
+    """Keeps one worker's membership, load and KV entries in a FleetBook by polling it over gRPC."""
+
+    def __init__(self, address: str, book: FleetBook, options: PollOptions) -> None:
+        self.address = validate_address(address)
+        self.book = book
+        self.options = options
+        self.worker_id: str | None = None  # set while it is a member through this poller
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._failing_since: float | None = None
+        self._wake = asyncio.Event()
+        self._halted = False
+        self._conflict: str | None = None  # the id conflict last logged (logged once, not every poll)
+
+    async def run(self) -> None:
+        """Poll until cancelled or halted."""
+        while not self._halted:
+            try:
+                await self.poll_once()
+            except Exception:  # a poller that died would freeze this worker's view: log and keep polling
+                logger.exception("fleet: polling %s failed", self.address)
+            self._wake.clear()
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races the wake-up.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.options.poll_interval):
+                    await self._wake.wait()
+
+    def wake(self) -> None:
+        """Poll now instead of at the next interval (the request path failed to reach this worker)."""
+        self._wake.set()
+
+    def halt(self) -> None:
+        """End `run` at its next turn, even if a cancellation was swallowed by a library on its way."""
+        self._halted = True
+        self._wake.set()
+
+    def resume(self) -> None:
+        self._halted = False
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def poll_once(self) -> None:
+        """One round: stats, membership, KV events. Never raises for a worker's failure; it counts it."""
+        try:
+            await self._poll()
+            self._failing_since = None
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            self._on_failure(exc)
+        except _WorkerChanged as exc:
+            logger.info("fleet: %s", exc)
+        except _Conflict as exc:
+            self._leave(str(exc))
+            if str(exc) != self._conflict:
+                self._conflict = str(exc)
+                logger.error("fleet: %s is not admitted: %s", self.address, exc)
+
+    def _connect(self) -> worker_pb2_grpc.WorkerStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        return self._stub
+
+    async def _poll(self) -> None:
+        stub, timeout = self._connect(), self.options.rpc_timeout
+        stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
+        if stats.engine_state in _NOT_ROUTABLE:
+            reason = _NOT_ROUTABLE[stats.engine_state]
+            self._leave(f"{reason}" + (f" ({stats.engine_error})" if stats.engine_error else ""))
+            return
+        member = self._current()
+        if member is None or not self._same_worker(member, stats.worker_id, stats.incarnation):
+            member = await self._admit(stub)
+        self.book.report_load(
+            member.worker_id, member.incarnation, stats.num_running, stats.num_waiting, stats.kv_cache_usage
+        )
+        if member.parity_ok:
+            await self._poll_events(stub, member)
+
+    def _current(self) -> WorkerMember | None:
+        if self.worker_id is None:
+            return None
+        member = self.book.member(self.worker_id)
+        return member if member is not None and member.address == self.address else None
+
+    def _same_worker(self, member: WorkerMember, worker_id: str, incarnation: int) -> bool:
+        # A worker that predates identities reports neither: it is known by its address.
+        return (worker_id or self.address) == member.worker_id and incarnation == member.incarnation
+
+    async def _admit(self, stub: worker_pb2_grpc.WorkerStub) -> WorkerMember:
+        info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.options.rpc_timeout)
+        worker_id = info.worker_id or self.address
+        if self.worker_id is not None and self.worker_id != worker_id:
+            self._leave(f"{self.address} now serves worker {worker_id}")
+        other = self.book.member(worker_id)
+        if other is not None and other.address != self.address:
+            raise _Conflict(f"worker id {worker_id!r} is already served from {other.address}")
+        self.worker_id = worker_id
+        return self.book.admit(
+            worker_id, self.address, info.incarnation, info.model_id, info.block_size, info.max_model_len,
+            info.hash_fingerprint, info.tokenizer_fingerprint,
+        )  # fmt: skip
+
+    async def _poll_events(self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember) -> None:
+        """Apply the events after the last applied one, page by page, until the worker's latest."""
+        while True:
+            batch = await self._get_events(stub, member, self.book.last_seq(member.worker_id))
+            if batch.is_snapshot:
+                self.book.resync(member.worker_id, member.incarnation, batch.snapshot_seq, batch.snapshot_hashes)
+            events = [_Event(e.seq, _KINDS.get(e.kind, "unknown"), e.block_hashes) for e in batch.events]
+            if not self.book.apply_events(member.worker_id, member.incarnation, events):
+                logger.warning("fleet: worker %s: a gap in its KV events; resyncing", member.worker_id)
+                await self._full_resync(stub, member)
+                return
+            if not events or self.book.last_seq(member.worker_id) >= batch.latest_seq:
+                return
+
+    async def _full_resync(self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember) -> None:
+        """Rebuild the worker's cached set from seq 0 (events, or a snapshot), then swap it in at once."""
+        cached: dict[BlockKey, None] = {}
+        seq = 0
+        while True:
+            batch = await self._get_events(stub, member, seq)
+            if batch.is_snapshot:
+                cached, seq = dict.fromkeys(batch.snapshot_hashes), batch.snapshot_seq
+            for event in batch.events:
+                if event.seq != seq + 1:
+                    raise _WorkerChanged(f"worker {member.worker_id} sent events out of order")
+                if event.kind == worker_pb2.KVEvent.KIND_STORED:
+                    cached.update(dict.fromkeys(event.block_hashes))
+                elif event.kind == worker_pb2.KVEvent.KIND_REMOVED:
+                    for block_hash in event.block_hashes:
+                        cached.pop(block_hash, None)
+                else:
+                    cached.clear()
+                seq = event.seq
+            if not batch.events or seq >= batch.latest_seq:
+                break
+        self.book.resync(member.worker_id, member.incarnation, seq, cached)
+
+    async def _get_events(
+        self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, after_seq: int
+    ) -> worker_pb2.KVEventBatch:
+        request = worker_pb2.GetKVEventsRequest(after_seq=after_seq, max_events=self.options.max_events)
+        batch = await stub.GetKVEvents(request, timeout=self.options.rpc_timeout)
+        if batch.worker_id and not self._same_worker(member, batch.worker_id, batch.incarnation):
+            # Restarted between two calls: the next poll's GetStats sees the new incarnation and re-admits.
+            raise _WorkerChanged(f"worker {member.worker_id} restarted (incarnation {batch.incarnation})")
+        return batch
+
+    def _on_failure(self, exc: grpc.aio.AioRpcError | TimeoutError) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._failing_since is None:
+            self._failing_since = now
+            if self.worker_id is not None:
+                logger.info("fleet: worker %s at %s failed a poll: %s", self.worker_id, self.address, _why(exc))
+        if now - self._failing_since >= self.options.unreachable_after:
+            self._leave(f"unreachable at {self.address} for {now - self._failing_since:.1f} s ({_why(exc)})")
+
+    def _leave(self, reason: str) -> None:
+        if self.worker_id is not None:
+            member = self.book.member(self.worker_id)
+            if member is not None and member.address == self.address:
+                self.book.leave(self.worker_id, reason)
+            self.worker_id = None
+
+
+async def stop_pollers(pollers: Sequence[WorkerPoller], tasks: Sequence[asyncio.Task]) -> None:
+    """Stop the pollers' `run` tasks and wait for them to end."""
+    for poller in pollers:
+        poller.halt()
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    for poller in pollers:
+        poller.resume()
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return "timed out"
+
+
+class EmbeddedFleetState(BookkeepingFleetState):
+    """A fleet state over a static list of worker addresses, read directly over gRPC.
+
+    `start()` polls every worker once (so the workers that answer are members when it returns) and then
+    keeps polling each in the background; `stop()` cancels the polling and closes the channels."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        identity: FleetIdentity,
+        *,
+        poll_interval: float = 0.1,
+        unreachable_after: float = 2.0,
+        rpc_timeout: float = 1.0,
+        max_events: int = 4096,
+    ) -> None:
+        super().__init__(identity)
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"worker addresses must be distinct, got {list(addresses)}")
+        options = PollOptions(poll_interval, unreachable_after, rpc_timeout, max_events)
+        self.pollers = [WorkerPoller(address, self.book, options) for address in addresses]
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await asyncio.gather(*(poller.poll_once() for poller in self.pollers))
+        self._tasks = [asyncio.create_task(poller.run(), name=f"poll {poller.address}") for poller in self.pollers]
+
+    async def stop(self) -> None:
+        await stop_pollers(self.pollers, self._tasks)
+        self._tasks = []
+        await asyncio.gather(*(poller.close() for poller in self.pollers))
+
+    def on_failure(self, worker_id: str) -> None:
+        for poller in self.pollers:
+            if poller.worker_id == worker_id:
+                poller.wake()

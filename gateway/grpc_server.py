@@ -1,0 +1,456 @@
+"""The gateway's gRPC front door (proto/gateway.proto), on one port:
+
+- `kvroute.v1.Gateway.Generate`: a text prompt, chat messages or token ids in; text, tokens, logprobs, the
+  finish reason and usage streamed out, with the route in the initial metadata (`x-kvroute-worker`,
+  `x-kvroute-route`, `x-request-id`) and in the first reply.
+- `kvroute.v1.Worker`, so that a token-level client treats the gateway as one large worker: Generate is
+  routed like any request (the gateway's auth, limits, retries and tenant salt apply); GetInfo describes
+  the fleet (the gateway's model, block size and fingerprints; the smallest context among its workers).
+  GetStats and GetKVEvents answer UNIMPLEMENTED: they are one engine's books (its occupancy, its event
+  sequence numbers and incarnation), which a fleet does not have; summing them would give a reader numbers
+  that match no worker and event sequences that are not a sequence. The fleet's load is in GET /metrics,
+  and a reader of KV events reads each worker (or Redis).
+- `grpc.health.v1.Health`: SERVING while the request path has a routable worker, checked every second.
+
+Both Generate methods translate to a `GatewayRequest` and back, and nothing else; a `GatewayError` becomes
+its gRPC status (`grpc_code`), whose message starts with the field at fault, with trailing metadata
+`retry-after` when it has one. A cancelled call closes the Generation, which cancels its worker requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import socket
+from collections.abc import AsyncIterator, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from gateway.errors import GatewayError, InvalidRequestError
+from gateway.fleet_state import FleetIdentity, WorkerMember
+from gateway.metrics import GatewayMetrics
+from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token
+from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
+from kvroute.sampling import InvalidRequest, SamplingParams
+from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # "kvroute.v1.Gateway"
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
+MAX_MESSAGE_BYTES = 16 * 2**20  # as the workers': a prompt at the longest context is well under it
+HEALTH_INTERVAL_S = 1.0
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+FINISH_REASONS = {
+    "stop": worker_pb2.FINISH_REASON_STOP,
+    "length": worker_pb2.FINISH_REASON_LENGTH,
+    "abort": worker_pb2.FINISH_REASON_ABORT,
+}
+
+
+class ServesFleet(Protocol):
+    """What the gRPC front door needs of gateway.request_path.RequestPath."""
+
+    served_model_name: str
+    metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
+    identity: FleetIdentity  # what the gateway hashes and tokenizes with
+    vocab_size: int
+
+    async def generate(self, request: GatewayRequest) -> Generation: ...
+
+    def ready(self) -> bool: ...
+
+    def members(self) -> list[WorkerMember]: ...
+
+
+# -- wire -> GatewayRequest ------------------------------------------------------------------------------------
+
+
+def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str | None]:
+    """The call's metadata as the HTTP front door reads headers, and the client's x-request-id."""
+    metadata = {key.lower(): value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+    trace = {name: metadata[name] for name in ("traceparent", "tracestate") if name in metadata}
+    headers = RequestHeaders(
+        api_key=bearer_token(metadata.get("authorization")),
+        session_id=metadata.get("x-session-id") or None,
+        app=metadata.get("x-kvroute-app") or None,
+        trace_context=trace,
+    )
+    return headers, metadata.get("x-request-id") or None
+
+
+def sampling_from_proto(msg: worker_pb2.SamplingParams, default_max_tokens: int, prefix: str = "") -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults (max_tokens: `default_max_tokens`); raises
+    InvalidRequestError naming the first bad field (as `prefix` + its name)."""
+    default = SamplingParams()
+    params = SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else default.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else default.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+    try:
+        params.validate()
+    except InvalidRequest as exc:
+        raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=f"{prefix}{exc.field}") from None
+    return params
+
+
+def gateway_request_from_proto(
+    msg: gateway_pb2.GatewayGenerateRequest, headers: RequestHeaders, default_max_tokens: int | None
+) -> GatewayRequest:
+    """The internal request of a Gateway.Generate call; raises InvalidRequestError naming the field."""
+    which = msg.WhichOneof("input")
+    fields: dict[str, Any] = {}
+    if which is None:
+        raise InvalidRequestError("set one of prompt, chat, prompt_token_ids", param="input")
+    if msg.tools_json and which != "chat":
+        raise InvalidRequestError("applies to chat input only (the chat template reads it)", param="tools_json")
+    if which == "prompt":
+        if not msg.prompt:
+            raise InvalidRequestError("is empty", param="prompt")
+        fields = {"prompt": msg.prompt, "kind": "completion"}
+    elif which == "prompt_token_ids":
+        if not msg.prompt_token_ids.ids:
+            raise InvalidRequestError("is empty; send at least one token id", param="prompt_token_ids")
+        fields = {"prompt_token_ids": list(msg.prompt_token_ids.ids), "kind": "tokens"}
+    else:
+        fields = {"messages": _messages(msg.chat.messages), "kind": "chat", "template_kwargs": _tools(msg.tools_json)}
+    chat_default = default_max_tokens if default_max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    max_tokens = chat_default if which == "chat" else COMPLETION_DEFAULT_MAX_TOKENS
+    stops = tuple(msg.stop)
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise InvalidRequestError("must not be an empty string", param=f"stop[{i}]")
+    return GatewayRequest(
+        api_key=headers.api_key,
+        model=msg.model or None,
+        params=sampling_from_proto(msg.sampling, max_tokens, prefix="sampling."),
+        stop=stops,
+        n=msg.n or 1,
+        session_id=headers.session_id or msg.session_id or None,
+        app=headers.app or msg.app or None,
+        client_cache_salt=msg.cache_salt,
+        skip_special_tokens=not msg.keep_special_tokens,
+        stream=True,
+        trace_context=headers.trace_context,
+        **fields,
+    )
+
+
+def _messages(messages: Sequence[gateway_pb2.ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise InvalidRequestError("is empty; send at least one message", param="chat.messages")
+    out = []
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            roles = ", ".join(sorted(CHAT_ROLES))
+            raise InvalidRequestError(f"must be one of {roles}, got {message.role!r}", param=f"chat.messages[{i}].role")
+        entry = {"role": message.role, "content": message.content}
+        if message.name:
+            entry["name"] = message.name
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
+
+
+def _tools(tools_json: str) -> dict[str, Any]:
+    if not tools_json:
+        return {}
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"is not valid JSON: {exc}", param="tools_json") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InvalidRequestError("must be a JSON array of tool objects", param="tools_json")
+    return {"tools": tools}
+
+
+def worker_request_to_gateway(msg: worker_pb2.GenerateRequest, headers: RequestHeaders) -> GatewayRequest:
+    """A token-level client's Worker.Generate as a routed request. The client's request_id is not used
+    (the gateway names its worker requests itself, so two clients' ids can never collide on a worker), nor
+    its block_hashes (the gateway computes its own)."""
+    return GatewayRequest(
+        api_key=headers.api_key,
+        model=None,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        params=sampling_from_proto(msg.sampling, SamplingParams().max_tokens),
+        session_id=headers.session_id,
+        app=headers.app,
+        client_cache_salt=msg.cache_salt,
+        stream=True,
+        kind="tokens",
+        trace_context=dict(msg.trace_context) or headers.trace_context,
+    )
+
+
+# -- Generation -> wire ------------------------------------------------------------------------------------------
+
+
+def _logprob_proto(lp: TokenLogprob) -> gateway_pb2.TokenLogprob:
+    return gateway_pb2.TokenLogprob(
+        token=lp.token,
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        token_bytes=bytes(lp.bytes),
+        top_logprobs=[_logprob_proto(top) for top in lp.top],
+    )
+
+
+def gateway_reply(chunk: Chunk) -> gateway_pb2.GatewayGenerateResponse:
+    return gateway_pb2.GatewayGenerateResponse(
+        index=chunk.index,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=[_logprob_proto(lp) for lp in chunk.logprobs],
+        finish_reason=FINISH_REASONS.get(chunk.finish_reason or "", worker_pb2.FINISH_REASON_UNSPECIFIED),
+    )
+
+
+def worker_reply(chunk: Chunk) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        token_ids=chunk.token_ids,
+        logprobs=[lp.logprob for lp in chunk.logprobs],
+        top_logprobs=[
+            worker_pb2.TopLogprobs(token_ids=[t.token_id for t in lp.top], logprobs=[t.logprob for t in lp.top])
+            for lp in chunk.logprobs
+            if lp.top
+        ],
+        finish_reason=FINISH_REASONS.get(chunk.finish_reason or "", worker_pb2.FINISH_REASON_UNSPECIFIED),
+    )
+
+
+def usage_proto(generation: Generation) -> worker_pb2.Usage:
+    usage = generation.usage
+    return worker_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens
+    )
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: GatewayError) -> NoReturn:
+    trailing = tuple(exc.http_headers().items())  # retry-after, when the error has one
+    await context.abort(exc.grpc_code, exc.message, trailing_metadata=trailing)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+async def start_generation(
+    request_path: ServesFleet, request: GatewayRequest, context: grpc.aio.ServicerContext, client_request_id: str | None
+) -> Generation:
+    """Route the request and send the route as initial metadata; a refusal aborts the call with its status."""
+    try:
+        generation = await request_path.generate(request)
+    except GatewayError as exc:
+        await abort(context, exc)
+    metadata = (
+        ("x-kvroute-worker", generation.route.worker_id),
+        ("x-kvroute-route", generation.route.header()),
+        ("x-request-id", client_request_id or generation.request_id),
+    )
+    try:
+        await context.send_initial_metadata(metadata)
+    except BaseException:  # the call was cancelled meanwhile: nobody will iterate this Generation
+        await generation.aclose()
+        raise
+    return generation
+
+
+# -- services ------------------------------------------------------------------------------------------------
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """`kvroute.v1.Gateway`: text, chat or token ids in; text, tokens and usage out (see the module docstring)."""
+
+    def __init__(self, request_path: ServesFleet, default_max_tokens: int | None) -> None:
+        self.request_path = request_path
+        self.default_max_tokens = default_max_tokens
+
+    async def Generate(
+        self, request: gateway_pb2.GatewayGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
+        headers, client_request_id = call_headers(context)
+        try:
+            gateway_request = gateway_request_from_proto(request, headers, self.default_max_tokens)
+        except GatewayError as exc:
+            self.request_path.metrics.errors.labels(type(exc).__name__).inc()
+            await abort(context, exc)
+        generation = await start_generation(self.request_path, gateway_request, context, client_request_id)
+        route = gateway_pb2.RouteMetadata(
+            worker_id=generation.route.worker_id,
+            route=generation.route.header(),
+            request_id=client_request_id or generation.request_id,
+        )
+        try:
+            first = True
+            async for chunk in generation:
+                reply = gateway_reply(chunk)
+                if first:
+                    reply.route.CopyFrom(route)
+                    first = False
+                yield reply
+            last = gateway_pb2.GatewayGenerateResponse(usage=usage_proto(generation))
+            if first:
+                last.route.CopyFrom(route)
+            yield last
+        except GatewayError as exc:
+            await abort(context, exc)
+        finally:
+            await generation.aclose()
+
+
+class FleetWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """`kvroute.v1.Worker` answered by the whole fleet (see the module docstring)."""
+
+    def __init__(self, request_path: ServesFleet) -> None:
+        self.request_path = request_path
+        self.incarnation = random.getrandbits(63)
+        self.worker_id = f"gateway-{socket.gethostname()}"
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        headers, client_request_id = call_headers(context)
+        try:
+            gateway_request = worker_request_to_gateway(request, headers)
+        except GatewayError as exc:
+            self.request_path.metrics.errors.labels(type(exc).__name__).inc()
+            await abort(context, exc)
+        generation = await start_generation(self.request_path, gateway_request, context, client_request_id)
+        try:
+            # A worker's last message has finish_reason and usage together, and the usage is final only
+            # once the Generation has ended: hold the finishing chunk back until then.
+            finishing: Chunk | None = None
+            async for chunk in generation:
+                if chunk.finish_reason is not None:
+                    finishing = chunk
+                elif chunk.token_ids:
+                    yield worker_reply(chunk)
+            last = worker_reply(finishing) if finishing is not None else worker_pb2.GenerateResponse()
+            if finishing is None:
+                last.finish_reason = worker_pb2.FINISH_REASON_ABORT
+            last.usage.CopyFrom(usage_proto(generation))
+            yield last
+        except GatewayError as exc:
+            await abort(context, exc)
+        finally:
+            await generation.aclose()
+
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> Any:
+        """The fleet as one worker: the gateway's own identity (what its hashes and token ids are computed
+        with) and the smallest context among the workers that match it, so a prompt that fits fits all."""
+        identity = self.request_path.identity
+        matching = [m for m in self.request_path.members() if m.parity_ok]
+        if not matching:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker with the gateway's model is in the fleet")
+        return worker_pb2.WorkerInfo(
+            model_id=identity.model_id,
+            block_size=identity.block_size,
+            hash_fingerprint=identity.hash_fingerprint,
+            tokenizer_fingerprint=identity.tokenizer_fingerprint,
+            max_model_len=min(m.max_model_len for m in matching),
+            vocab_size=self.request_path.vocab_size,
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+        )
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "GetStats is one engine's books; the gateway is a fleet: read the gateway's GET /metrics, or each "
+            "worker's GetStats",
+        )
+
+    async def GetKVEvents(self, request: worker_pb2.GetKVEventsRequest, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "GetKVEvents is one worker's event sequence; a fleet has none: read each worker's, or Redis",
+        )
+
+
+# -- the server ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GatewayGrpcServer:
+    server: grpc.aio.Server
+    port: int
+    health: health_aio.HealthServicer
+    _health_task: asyncio.Task[None] = field(repr=False)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING at once, then stop; calls in flight get `grace` seconds to finish."""
+        self._health_task.cancel()
+        with suppress(asyncio.CancelledError):
+            await self._health_task
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_grpc_server(
+    request_path: ServesFleet,
+    host: str = "0.0.0.0",
+    port: int = 50050,
+    *,
+    default_max_tokens: int | None = None,
+    health_interval_s: float = HEALTH_INTERVAL_S,
+) -> GatewayGrpcServer:
+    """Serve Gateway, Worker and Health on host:port (port 0 picks a free one; `.port` says which).
+    `default_max_tokens` is a chat's max_tokens when the client sets none (the gateway's --max-tokens)."""
+    server = grpc.aio.server(
+        options=(
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Clients that keep their channel alive with pings (gateway.worker_client pings every 10 s, with
+            # or without calls) must not be answered with GOAWAY "too_many_pings".
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0),
+        )
+    )
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(request_path, default_max_tokens), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(FleetWorkerServicer(request_path), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(_address(host, port))
+    if bound == 0:
+        raise OSError(f"cannot listen on {_address(host, port)}")
+    await server.start()
+    await _set_health(health, request_path.ready())
+    task = asyncio.create_task(_watch_health(health, request_path, health_interval_s))
+    return GatewayGrpcServer(server, bound, health, task)
+
+
+async def _set_health(health: health_aio.HealthServicer, ready: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", GATEWAY_SERVICE, WORKER_SERVICE):
+        await health.set(service, status)
+
+
+async def _watch_health(health: health_aio.HealthServicer, request_path: ServesFleet, interval_s: float) -> None:
+    ready = request_path.ready()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = request_path.ready()
+        if now != ready:
+            ready = now
+            logger.info("gateway gRPC health: %s", "SERVING" if ready else "NOT_SERVING (no routable worker)")
+            await _set_health(health, ready)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

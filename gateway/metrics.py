@@ -1,0 +1,149 @@
+"""The gateway's Prometheus metrics, in the worker's naming style (`kvroute:` prefix, own registry; the
+exposition appends `_total` to counters). Served at the front door's `GET /metrics` (`render()`).
+
+Routing: requests by policy and reason, requests routed per worker, routing latency (template, tokenize,
+hash and pick), retries by cause, breaker state per worker, parity mismatches and membership changes (read
+from the fleet state's counters at scrape time). Requests: TTFT and E2E as the client sees them through the
+gateway, errors by type, requests in flight.
+
+The prefix doctor's live half, per app (the `x-kvroute-app` header, else the tenant): where each request's
+prompt first diverges from the same app's previous request (in tokens, at block granularity: caching works
+in blocks), and the share of prompt blocks the chosen worker already held (matched / prompt blocks, since
+start). Apps are client-named, so at most `MAX_APPS` get their own label; later ones count as "other".
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+E2E_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+ROUTING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+DIVERGENCE_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+MAX_APPS = 100
+OTHER_APP = "other"
+
+
+class _LiveCollector(Collector):
+    """Read at scrape time: breaker states, and parity mismatches and membership changes from the fleet
+    state's counters (`gateway.fleet_state.FleetCounters`)."""
+
+    def __init__(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], dict[str, int]]) -> None:
+        self._fleet_counters = fleet_counters
+        self._breaker_states = breaker_states
+
+    def collect(self) -> Iterator[Metric]:
+        breakers = GaugeMetricFamily(
+            "kvroute:gateway_breaker_state",
+            "Circuit breaker per worker that has failed since it last succeeded: 0 closed, 1 half-open, 2 open.",
+            labels=["worker"],
+        )
+        for worker, state in sorted(self._breaker_states().items()):
+            breakers.add_metric([worker], int(state))
+        yield breakers
+        counters = self._fleet_counters()
+        if counters is None:
+            return
+        mismatches = CounterMetricFamily(
+            "kvroute:gateway_parity_mismatches",
+            "Worker incarnations whose hash or tokenizer fingerprint differed from the gateway's (routed by load).",
+            labels=["worker"],
+        )
+        for worker, count in sorted(counters.parity_mismatches.items()):
+            mismatches.add_metric([worker], count)
+        yield mismatches
+        changes = CounterMetricFamily(
+            "kvroute:gateway_fleet_changes", "Fleet membership changes seen by this gateway.", labels=["change"]
+        )
+        for change in ("joins", "leaves", "restarts", "resyncs"):
+            changes.add_metric([change], getattr(counters, change))
+        yield changes
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvroute:gateway_requests", "Requests routed, by policy and decision reason.", ["policy", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self.routed = Counter(
+            "kvroute:gateway_routed_requests", "Worker requests sent to each worker.", ["worker"], registry=r
+        )
+        self.routing_latency = Histogram(
+            "kvroute:gateway_routing_latency_seconds",
+            "Time from arrival to the worker request being sent: template, tokenize, hash and pick.",
+            buckets=ROUTING_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.time_to_first_token = Histogram(
+            "kvroute:gateway_time_to_first_token_seconds", "Time to first token through the gateway.",
+            ["model_name"], buckets=TTFT_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.e2e_request_latency = Histogram(
+            "kvroute:gateway_e2e_request_latency_seconds", "Request latency through the gateway.",
+            ["model_name"], buckets=E2E_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.request_success = Counter(
+            "kvroute:gateway_request_success", "Requests that finished, by finish reason.", ["finished_reason"],
+            registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "kvroute:gateway_request_errors", "Requests that ended with an error, by error type.", ["type"], registry=r
+        )
+        self.retries = Counter(
+            "kvroute:gateway_retries", "Worker requests retried on another worker, by cause.", ["cause"], registry=r
+        )
+        self.in_flight = Gauge("kvroute:gateway_requests_in_flight", "Requests being served.", registry=r)
+        self.prefix_divergence = Histogram(
+            "kvroute:prefix_divergence_tokens",
+            "Position of the first token (at block granularity) where a prompt differs from its app's previous one.",
+            ["app"], buckets=DIVERGENCE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefix_hit_rate = Gauge(
+            "kvroute:prefix_hit_rate", "Prompt blocks held by the chosen worker over prompt blocks, per app.",
+            ["app"], registry=r,
+        )  # fmt: skip
+        self._previous: OrderedDict[str, Sequence[bytes]] = OrderedDict()  # app -> its last request's hashes
+        self._hits: dict[str, list[int]] = {}  # app -> [matched blocks, prompt blocks]
+
+    def watch(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], dict[str, int]]) -> None:
+        """Read these at every scrape (the request path calls this once with its fleet state and breakers)."""
+        self.registry.register(_LiveCollector(fleet_counters, breaker_states))
+
+    def render(self) -> bytes:
+        """The exposition text for `GET /metrics`."""
+        return generate_latest(self.registry)
+
+    def observe_prefix(self, app: str, block_hashes: Sequence[bytes], matched_blocks: int, block_size: int) -> None:
+        """The prefix doctor's live half, for one routed request of `app`."""
+        if app not in self._previous and len(self._previous) >= MAX_APPS:
+            app = OTHER_APP
+        previous = self._previous.get(app)
+        if previous is not None:
+            depth = 0
+            for mine, theirs in zip(block_hashes, previous, strict=False):
+                if mine != theirs:
+                    break
+                depth += 1
+            self.prefix_divergence.labels(app).observe(depth * block_size)
+        self._previous[app] = block_hashes
+        self._previous.move_to_end(app)
+        totals = self._hits.setdefault(app, [0, 0])
+        totals[0] += matched_blocks
+        totals[1] += len(block_hashes)
+        if totals[1]:
+            self.prefix_hit_rate.labels(app).set(totals[0] / totals[1])

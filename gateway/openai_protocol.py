@@ -1,0 +1,504 @@
+"""The OpenAI-compatible wire format, in one module (as vLLM's entrypoints/openai/protocol.py): the request
+bodies the gateway accepts, the responses and stream chunks it sends, and the translation of a request into
+the gateway's one internal type (`gateway.request.GatewayRequest`).
+
+Requests are validated strictly (a string is not a number, a float is not an integer, NaN is refused) and
+every refusal is an `InvalidRequestError` whose `param` names the field (`messages[2].role`), never a
+pydantic dump. Fields that OpenAI or vLLM define but this server cannot honour (penalties, logit_bias,
+echo, image parts, ...) are refused with a clear 400 rather than silently ignored; fields nobody defines are
+ignored, as vLLM does, because clients send their own extensions.
+
+The response models document the shapes for the OpenAPI schema and for tests; the server itself builds the
+same shapes as plain dicts (gateway.http_server), which is several times faster on the hot path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import InvalidRequestError
+from gateway.request import GatewayRequest
+from kvroute.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+StopField = Annotated[
+    str | list[str] | None,
+    Field(description="a string or a list of strings; generation stops before the first match (not returned)"),
+]
+
+
+class OpenAIModel(BaseModel):
+    """Strict JSON types, finite numbers, unknown fields ignored (clients send their own extensions)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+M = TypeVar("M", bound=OpenAIModel)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = Field(False, description="send one last chunk with `choices: []` and the usage")
+
+
+class SamplingFields(OpenAIModel):
+    """The sampling fields common to both endpoints."""
+
+    model: str | None = Field(None, description="the served model's name (`GET /v1/models`); omitted = it")
+    temperature: float | None = Field(None, ge=0, description=">= 0; 0 is greedy. Default 1")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass, in (0, 1]. Default 1")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="sample among the k most likely; 0 or -1 = off")
+    n: int = Field(1, ge=1, le=INT32_MAX, description="independent choices for the prompt (up to the server's limit)")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="seed of this request's sampler")
+    stop: StopField = None
+    stop_token_ids: list[TokenId] | None = Field(None, description="stop after sampling any of these token ids")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="the end user; the `session` policy's key without x-session-id")
+    presence_penalty: float | None = Field(None, description="not supported: only 0")
+    frequency_penalty: float | None = Field(None, description="not supported: only 0")
+    repetition_penalty: float | None = Field(None, description="not supported: only 1")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: only empty")
+    ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (vLLM)")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text (vLLM)")
+    cache_salt: str | None = Field(
+        None, description="isolates this client's cached prefixes (vLLM); mixed in under the tenant's own salt"
+    )
+
+    def _check_common(self) -> None:
+        """Refusals that one field's type cannot express; raises InvalidRequestError naming the field."""
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise InvalidRequestError(f"is not supported by this server (only {neutral:g})", param=name)
+        if self.logit_bias:
+            raise InvalidRequestError("is not supported by this server (only an empty map)", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("is only allowed when stream is true", param="stream_options")
+        if isinstance(self.stop, list):
+            for i, stop in enumerate(self.stop):
+                if not stop:
+                    raise InvalidRequestError("must not be an empty string", param=f"stop[{i}]")
+        elif self.stop == "":
+            raise InvalidRequestError("must not be an empty string", param="stop")
+
+    def _gateway_request(
+        self, headers: RequestHeaders, max_tokens: int, logprobs: bool, top_logprobs: int, **fields: Any
+    ) -> GatewayRequest:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return GatewayRequest(
+            api_key=headers.api_key,
+            model=self.model,
+            params=params,
+            stop=stop,
+            n=self.n,
+            session_id=headers.session_id or self.user,
+            app=headers.app,
+            client_cache_salt=self.cache_salt or "",
+            skip_special_tokens=self.skip_special_tokens,
+            stream=self.stream,
+            trace_context=headers.trace_context,
+            **fields,
+        )
+
+    def to_gateway_request(self, headers: RequestHeaders, default_max_tokens: int | None = None) -> GatewayRequest:
+        raise NotImplementedError
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestHeaders:
+    """What the gateway reads from a request's headers (or a gRPC call's metadata)."""
+
+    api_key: str | None = None  # Authorization: Bearer <key>
+    session_id: str | None = None  # x-session-id
+    app: str | None = None  # x-kvroute-app
+    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # traceparent, tracestate
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of `Bearer <key>` (scheme case-insensitive); any other value is passed on as given, so a
+    malformed header fails authentication (401) rather than being treated as no key at all."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else authorization
+
+
+# -- /v1/completions -----------------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="a string, or token ids; one prompt per request (a list of one string is accepted)"
+    )
+    max_tokens: int | None = Field(
+        COMPLETION_DEFAULT_MAX_TOKENS, ge=1, le=INT32_MAX, description="tokens to generate at most. Default 16"
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="return each token's logprob and this many alternatives"
+    )
+    echo: bool = Field(False, description="not supported: only false")
+    suffix: str | None = Field(None, description="not supported")
+    best_of: int | None = Field(None, description="not supported beyond n")
+
+    def to_gateway_request(self, headers: RequestHeaders, default_max_tokens: int | None = None) -> GatewayRequest:
+        """The internal request; raises InvalidRequestError naming the field. `default_max_tokens` is unused
+        here (completions default to 16 tokens, as OpenAI's do); it keeps both request types callable alike."""
+        self._check_common()
+        if self.echo:
+            raise InvalidRequestError("is not supported by this server (only false)", param="echo")
+        if self.suffix:
+            raise InvalidRequestError("is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("is not supported by this server (only equal to n)", param="best_of")
+        text, token_ids = _one_prompt(self.prompt)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._gateway_request(
+            headers,
+            max_tokens=max_tokens,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            kind="completion",
+        )
+
+
+def _one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        text, ids = prompt, None
+    elif not prompt:
+        raise InvalidRequestError("is empty; send a string or at least one token id", param="prompt")
+    elif len(prompt) > 1 and not isinstance(prompt[0], int):
+        raise InvalidRequestError(
+            f"has {len(prompt)} prompts; this server takes one prompt per request", param="prompt"
+        )
+    elif isinstance(prompt[0], str):
+        text, ids = prompt[0], None
+    elif isinstance(prompt[0], list):
+        text, ids = None, prompt[0]
+    else:
+        text, ids = None, list(prompt)
+    if text == "" or ids == []:
+        raise InvalidRequestError("is empty; send a string or at least one token id", param="prompt")
+    return text, ids
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------------------------
+
+
+class ContentPart(OpenAIModel):
+    """One part of a message's content. Only `{"type": "text", "text": ...}` is served; image, audio and file
+    parts are refused by name (a text-only model)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = Field(None, description="a string or a list of text parts")
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant's earlier tool calls")
+    tool_call_id: str | None = Field(None, description="for role `tool`: the call this message answers")
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(
+        description="the conversation so far, at least one message", json_schema_extra={"minItems": 1}
+    )
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="tokens to generate at most; default: the server's limit"
+    )
+    logprobs: bool = Field(False, description="return each generated token's logprob in choices[].logprobs")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many alternatives per token"
+    )
+    tools: list[dict[str, Any]] | None = Field(None, description="tool definitions, passed to the chat template")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="`none` or `auto` (the template decides)")
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = Field(None, description="only `text`")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn opening (vLLM)")
+
+    def to_gateway_request(self, headers: RequestHeaders, default_max_tokens: int | None = None) -> GatewayRequest:
+        """The internal request; raises InvalidRequestError naming the field. Without max_completion_tokens
+        (or max_tokens) the request asks for `default_max_tokens` (the server's limit; the request path
+        bounds it by the context that is left)."""
+        self._check_common()
+        if not self.messages:
+            raise InvalidRequestError("is empty; send at least one message", param="messages")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("needs logprobs: true", param="top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                f"type {self.response_format.type!r} is not supported by this server (only 'text')",
+                param="response_format",
+            )
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError(
+                "only 'none' and 'auto' are supported (tool calls are not parsed from the output)",
+                param="tool_choice",
+            )
+        messages = [_template_message(i, message) for i, message in enumerate(self.messages)]
+        template_kwargs = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.tools is not None:
+            template_kwargs["tools"] = self.tools
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return self._gateway_request(
+            headers,
+            max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            messages=messages,
+            template_kwargs=template_kwargs,
+            kind="chat",
+        )
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """The message as the chat template reads it: content as one string (text parts joined by newlines, as
+    vLLM does), other fields only when set."""
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text":
+                raise InvalidRequestError(
+                    f"{part.type!r} parts are not supported: this model reads text only",
+                    param=f"messages[{index}].content[{j}].type",
+                )
+            if part.text is None:
+                raise InvalidRequestError("is required for a text part", param=f"messages[{index}].content[{j}].text")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    if content is None and not message.tool_calls:
+        raise InvalidRequestError("is required (a string or a list of text parts)", param=f"messages[{index}].content")
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
+    for name in ("name", "tool_calls", "tool_call_id"):
+        value = getattr(message, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+# -- parsing ---------------------------------------------------------------------------------------------------
+
+_FIELD_NAMES = frozenset(
+    name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions, ResponseFormat)
+    for name in model.model_fields
+)
+
+
+def parse_request(model: type[M], body: bytes) -> M:
+    """Validate a JSON body; raises InvalidRequestError naming the first field at fault."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid_request(exc, body) from None
+
+
+def _invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == "json_invalid":
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return InvalidRequestError(f"request body is not valid UTF-8 (byte {bad.start})")
+        return InvalidRequestError(f"request body is not valid JSON: {error['msg'].removeprefix('Invalid JSON: ')}")
+    if not error["loc"]:
+        return InvalidRequestError("request body must be a JSON object")
+    param, union_member = _param_of(error["loc"])
+    if error["type"] == "missing":
+        return InvalidRequestError("is required", param=param)
+    if union_member:
+        # A field with several accepted shapes: pydantic reports one failure per shape; name the field and
+        # what it accepts instead.
+        expected = _description_of(param)
+        return InvalidRequestError(f"has the wrong type{'; expected ' + expected if expected else ''}", param=param)
+    value = error.get("input")
+    shown = "" if isinstance(value, dict | list) else f", got {_short(value)}"
+    return InvalidRequestError(f"{_must(error['msg'])}{shown}", param=param)
+
+
+def _param_of(loc: tuple[int | str, ...]) -> tuple[str, bool]:
+    """`('messages', 2, 'role')` -> `messages[2].role`; stops at a union member's tag (`'list[int]'`) and says so."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELD_NAMES:
+            param += f".{part}" if param else part
+        else:
+            return param, True
+    return param, False
+
+
+def _description_of(param: str) -> str | None:
+    leaf = param.rsplit(".", 1)[-1].split("[", 1)[0]
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage):
+        field = model.model_fields.get(leaf)
+        if field is not None and field.description:
+            return field.description
+    return None
+
+
+def _must(message: str) -> str:
+    """pydantic's "Input should be greater than 0" as "must be greater than 0"."""
+    return message.replace("Input should be", "must be", 1) if message.startswith("Input should") else message
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- responses (documentation and tests; the server builds these shapes as dicts) ---------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens the worker served from its prefix cache")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = Field(description="always set on a response; in a stream, only on the last chunk")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a chat stream: the first per choice carries `delta.role`; with include_usage
+    every chunk has `usage: null` and one last chunk has `choices: []` and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="starts with the field at fault when there is one: `top_p: must be ...`")
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

@@ -1,0 +1,622 @@
+"""The request path: one request from an API key to a stream of text, top to bottom (DESIGN §1, §4).
+
+    GatewayRequest (from a front door)
+      1. auth          API key -> Tenant (401)                                   gateway.auth
+      2. limits        n, max_tokens, stop strings; tenant concurrency (429)     gateway.limits
+      3. prompt        chat template + tokenize (typed special tokens stay text), or the prompt's ids
+      4. hash          block hashes with the tenant's salt (the client's mixed in under it)
+      5. route         policy.pick(request, fleet.view(), exclude)               gateway.router
+      6. forward       worker Generate over gRPC; before its first token a failed worker is retried on
+                       another (backoff, breaker)                                gateway.retry
+      7. detokenize    incremental, stop strings across token boundaries         gateway.stop_strings
+    Generation: route known (the first token has come), then Chunks per choice, then usage.
+
+`n` choices are n worker requests. The first is routed; the others go to the same worker once the first
+has its first token, so they find its prompt's blocks cached. After a choice's first token nothing is
+retried: a worker that fails then ends the stream with UpstreamError. Closing a Generation early (a client
+that left) cancels every worker request it holds, which frees their blocks on the workers.
+
+Errors before any output are GatewayErrors raised from `generate` (the front door answers with their
+status). Nothing here logs prompt text unless `log_prompts` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from opentelemetry import trace
+
+from gateway import tracing
+from gateway.auth import Authenticator, cache_salt
+from gateway.errors import (
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFound,
+    NoWorkerAvailable,
+    RateLimited,
+    UpstreamError,
+)
+from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
+from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
+from gateway.metrics import GatewayMetrics
+from gateway.request import Chunk, GatewayRequest, Generation, RouteInfo, Tenant, TokenLogprob, Usage
+from gateway.retry import CircuitBreakers, RetryPolicy
+from gateway.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
+from gateway.stop_strings import ChoiceText
+from gateway.worker_client import WorkerClients
+from kvroute.chat_template import ChatTemplateError
+from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
+from kvroute.sampling import InvalidRequest, SamplingParams
+from kvroute.tokenizer import Tokenizer
+from proto import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    worker_pb2.FINISH_REASON_STOP: "stop",
+    worker_pb2.FINISH_REASON_LENGTH: "length",
+    worker_pb2.FINISH_REASON_ABORT: "abort",
+}
+# The worker refused the request itself: sending it elsewhere cannot help.
+_CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+# The worker is full: try another, but it is healthy (no breaker failure).
+_BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def fleet_identity(model_id: str, tokenizer: Tokenizer, block_size: int = DEFAULT_BLOCK_SIZE) -> FleetIdentity:
+    """What this gateway hashes and tokenizes with; a worker must match it to be scored on its KV entries."""
+    return FleetIdentity(model_id, block_size, hash_fingerprint(model_id, block_size), tokenizer.fingerprint)
+
+
+class RequestPath:
+    """What both front doors call: `generate(request) -> Generation`, `ready()`, and the drain at shutdown."""
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        policy: RoutingPolicy,
+        tokenizer: Tokenizer,
+        model_id: str,
+        served_model_name: str,
+        auth: Authenticator,
+        limits: Limits,
+        metrics: GatewayMetrics,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        retry: RetryPolicy | None = None,
+        breakers: CircuitBreakers | None = None,
+        clients: WorkerClients | None = None,
+        log_prompts: bool = False,
+    ) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.served_model_name = served_model_name
+        self.auth = auth
+        self.limits = limits
+        self.metrics = metrics
+        self.block_size = block_size
+        self.retry = retry or RetryPolicy()
+        self.breakers = breakers or CircuitBreakers()
+        self.clients = clients or WorkerClients()
+        self.log_prompts = log_prompts
+        self.concurrency = TenantConcurrency(limits)
+        self.vocab_size = tokenizer.vocab_size
+        self.identity = fleet_identity(model_id, tokenizer, block_size)
+        self.draining = False
+        self.active = 0  # Generations not yet closed
+        self._idle = asyncio.Event()
+        self._idle.set()
+        metrics.watch(lambda: getattr(fleet, "counters", None), self.breakers.states)
+
+    # -- health and shutdown ------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """At least one worker can take a request now (and the gateway is not draining)."""
+        if self.draining:
+            return False
+        replicas = self.fleet.view().replicas
+        blocked = self.breakers.blocked()
+        return any(r not in blocked for r in replicas)
+
+    def members(self) -> list[WorkerMember]:
+        return self.fleet.members()
+
+    def start_draining(self) -> None:
+        """Refuse new requests (503, so a load balancer retries another gateway); in-flight ones go on."""
+        self.draining = True
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every Generation to end; True if they all did."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.clients.close()
+
+    # -- the path -----------------------------------------------------------------------------------------
+
+    async def generate(self, request: GatewayRequest) -> Generation:
+        """Route and start `request`; returns once its worker has sent the first token. Raises a GatewayError
+        (nothing was sent to the client yet) for a bad request, a refused key, a limit, or no worker."""
+        try:
+            return await self._generate(request)
+        except GatewayError as exc:
+            self.metrics.errors.labels(type(exc).__name__).inc()
+            raise
+
+    async def _generate(self, request: GatewayRequest) -> Generation:
+        arrival = time.perf_counter()
+        if self.draining:
+            raise NoWorkerAvailable("the gateway is shutting down; send the request again", retry_after=1.0)
+        tenant = self.auth.authenticate(request.api_key)
+        if request.model is not None and request.model != self.served_model_name:
+            raise ModelNotFound(f"the model {request.model!r} does not exist", param="model")
+        self.limits.check_request(request)
+        try:
+            request.params.validate()
+        except InvalidRequest as exc:
+            raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
+        salt = cache_salt(tenant, request.client_cache_salt)
+        prompt_ids = self._prompt_token_ids(request, salt)
+        self.concurrency.acquire(tenant)
+        request_id = uuid.uuid4().hex
+        span = tracing.start_request_span(request_id, request.kind, request.trace_context)
+        try:
+            hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
+            forward = _Forward(request_id, prompt_ids, salt, hashes, request.params, span)
+            route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
+            first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
+            streams = [first]
+            if request.n > 1:
+                streams += await self._open_more(forward, route_request, request.n, prefer=route.worker_id)
+        except BaseException as exc:
+            self.concurrency.release(tenant)
+            if isinstance(exc, GatewayError):
+                span.set_status(trace.StatusCode.ERROR, exc.message)
+            span.end()
+            raise
+        now = time.perf_counter()
+        self.metrics.time_to_first_token.observe(now - arrival)
+        self.metrics.requests.labels(route.policy, route.reason).inc()
+        self.metrics.observe_prefix(request.app or tenant.name, hashes, route.matched_blocks, self.block_size)
+        tracing.record_route(span, route)
+        if logger.isEnabledFor(logging.INFO):
+            prompt = f" prompt={self.tokenizer.decode(prompt_ids)!r}" if self.log_prompts else ""
+            logger.info(
+                "request %s tenant=%s prompt_tokens=%d -> %s (%s)%s",
+                request_id, tenant.name, len(prompt_ids), route.worker_id, route.header(), prompt,
+            )  # fmt: skip
+        self.active += 1
+        self.metrics.in_flight.set(self.active)
+        self._idle.clear()
+        return _StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
+
+    def _prompt_token_ids(self, request: GatewayRequest, salt: str) -> list[int]:
+        """Template and tokenize (or check the given ids); the prompt-length limit. InvalidRequestError
+        names the field. `salt` scopes the tokenizer's memory of long texts (one tenant never times another's)."""
+        if request.messages is not None:
+            field = "messages"
+            if not request.messages:
+                raise InvalidRequestError("must hold at least one message", param=field)
+            kwargs = dict(request.template_kwargs)
+            add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+            try:
+                ids = self.tokenizer.encode_chat(request.messages, add_generation_prompt, cache_scope=salt, **kwargs)
+            except (ChatTemplateError, TypeError) as exc:
+                raise InvalidRequestError(str(exc), param=field) from None
+        elif request.prompt is not None:
+            field = "prompt"
+            # A completion's prompt is the client's whole text (it may spell the template itself), as in vLLM.
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        elif request.prompt_token_ids is not None:
+            field = "prompt_token_ids"
+            ids = list(request.prompt_token_ids)
+            if ids and (min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.tokenizer.vocab_size)
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param=field
+                )
+        else:
+            raise InvalidRequestError("one of prompt, messages or prompt_token_ids is required", param="prompt")
+        if not ids:
+            raise InvalidRequestError("is empty; send at least one token", param=field)
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(ids)} tokens; this gateway accepts at most {self.limits.max_prompt_tokens}",
+                param=field,
+            )
+        return ids
+
+    async def _open(
+        self, forward: _Forward, route_request: RouteRequest, choice: int, arrival: float, prefer: str | None = None
+    ) -> tuple[_WorkerStream, RouteInfo]:
+        """Send one choice's worker request and wait for its first message, retrying another worker on a
+        failure before it (at most `retry.retries` times). `prefer`: a worker to try first (a later choice
+        goes where the first one went)."""
+        failed: list[str] = []
+        busy = 0
+        last_error = ""
+        attempts = 0
+        for attempt in range(self.retry.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry.backoff(attempt))
+            exclude = self.breakers.blocked().union(failed) if failed else self.breakers.blocked()
+            fleet = self.fleet.view()
+            if prefer is not None and prefer in fleet.index_of and prefer not in exclude:
+                decision = RouteDecision(prefer, "same-request")
+            else:
+                try:
+                    decision = self.policy.pick(route_request, fleet, exclude)
+                except NoReplicaAvailable:
+                    break
+            prefer = None
+            member = self.fleet.member(decision.replica)
+            if member is None:  # left between the view and now
+                failed.append(decision.replica)
+                continue
+            self._check_context(forward, member)
+            attempts += 1
+            if choice == 0 and attempt == 0:
+                self.metrics.routing_latency.observe(time.perf_counter() - arrival)
+            stream = self._send(forward, member, choice)
+            try:
+                first = await stream.call.read()
+            except grpc.aio.AioRpcError as exc:
+                self._end_dispatch(member.worker_id)
+                cause = self._refused(member.worker_id, exc)
+                busy += cause == "busy"
+                failed.append(member.worker_id)
+                last_error = f"worker {member.worker_id}: {exc.code().name}: {exc.details()}"
+                if attempt < self.retry.retries:
+                    self.metrics.retries.labels(cause).inc()
+                left = self.retry.retries - attempt
+                logger.warning(
+                    "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
+                )
+                continue
+            except BaseException:
+                stream.call.cancel()
+                self._end_dispatch(member.worker_id)
+                self.breakers.on_abandoned(member.worker_id)
+                raise
+            if first is grpc.aio.EOF:  # the stream ended without a message: a worker bug, count as failure
+                self._end_dispatch(member.worker_id)
+                self.breakers.on_failure(member.worker_id)
+                failed.append(member.worker_id)
+                last_error = f"worker {member.worker_id}: stream ended without a response"
+                continue
+            self.breakers.on_success(member.worker_id)
+            stream.first = first
+            skipped = tuple(dict.fromkeys((*failed, *decision.skipped)))
+            route = RouteInfo(
+                member.worker_id, member.address, self.policy.name, decision.reason, decision.matched_blocks,
+                skipped, attempts,
+            )  # fmt: skip
+            return stream, route
+        if busy and busy == attempts:
+            raise RateLimited(f"every worker tried is at capacity ({last_error})", retry_after=RETRY_AFTER_SECONDS)
+        if attempts:
+            raise NoWorkerAvailable(f"no worker could take the request after {attempts} attempts; last: {last_error}")
+        if self.fleet.view().replicas:
+            raise NoWorkerAvailable("every live worker's circuit breaker is open; retry shortly", retry_after=1.0)
+        raise NoWorkerAvailable("no live worker to route to")
+
+    def _refused(self, worker_id: str, exc: grpc.aio.AioRpcError) -> str:
+        """Book a worker's refusal before its first token and name its cause ("busy": full but healthy; else
+        a failure for its breaker). Raises InvalidRequestError when the worker refused the request itself."""
+        code = exc.code()
+        if code in _CLIENT_FAULTS:
+            self.breakers.on_abandoned(worker_id)
+            param, message = _split_field(exc.details() or code.name)
+            raise InvalidRequestError(message, param=param) from None
+        if code in _BUSY:
+            self.breakers.on_abandoned(worker_id)
+            return "busy"
+        self.breakers.on_failure(worker_id)
+        self.fleet.on_failure(worker_id)
+        return code.name.lower()
+
+    async def _open_more(
+        self, forward: _Forward, route_request: RouteRequest, n: int, prefer: str
+    ) -> list[_WorkerStream]:
+        """Choices 1..n-1, on the first choice's worker (its prompt blocks are cached there now)."""
+        tasks = [
+            asyncio.ensure_future(self._open(forward, route_request, choice, 0.0, prefer=prefer))
+            for choice in range(1, n)
+        ]
+        try:
+            opened = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    stream, _ = task.result()
+                    stream.call.cancel()
+                    self._end_dispatch(stream.worker_id)
+            raise
+        return [stream for stream, _ in opened]
+
+    def _check_context(self, forward: _Forward, member: WorkerMember) -> None:
+        """Prompt + max_tokens must fit the worker's context. A max_tokens equal to the gateway's limit is
+        the front doors' default for a chat that set none: it is cut to the context that is left instead."""
+        prompt_tokens, max_tokens = len(forward.prompt_ids), forward.params.max_tokens
+        if prompt_tokens + max_tokens <= member.max_model_len:
+            return
+        if max_tokens == self.limits.max_tokens and prompt_tokens < member.max_model_len:
+            forward.params = dataclasses.replace(forward.params, max_tokens=member.max_model_len - prompt_tokens)
+            return
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {member.max_model_len} tokens; the prompt has "
+            f"{prompt_tokens} tokens and max_tokens is {max_tokens} ({prompt_tokens + max_tokens} in all)",
+            param="max_tokens" if prompt_tokens < member.max_model_len else "messages",
+        )
+
+    def _send(self, forward: _Forward, member: WorkerMember, choice: int) -> _WorkerStream:
+        params = forward.params
+        # n choices, n different samples; wrapped to stay an int64 (a seed of 2**63 - 1 with n = 2 is valid)
+        seed = (params.seed + choice + 2**63) % 2**64 - 2**63 if params.seed is not None else None
+        message = worker_pb2.GenerateRequest(
+            request_id=forward.request_id if choice == 0 else f"{forward.request_id}-{choice}",
+            prompt_token_ids=forward.prompt_ids,
+            sampling=worker_pb2.SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                seed=seed,
+                stop_token_ids=params.stop_token_ids,
+                ignore_eos=params.ignore_eos,
+                logprobs=params.logprobs,
+                top_logprobs=params.top_logprobs,
+            ),
+            cache_salt=forward.salt,
+            block_hashes=forward.hashes,
+            trace_context=forward.trace_context,
+        )
+        self.fleet.on_dispatch(member.worker_id)
+        self.breakers.on_dispatch(member.worker_id)
+        self.metrics.routed.labels(member.worker_id).inc()
+        return _WorkerStream(choice, member.worker_id, self.clients.stub(member.address).Generate(message))
+
+    def _end_dispatch(self, worker_id: str) -> None:
+        self.fleet.on_finish(worker_id)
+
+    def _generation_closed(self, tenant: Tenant) -> None:
+        self.concurrency.release(tenant)
+        self.active -= 1
+        self.metrics.in_flight.set(self.active)
+        if self.active == 0:
+            self._idle.set()
+
+
+@dataclasses.dataclass
+class _Forward:
+    """What every worker request of one client request carries."""
+
+    request_id: str
+    prompt_ids: list[int]
+    salt: str
+    hashes: list[bytes]
+    params: SamplingParams
+    span: trace.Span
+    trace_context: dict[str, str] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.trace_context = tracing.worker_trace_context(self.span)
+
+
+@dataclasses.dataclass
+class _WorkerStream:
+    choice: int
+    worker_id: str
+    call: grpc.aio.UnaryStreamCall
+    first: worker_pb2.GenerateResponse | None = None
+    done: bool = False  # the worker's stream is over (finished, failed or cancelled): on_finish was called
+
+
+class _StreamingGeneration(Generation):
+    """A started request: iterate for Chunks (every choice, interleaved), then read `usage`."""
+
+    def __init__(
+        self,
+        path: RequestPath,
+        request: GatewayRequest,
+        tenant: Tenant,
+        request_id: str,
+        route: RouteInfo,
+        prompt_ids: list[int],
+        streams: list[_WorkerStream],
+        span: trace.Span,
+        arrival: float,
+    ) -> None:
+        self.request_id = request_id
+        self.route = route
+        self.prompt_token_ids = prompt_ids
+        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self._path = path
+        self._tenant = tenant
+        self._streams = streams
+        self._texts = [ChoiceText(path.tokenizer, request.stop, request.skip_special_tokens) for _ in streams]
+        self._want_logprobs = request.params.logprobs
+        self._span = span
+        self._arrival = arrival
+        self._closed = False
+        self._iterator: AsyncIterator[Chunk] | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        if self._iterator is None:
+            self._iterator = self._chunks() if len(self._streams) == 1 else self._merged_chunks()
+        return self._iterator
+
+    async def aclose(self) -> None:
+        """Cancel every worker request still running and release the request's books (idempotent)."""
+        if self._iterator is not None:
+            await self._iterator.aclose()  # type: ignore[attr-defined]
+        self._finish(error=None)
+
+    # -- one choice: read its stream directly (the common case, no task per token) ---------------------------
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        stream = self._streams[0]
+        try:
+            response = stream.first
+            while True:
+                chunk = self._consume(stream, response)
+                if chunk is not None:
+                    yield chunk
+                if stream.done:
+                    break
+                response = await self._read(stream)
+        except GatewayError as exc:
+            self._finish(error=exc)
+            raise
+        finally:
+            self._finish(error=None)
+
+    # -- n choices: whichever stream has a message next -----------------------------------------------------
+
+    async def _merged_chunks(self) -> AsyncIterator[Chunk]:
+        pending: dict[asyncio.Future, _WorkerStream] = {}
+        try:
+            for stream in self._streams:
+                chunk = self._consume(stream, stream.first)
+                if chunk is not None:
+                    yield chunk
+                if not stream.done:
+                    pending[asyncio.ensure_future(self._read(stream))] = stream
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: pending[f].choice):
+                    stream = pending.pop(future)
+                    chunk = self._consume(stream, future.result())
+                    if chunk is not None:
+                        yield chunk
+                    if not stream.done:
+                        pending[asyncio.ensure_future(self._read(stream))] = stream
+        except GatewayError as exc:
+            self._finish(error=exc)
+            raise
+        finally:
+            for future in pending:
+                future.cancel()
+            self._finish(error=None)
+
+    # -- shared ---------------------------------------------------------------------------------------------
+
+    async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | None:
+        """The next message; UpstreamError if the worker failed or closed the stream mid-way."""
+        try:
+            response = await stream.call.read()
+        except grpc.aio.AioRpcError as exc:
+            self._end_stream(stream)
+            self._path.breakers.on_failure(stream.worker_id)
+            self._path.fleet.on_failure(stream.worker_id)
+            raise UpstreamError(
+                f"worker {stream.worker_id} failed mid-stream: {exc.code().name}: {exc.details()}"
+            ) from None
+        if response is grpc.aio.EOF:
+            self._end_stream(stream)
+            raise UpstreamError(f"worker {stream.worker_id} closed the stream before finishing")
+        return response
+
+    def _consume(self, stream: _WorkerStream, response: worker_pb2.GenerateResponse) -> Chunk | None:
+        """One worker message -> one Chunk of its choice (None when it adds nothing to say)."""
+        text_state = self._texts[stream.choice]
+        token_ids = tuple(response.token_ids)
+        self.usage.completion_tokens += len(token_ids)
+        text = text_state.add(token_ids)
+        finish_reason = None
+        if text_state.stopped:
+            finish_reason = "stop"
+            stream.call.cancel()  # the worker frees the request's blocks now
+            self._end_stream(stream)
+        elif response.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
+            text += text_state.finish()
+            finish_reason = FINISH_REASONS.get(response.finish_reason, "abort")
+            if stream.choice == 0:
+                self.usage.cached_tokens = response.usage.cached_tokens
+            self._end_stream(stream)
+        if finish_reason is not None:
+            self._path.metrics.request_success.labels(finish_reason).inc()
+            if finish_reason == "stop" and text_state.stopped and stream.choice == 0:
+                # Cut short by a stop string, the worker's own count never came: the routing index's estimate.
+                matched = self.route.matched_blocks * self._path.block_size
+                self.usage.cached_tokens = min(matched, len(self.prompt_token_ids) - 1)
+        if not text and not token_ids and finish_reason is None:
+            return None
+        logprobs = self._logprobs(response) if self._want_logprobs else ()
+        return Chunk(stream.choice, text, token_ids, logprobs, finish_reason)
+
+    def _logprobs(self, response: worker_pb2.GenerateResponse) -> tuple[TokenLogprob, ...]:
+        tops: Sequence[worker_pb2.TopLogprobs] = response.top_logprobs
+        out = []
+        for i, (token_id, logprob) in enumerate(zip(response.token_ids, response.logprobs, strict=False)):
+            top = ()
+            if i < len(tops):
+                pairs = zip(tops[i].token_ids, tops[i].logprobs, strict=False)
+                top = tuple(self._token_logprob(t, lp) for t, lp in pairs)
+            out.append(dataclasses.replace(self._token_logprob(token_id, logprob), top=top))
+        return tuple(out)
+
+    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+        raw = self._path.tokenizer.token_bytes(token_id)
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return TokenLogprob(text, token_id, logprob, list(raw))
+
+    def _end_stream(self, stream: _WorkerStream) -> None:
+        if not stream.done:
+            stream.done = True
+            self._path._end_dispatch(stream.worker_id)
+
+    def _finish(self, error: GatewayError | None) -> None:
+        """Release everything once: cancel running worker requests, the fleet's in-flight counts, the
+        tenant's concurrency slot, the span and the request's metrics."""
+        if error is not None and not self._closed:
+            self._path.metrics.errors.labels(type(error).__name__).inc()
+            self._span.set_status(trace.StatusCode.ERROR, error.message)
+        if self._closed:
+            return
+        self._closed = True
+        finished = True
+        for stream in self._streams:
+            if not stream.done:
+                finished = False
+                stream.call.cancel()
+                self._end_stream(stream)
+        path = self._path
+        if finished and error is None:
+            path.metrics.e2e_request_latency.observe(time.perf_counter() - self._arrival)
+        self._span.set_attributes(
+            {
+                "kvroute.prompt_tokens": self.usage.prompt_tokens,
+                "kvroute.completion_tokens": self.usage.completion_tokens,
+                "kvroute.cached_tokens": self.usage.cached_tokens,
+            }
+        )
+        self._span.end()
+        path._generation_closed(self._tenant)
+
+
+def _split_field(details: str) -> tuple[str | None, str]:
+    """A worker's INVALID_ARGUMENT message split into the field it names and the rest
+    ("max_tokens: must be ..." -> ("max_tokens", "must be ..."))."""
+    head, sep, rest = details.partition(": ")
+    if sep and head.replace("_", "").isalnum():
+        return head, rest
+    return None, details

@@ -1,0 +1,108 @@
+"""`kvroute worker`: a worker (worker.cli_worker, every flag of it) and, with `--http-port`, the OpenAI HTTP
+API for this one worker in the same process, like `vllm serve`.
+
+    kvroute worker --model smollm2 --port 50051 --http-port 8001
+
+The HTTP side is the gateway's own front door and request path (auth, chat template, tokenizer, stop
+strings, usage with cached tokens) over a fleet of one: this worker, dialled over loopback gRPC. So a worker
+answers HTTP exactly as a gateway does, and other routers (smg, vllm-router) can route over kvroute workers'
+HTTP ports for a side-by-side comparison. It lives here, not in worker/, because worker/ and gateway/ never
+import each other. API keys apply as in the gateway ($KVROUTE_API_KEYS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import uvloop
+
+from kvroute.cli import UserError
+from worker import cli_worker
+
+if TYPE_CHECKING:
+    from gateway.cli_gateway import HttpServer
+    from gateway.request_path import RequestPath
+    from worker.engine import LLMEngine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli_worker.add_arguments(parser)
+    parser.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI HTTP API on this port")
+    parser.add_argument("--http-host", default=None, help="HTTP listen address (default: --host)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.http_port is None:
+        return cli_worker.run(args)
+    if not 0 <= args.http_port < 65536:
+        raise UserError(f"--http-port must be in [0, 65536), got {args.http_port}")
+    if args.port == 0:  # the front door must know the gRPC port it dials before the server picks one
+        args.port = free_port(args.host)
+    engine = cli_worker.build_engine(args)
+    return uvloop.run(serve(engine, args))  # as the gateway: its HTTP front door is the same code
+
+
+async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
+    """The worker's own serve (signals, drain, exit codes), with the HTTP front door beside it."""
+    front_door = await start_http_front_door(engine, args)
+    try:
+        return await cli_worker.serve(engine, args)
+    finally:
+        await front_door.stop()
+
+
+@dataclass
+class FrontDoor:
+    http: HttpServer
+    request_path: RequestPath
+
+    async def stop(self) -> None:
+        await self.http.stop()
+        await self.request_path.fleet.stop()
+        await self.request_path.close()
+
+
+async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> FrontDoor:
+    from gateway import http_server
+    from gateway.auth import Authenticator
+    from gateway.cli_gateway import HttpServer
+    from gateway.embedded_fleet import EmbeddedFleetState
+    from gateway.limits import Limits
+    from gateway.metrics import GatewayMetrics
+    from gateway.request_path import RequestPath, fleet_identity
+    from gateway.router import make_policy
+
+    block_size = engine.config.block_size
+    identity = fleet_identity(engine.model_id, engine.tokenizer, block_size)
+    fleet = EmbeddedFleetState([f"{dial_host(args.host)}:{args.port}"], identity)
+    limits = Limits()
+    try:
+        auth = Authenticator.from_config(None)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    request_path = RequestPath(
+        fleet, make_policy("round_robin"), engine.tokenizer, engine.model_id, args.model, auth, limits,
+        GatewayMetrics(args.model), block_size=block_size,
+    )  # fmt: skip
+    await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
+    app = http_server.build_app(request_path, request_path.metrics.registry, default_max_tokens=limits.max_tokens)
+    host = args.http_host or args.host
+    http = HttpServer.start(app, host, args.http_port)
+    print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)
+    return FrontDoor(http, request_path)
+
+
+def dial_host(host: str) -> str:
+    """An address to reach a server listening on `host` from this machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (the OS's pick; another process could take it before us)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

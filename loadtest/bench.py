@@ -1,0 +1,571 @@
+"""`kvroute bench`: send a rendered workload to a live OpenAI-compatible endpoint (a kvroute gateway, one
+worker's own HTTP port, or another router) and report the latencies users feel.
+
+Arrivals: `--rate R` is open-loop Poisson at R requests/s (seeded); `--concurrency C` keeps C requests in
+flight; neither replays the workload's own timestamps. In every mode a request that continues a
+conversation (`BenchRequest.after`) is sent only once the turn before it has finished. `--requests N`
+takes the workload's first N requests; `--duration S` stops sending after S seconds (requests in flight
+finish and count; requests not sent do not).
+
+Every request streams (`stream_options.include_usage`), so TTFT, ITL and the server's token counts come
+from the stream itself; the statistics are loadtest.bench_stats'. `--compare` runs one fleet per entry
+instead of a URL (loadtest.compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from kvroute.cli import UserError
+from loadtest.bench_stats import OK, SLO, RequestRecord, Summary, format_summary, summarize
+from loadtest.render import BenchRequest, RenderError, Workload, render, workload_names
+from loadtest.traces import MOONCAKE_BLOCK_TOKENS
+
+WORKER_HEADER = "x-kvroute-worker"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """How requests are released: Poisson at `rate`, `concurrency` at a time, or the workload's timestamps
+    (`time_scale` multiplies them)."""
+
+    rate: float | None = None
+    concurrency: int | None = None
+    duration_s: float | None = None
+    time_scale: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("give --rate or --concurrency, not both")
+        if self.rate is not None and not (math.isfinite(self.rate) and self.rate > 0):
+            raise ValueError(f"rate must be a positive number, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time scale must be > 0, got {self.time_scale}")
+
+    def describe(self) -> str:
+        if self.rate is not None:
+            return f"Poisson at {self.rate:g} req/s"
+        if self.concurrency is not None:
+            return f"concurrency {self.concurrency}"
+        return "the workload's timestamps" + ("" if self.time_scale == 1 else f" x {self.time_scale:g}")
+
+    def send_times(self, requests: tuple[BenchRequest, ...]) -> list[float] | None:
+        """Seconds from the start at which each request may be sent; None for fixed concurrency."""
+        if self.concurrency is not None:
+            return None
+        if self.rate is None:
+            return [r.arrival_s * self.time_scale for r in requests]
+        rng = random.Random(self.seed)
+        times, t = [], 0.0
+        for _ in requests:
+            times.append(t)
+            t += rng.expovariate(self.rate)
+        return times
+
+
+@dataclass
+class Target:
+    """Where requests go: an OpenAI-compatible base URL and the model name it serves."""
+
+    url: str
+    model: str
+    api_key: str | None = None
+    ignore_eos: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def headers(self, request: BenchRequest) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        if request.session:
+            headers["x-session-id"] = request.session
+        return headers
+
+    def body(self, request: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": request.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.messages is not None:
+            body["messages"] = list(request.messages)
+        else:
+            body["prompt"] = request.prompt
+        if request.cache_salt:
+            body["cache_salt"] = request.cache_salt
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequest, t0: float) -> RequestRecord:
+    """Send one streaming request and time it (see loadtest.bench_stats for the definitions). Never raises
+    for a failed request: the record's status names the kind of failure."""
+    payload = orjson.dumps(target.body(request))
+    start = time.perf_counter()
+    record = RequestRecord(request.index, start - t0, session=request.session)
+    last_content: float | None = None
+    done = False
+    pieces: list[str] = []
+    try:
+        async with client.stream(
+            "POST", target.url.rstrip("/") + request.endpoint, content=payload, headers=target.headers(request)
+        ) as response:
+            record.worker = response.headers.get(WORKER_HEADER)
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                return _failed(record, f"http_{response.status_code}", _error_message(body))
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    return _failed(record, "stream_error", _error_message(data))
+                now = time.perf_counter()
+                if text := _content(chunk):
+                    pieces.append(text)
+                    if last_content is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last_content)
+                    last_content = now
+                    record.output_tokens += 1  # replaced by the usage's count when the server sends it
+                if usage := chunk.get("usage"):
+                    record.output_tokens = usage.get("completion_tokens") or record.output_tokens
+                    record.prompt_tokens = usage.get("prompt_tokens") or 0
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    except httpx.TimeoutException as exc:
+        return _failed(record, "timeout", str(exc) or type(exc).__name__)
+    except httpx.ConnectError as exc:
+        return _failed(record, "connect_error", str(exc))
+    except httpx.HTTPError as exc:
+        return _failed(record, "transport_error", f"{type(exc).__name__}: {exc}")
+    except (orjson.JSONDecodeError, AttributeError, TypeError) as exc:
+        return _failed(record, "bad_stream", f"unparsable event: {exc}")
+    record.e2e_s = time.perf_counter() - start
+    record.output_text = "".join(pieces)
+    if not done:
+        return _failed(record, "incomplete_stream", "the stream ended without data: [DONE]")
+    if record.ttft_s is None:
+        return _failed(record, "empty_stream", "no content in the stream")
+    return record
+
+
+def _content(chunk: dict) -> str:
+    """The chunk's text (completions) or delta content (chat); the bench asks for one choice."""
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+
+
+def _failed(record: RequestRecord, status: str, message: str) -> RequestRecord:
+    record.status = status
+    record.error = message[:500]
+    return record
+
+
+def _error_message(body: str) -> str:
+    try:
+        error = json.loads(body).get("error")
+        return str(error.get("message", error)) if isinstance(error, dict) else str(error)
+    except (ValueError, AttributeError):
+        return body[:500]
+
+
+class HttpSender:
+    """Streams each request over one pooled httpx client (HTTP/1.1 keep-alive, no connection limit)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+        self._client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(target.timeout_s, connect=30.0))
+
+    async def send(self, request: BenchRequest, t0: float) -> RequestRecord:
+        return await send_one(self._client, self.target, request, t0)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class GrpcSender:
+    """Streams each request through the gateway's gRPC front door (`Gateway.Generate`) on one channel."""
+
+    def __init__(self, address: str, api_key: str | None, ignore_eos: bool, timeout_s: float) -> None:
+        import grpc
+
+        from proto import gateway_pb2_grpc
+
+        self._channel = grpc.aio.insecure_channel(address.removeprefix("grpc://"))
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._ignore_eos = ignore_eos
+        self._timeout_s = timeout_s
+
+    async def send(self, request: BenchRequest, t0: float) -> RequestRecord:
+        """As `send_one`, over gRPC: a reply with text is a content chunk; errors are `grpc_<code>`."""
+        import grpc
+
+        from proto import gateway_pb2, worker_pb2
+
+        sampling = worker_pb2.SamplingParams(
+            max_tokens=request.max_tokens, temperature=0.0, ignore_eos=self._ignore_eos
+        )
+        message = gateway_pb2.GatewayGenerateRequest(
+            sampling=sampling, session_id=request.session or "", cache_salt=request.cache_salt
+        )
+        if request.messages is not None:
+            message.chat.messages.extend(gateway_pb2.ChatMessage(**m) for m in request.messages)
+        else:
+            message.prompt = request.prompt or ""
+        start = time.perf_counter()
+        record = RequestRecord(request.index, start - t0, session=request.session)
+        last_content: float | None = None
+        pieces: list[str] = []
+        try:
+            async for reply in self._stub.Generate(message, metadata=self._metadata, timeout=self._timeout_s):
+                now = time.perf_counter()
+                if reply.route.worker_id:
+                    record.worker = reply.route.worker_id
+                if reply.text:
+                    pieces.append(reply.text)
+                    if last_content is None:
+                        record.ttft_s = now - start
+                    else:
+                        record.itl_s.append(now - last_content)
+                    last_content = now
+                if reply.HasField("usage"):
+                    record.output_tokens = reply.usage.completion_tokens
+                    record.prompt_tokens = reply.usage.prompt_tokens
+                    record.cached_tokens = reply.usage.cached_tokens
+        except grpc.aio.AioRpcError as exc:
+            return _failed(record, f"grpc_{exc.code().name.lower()}", exc.details() or "")
+        record.e2e_s = time.perf_counter() - start
+        record.output_text = "".join(pieces)
+        if record.ttft_s is None:
+            return _failed(record, "empty_stream", "no text in the stream")
+        return record
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+Sender = HttpSender | GrpcSender
+
+
+async def run_requests(
+    workload: Workload,
+    make_sender: Callable[[], Sender],
+    arrivals: Arrivals,
+    progress: bool = True,
+    live_history: bool = False,
+) -> tuple[list[RequestRecord], float]:
+    """Send the workload through a sender made inside this event loop (gRPC channels bind to the loop they
+    are made in); returns the records of the requests sent (by index) and the run's duration: from the
+    first send to the last finish. With `live_history`, a chat turn carries the answers the server gave to
+    the session's earlier turns instead of the logged ones (as a chat client does)."""
+    requests = workload.requests
+    answers: dict[int, str] = {}
+    sender = make_sender()
+    send_at = arrivals.send_times(requests)
+    finished = [asyncio.Event() for _ in requests]
+    slots = asyncio.Semaphore(arrivals.concurrency) if arrivals.concurrency else None
+    records: list[RequestRecord] = []
+    bar = _progress_bar(len(requests), workload.name, progress)
+    t0 = time.perf_counter()
+    deadline = None if arrivals.duration_s is None else t0 + arrivals.duration_s
+
+    async def one(request: BenchRequest) -> None:
+        try:
+            if send_at is not None:
+                if deadline is not None and t0 + send_at[request.index] >= deadline:
+                    return
+                await asyncio.sleep(max(0.0, t0 + send_at[request.index] - time.perf_counter()))
+            if request.after is not None:
+                await finished[request.after].wait()
+                if live_history:
+                    request = with_answers(request, requests, answers)
+            if slots is not None:
+                await slots.acquire()
+            try:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return
+                record = await sender.send(request, t0)
+                records.append(record)
+                if record.ok:
+                    answers[request.index] = record.output_text
+                if bar is not None:
+                    bar.update(1)
+            finally:
+                if slots is not None:
+                    slots.release()
+        finally:
+            finished[request.index].set()
+
+    try:
+        await asyncio.gather(*(one(r) for r in requests))
+    finally:
+        await sender.close()
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - t0
+    records.sort(key=lambda r: r.index)
+    # A failed request has no E2E; the run lasted until the later of the last finish and the last send.
+    return records, max((r.sent_s + (r.e2e_s or 0.0) for r in records), default=wall)
+
+
+def with_answers(request: BenchRequest, requests: tuple[BenchRequest, ...], answers: dict[int, str]) -> BenchRequest:
+    """`request` with its assistant messages replaced by the answers its session's earlier turns got, oldest
+    first (a turn that failed keeps its logged answer). Completion prompts are returned unchanged."""
+    if request.messages is None:
+        return request
+    chain, previous = [], request.after
+    while previous is not None:
+        chain.append(previous)
+        previous = requests[previous].after
+    chain.reverse()
+    turn = iter(chain)
+    messages = []
+    for message in request.messages:
+        if message["role"] == "assistant":
+            index = next(turn, None)
+            if index is not None and index in answers:
+                message = {**message, "content": answers[index]}
+        messages.append(message)
+    return dataclasses.replace(request, messages=tuple(messages))
+
+
+def _progress_bar(total: int, name: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+async def served_model(url: str, api_key: str | None) -> str:
+    """The first model `GET /v1/models` lists."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            response = await client.get(url.rstrip("/") + "/v1/models", headers=headers)
+    except httpx.HTTPError as exc:
+        raise UserError(f"--url {url}: cannot reach it ({type(exc).__name__}: {exc})") from None
+    if response.status_code != 200:
+        raise UserError(f"--url {url}: GET /v1/models answered {response.status_code}; pass --served-model-name")
+    models = response.json().get("data") or []
+    if not models:
+        raise UserError(f"--url {url}: GET /v1/models lists no model; pass --served-model-name")
+    return models[0]["id"]
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (with --grpc: HOST:PORT)"
+    )
+    parser.add_argument("--workload", default="chat", help=f"workload (default chat): {', '.join(workload_names())}")
+    arrivals = parser.add_mutually_exclusive_group()
+    arrivals.add_argument("--rate", type=float, default=None, help="open-loop Poisson arrivals, requests/s")
+    arrivals.add_argument("--concurrency", type=int, default=None, help="keep this many requests in flight")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="without --rate/--concurrency: multiply the timestamps"
+    )
+    parser.add_argument("--requests", type=int, default=None, help="send the workload's first N requests")
+    parser.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
+    parser.add_argument(
+        "--grpc", action="store_true", help="send through the gateway's gRPC front door; --url is then HOST:PORT"
+    )
+    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT objective, ms")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT objective, ms")
+    parser.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: end-to-end objective, ms")
+    parser.add_argument("--served-model-name", default=None, help="the request's `model` (default: GET /v1/models)")
+    parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
+    parser.add_argument(
+        "--history",
+        choices=("logged", "live"),
+        default="logged",
+        help="chat turns resend the logged answers (the same prompts for every router; default) or the answers "
+        "the server gave (as a chat client does: a real model's answer can then be reused from the cache)",
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-request timeout, s")
+    parser.add_argument(
+        "--tokenizer", default="smollm2", help="model spec whose tokenizer renders the text (default smollm2)"
+    )
+    parser.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=MOONCAKE_BLOCK_TOKENS,
+        help=f"trace:FILE only: tokens per hash id (default {MOONCAKE_BLOCK_TOKENS}; fewer scales the trace down)",
+    )
+    parser.add_argument("--dump-workload", type=Path, default=None, metavar="JSONL", help="write the rendered requests")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="TTFT / E2E CDFs, per-worker load")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from loadtest.compare import add_compare_arguments
+
+    add_compare_arguments(parser)
+
+
+def arrivals_from(args: argparse.Namespace) -> Arrivals:
+    try:
+        return Arrivals(args.rate, args.concurrency, args.duration, args.time_scale, args.seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def slo_from(args: argparse.Namespace) -> SLO:
+    try:
+        return SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    requests = args.requests
+    if requests is None and args.duration is not None and args.rate is not None:
+        requests = math.ceil(args.rate * args.duration) + 1  # enough to keep the rate for the whole duration
+    try:
+        workload = render(
+            args.workload, requests, seed=args.seed, model=args.tokenizer, block_tokens=args.trace_block_tokens
+        )
+    except RenderError as exc:
+        raise UserError(str(exc)) from None
+    if args.dump_workload is not None:
+        from loadtest.render import dump_jsonl
+
+        dump_jsonl(workload, args.dump_workload)
+    return workload
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.compare and args.faults:
+        raise UserError("give --compare or --faults, not both")
+    if args.compare:
+        from loadtest.compare import run_compare
+
+        return run_compare(args)
+    if args.faults:
+        from loadtest.soak import run_soak
+
+        return run_soak(args)
+    if not args.url:
+        raise UserError("give --url URL (a running server), --compare LIST or --faults (fleets started here)")
+    arrivals, slo = arrivals_from(args), slo_from(args)
+    make_sender: Callable[[], Sender]
+    if args.grpc:
+        model = args.served_model_name or "the served model"
+        make_sender = partial(GrpcSender, args.url, args.api_key, args.ignore_eos, args.timeout)
+    else:
+        model = args.served_model_name or asyncio.run(served_model(args.url, args.api_key))
+        make_sender = partial(HttpSender, Target(args.url, model, args.api_key, args.ignore_eos, args.timeout))
+    workload = workload_from(args)
+    print(
+        f"kvroute bench: {len(workload.requests):,} requests of {workload.name} to {args.url} ({model}), "
+        f"{arrivals.describe()}",
+        file=sys.stderr,
+    )
+    records, duration = asyncio.run(
+        run_requests(
+            workload, make_sender, arrivals, progress=not args.no_progress, live_history=args.history == "live"
+        )
+    )
+    summary = summarize(records, duration, slo)
+    print(format_summary(summary, f"{workload.name} @ {args.url}"))
+    if args.json is not None:
+        report = {
+            "workload": workload.name,
+            "url": args.url,
+            "arrivals": arrivals.describe(),
+            **bench_json(summary, records),
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        plot_runs({workload.name: (records, summary.per_worker_requests)}, args.plot, f"{workload.name} @ {args.url}")
+    return 0 if summary.completed == summary.requests else 1
+
+
+def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]:
+    """The summary and every request's figures (times in ms)."""
+    return {
+        "summary": summary.to_json(),
+        "per_request": [
+            {
+                "index": r.index,
+                "status": r.status,
+                "sent_ms": round(r.sent_s * 1e3, 3),
+                "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
+                "e2e_ms": None if r.e2e_s is None else round(r.e2e_s * 1e3, 3),
+                "tpot_ms": None if r.tpot_s is None else round(r.tpot_s * 1e3, 3),
+                "output_tokens": r.output_tokens,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "worker": r.worker,
+                "session": r.session,
+                **({"error": r.error} if r.status != OK else {}),
+            }
+            for r in records
+        ],
+    }
+
+
+def plot_runs(runs: dict[str, tuple[list[RequestRecord], dict[str, int]]], path: Path, title: str) -> None:
+    """TTFT and E2E CDFs (one line per run) and requests per worker (run name -> (records, worker -> requests)).
+    Matplotlib's object API on the Agg canvas: no display needed, no global backend changed."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(16, 4.8))
+    ttft_ax, e2e_ax, load_ax = fig.subplots(1, 3)
+    fig.suptitle(title)
+    for ax, attribute, label in ((ttft_ax, "ttft_s", "TTFT"), (e2e_ax, "e2e_s", "E2E")):
+        for name, (records, _) in runs.items():
+            values = np.sort([getattr(r, attribute) * 1e3 for r in records if r.ok and getattr(r, attribute)])
+            if len(values):
+                ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{label} (ms)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"{label} CDF")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    workers = sorted({w for _, per_worker in runs.values() for w in per_worker})
+    width = 0.8 / max(len(runs), 1)
+    for i, (name, (_, per_worker)) in enumerate(runs.items()):
+        counts = [per_worker.get(w, 0) for w in workers]
+        load_ax.bar(np.arange(len(workers)) + i * width, counts, width, label=name)
+    load_ax.set_xticks(np.arange(len(workers)) + width * (len(runs) - 1) / 2, workers)
+    load_ax.set_xlabel("worker")
+    load_ax.set_ylabel("requests served")
+    load_ax.set_title("per-worker load")
+    load_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

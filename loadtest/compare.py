@@ -1,0 +1,554 @@
+"""`kvroute bench --compare A,B,...`: the same workload through several routers, each in front of a fresh
+local fleet of kvroute workers started with the same model, seed and cache size.
+
+Entries: a kvroute policy (`round_robin`, `prefix`, `kv_aware`, ...: `kvroute gateway` over the workers'
+gRPC ports), or `smg:POLICY` / `vllm-router:POLICY` (that router over the workers' own OpenAI HTTP ports,
+`kvroute worker --http-port`). A peer whose binary is not installed is skipped with one line.
+
+Every router is measured alike, from the workers' own Prometheus counters read before and after the
+run: prefill tokens = prompt tokens received - prefix-cache hits, the cached-token share, and requests
+per worker. Latencies are the client's (loadtest.bench_stats). Router overhead: before the workload, short
+probe requests (one output token) go alternately through the router and straight to a worker's HTTP
+port; the overhead is the difference of their TTFT percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.cli import UserError
+from kvroute.hashing import DEFAULT_BLOCK_SIZE
+from loadtest.bench import (
+    Arrivals,
+    HttpSender,
+    Target,
+    bench_json,
+    plot_runs,
+    run_requests,
+    send_one,
+    slo_from,
+    workload_from,
+)
+from loadtest.bench_stats import RequestRecord, Summary, format_summary, summarize
+from loadtest.render import BenchRequest, Workload
+
+KVROUTE = "kvroute"
+PEERS = ("smg", "vllm-router")
+PEER_INSTALL_HINT = "pip install 'kvroute[peers]'"
+STARTUP_TIMEOUT_S = 180.0
+PROBES = 40
+PROBE_TOKENS = 24
+
+
+class CompareError(RuntimeError):
+    """A fleet or router that did not start; the message ends with the tail of its log."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One `--compare` item: which router, with which policy."""
+
+    router: str  # "kvroute", "smg" or "vllm-router"
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return self.policy if self.router == KVROUTE else f"{self.router}:{self.policy}"
+
+
+def parse_entries(text: str) -> list[Entry]:
+    from gateway.router import POLICY_NAMES
+
+    entries = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        router, _, policy = item.rpartition(":")
+        if router and router not in PEERS:
+            raise UserError(f"--compare: unknown router {router!r} in {item!r}; peers: {', '.join(PEERS)}")
+        if not policy:
+            raise UserError(f"--compare: {item!r} names no policy")
+        if not router and policy not in POLICY_NAMES:
+            raise UserError(f"--compare: unknown kvroute policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
+        entries.append(Entry(router or KVROUTE, policy))
+    if not entries:
+        raise UserError("--compare: no entries")
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise UserError(f"--compare: an entry is listed twice: {', '.join(names)}")
+    return entries
+
+
+def peer_binary(router: str) -> str | None:
+    """The peer's executable: beside this Python first (a venv), then on PATH."""
+    beside = Path(sys.executable).parent / router
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(router)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    workers: int
+    model: str
+    seed: int
+    num_kv_blocks: int | None
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+
+
+@dataclass
+class WorkerProcess:
+    worker_id: str
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+    process: subprocess.Popen
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+class Fleet:
+    """N workers and one router, started fresh; `stop()` (or the context manager) ends every process it
+    started, by its id: SIGTERM, then SIGKILL after a grace period."""
+
+    def __init__(self, entry: Entry, config: FleetConfig, log_dir: Path) -> None:
+        self.entry = entry
+        self.config = config
+        self.log_dir = log_dir
+        self.workers: list[WorkerProcess] = []
+        self.router: subprocess.Popen | None = None
+        self.router_port = free_port()
+        self._logs: dict[int, Path] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for i in range(self.config.workers):
+            grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+            argv = [
+                sys.executable, "-m", "kvroute.cli", "worker", "--model", self.config.model,
+                "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
+                "--metrics-port", str(metrics_port), "--worker-id", f"w{i}", "--seed", str(self.config.seed),
+                *(["--num-kv-blocks", str(self.config.num_kv_blocks)] if self.config.num_kv_blocks else []),
+                *self.config.worker_args,
+            ]  # fmt: skip
+            process = self._spawn(argv, f"worker-{i}")
+            self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, process))
+        ours = self.entry.router == KVROUTE
+        if ours:  # our gateway finds workers as they come up, so it starts alongside them
+            self.router = self._spawn(self._router_argv(), self.entry.name)
+        for worker in self.workers:
+            self._wait_http(worker.process, worker.http_url + "/health", f"worker {worker.worker_id}")
+        if not ours:  # the peers check their workers once at startup
+            self.router = self._spawn(self._router_argv(), self.entry.name.replace(":", "-"))
+        assert self.router is not None
+        self._wait_http(self.router, self.url + ("/ready" if ours else "/health"), f"router {self.entry.name}")
+        if ours:
+            self._wait_all_joined()
+
+    def _wait_all_joined(self) -> None:
+        """Until the gateway has seen every worker join (its `kvroute:gateway_fleet_changes` counter), so the
+        first requests are not all routed over the first worker to answer."""
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            text = httpx.get(self.url + "/metrics", timeout=5.0).text
+            joins = sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "kvroute:gateway_fleet_changes_total" and sample.labels.get("change") == "joins"
+            )
+            if joins >= len(self.workers):
+                return
+            time.sleep(0.2)
+
+    def _router_argv(self) -> list[str]:
+        port = str(self.router_port)
+        if self.entry.router == KVROUTE:
+            addresses = ",".join(f"127.0.0.1:{w.grpc_port}" for w in self.workers)
+            return [
+                sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.config.model,
+                "--host", "127.0.0.1", "--http-port", port, "--grpc-port", "0",
+                "--workers", addresses, "--policy", self.entry.policy, *self.config.gateway_args,
+            ]  # fmt: skip
+        binary = peer_binary(self.entry.router)
+        assert binary is not None, "run_compare skips a peer that is not installed"
+        urls = [w.http_url for w in self.workers]
+        prefix = [binary, "launch"] if self.entry.router == "smg" else [binary]
+        return [*prefix, "--host", "127.0.0.1", "--port", port, "--worker-urls", *urls, "--policy", self.entry.policy]
+
+    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        self._logs[process.pid] = log
+        return process
+
+    def _wait_http(self, process: subprocess.Popen, url: str, what: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise CompareError(f"{what} exited with code {process.returncode}\n{self._tail(process)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise CompareError(f"{what} not ready at {url} after {STARTUP_TIMEOUT_S:.0f} s\n{self._tail(process)}")
+
+    def _tail(self, process: subprocess.Popen, lines: int = 15) -> str:
+        log = self._logs.get(process.pid)
+        text = log.read_text(errors="replace") if log and log.exists() else ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        processes = [p for p in [self.router, *(w.process for w in self.workers)] if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15.0
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Each worker's cumulative counters: prompt tokens, prefix-cache hits, finished requests."""
+        return {w.worker_id: scrape_counters(w.metrics_url) for w in self.workers}
+
+
+def scrape_counters(metrics_url: str) -> dict[str, float]:
+    """`prompt_tokens`, `prefix_hits` and `requests` from a worker's Prometheus text (vLLM's names)."""
+    text = httpx.get(metrics_url, timeout=10.0).text
+    wanted = {
+        "vllm:prompt_tokens_total": "prompt_tokens",
+        "vllm:prefix_cache_hits_total": "prefix_hits",
+        "vllm:e2e_request_latency_seconds_count": "requests",
+    }
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """What the run cost the workers, from their own counters."""
+    delta = {w: {k: after[w][k] - before[w][k] for k in after[w]} for w in after}
+    prompt = sum(d["prompt_tokens"] for d in delta.values())
+    hits = sum(d["prefix_hits"] for d in delta.values())
+    return {
+        "prompt_tokens": int(prompt),
+        "prefill_tokens": int(prompt - hits),
+        "cached_token_share": hits / prompt if prompt else 0.0,
+        "per_worker_requests": {w: int(d["requests"]) for w, d in delta.items()},
+    }
+
+
+async def probe_overhead(fleet: Fleet, model: str, probes: int = PROBES) -> dict[str, float]:
+    """TTFT through the router minus TTFT straight to a worker, p50 and p99, from `probes` short requests
+    each way, alternated (the same text each time, so both paths see a warm cache after the first)."""
+    prompt = " probe" * PROBE_TOKENS
+    via_router, direct = [], []
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        for i in range(probes + 2):  # the first pair warms caches and connections
+            request = BenchRequest(i, 0.0, 1, prompt=prompt)
+            worker = fleet.workers[i % len(fleet.workers)]
+            routed = await send_one(client, Target(fleet.url, model), request, time.perf_counter())
+            straight = await send_one(client, Target(worker.http_url, model), request, time.perf_counter())
+            if i >= 2 and routed.ok and straight.ok:
+                via_router.append(routed.ttft_s)
+                direct.append(straight.ttft_s)
+    if not via_router:
+        return {"p50": float("nan"), "p99": float("nan")}
+    routed_ms, direct_ms = np.asarray(via_router) * 1e3, np.asarray(direct) * 1e3
+    return {f"p{p}": float(np.percentile(routed_ms, p) - np.percentile(direct_ms, p)) for p in (50, 99)} | {
+        "direct_p50": float(np.percentile(direct_ms, 50))
+    }
+
+
+@dataclass
+class RunResult:
+    entry: Entry
+    records: list[RequestRecord]
+    summary: Summary
+    workers: dict[str, Any]
+    overhead_ms: dict[str, float]
+    capacity_blocks: int  # KV blocks per worker
+    prediction: dict[str, Any] | None = None  # the replay's, for a kvroute policy
+
+    def to_json(self) -> dict[str, Any]:
+        def pick(stats: dict[str, float | None]) -> dict[str, float | None]:
+            return {k: None if stats[k] is None else round(stats[k], 3) for k in ("p50", "p90", "p99")}
+
+        return {
+            "ttft_ms": pick(self.summary.ttft_ms),
+            "e2e_ms": pick(self.summary.e2e_ms),
+            "tpot_ms": pick(self.summary.tpot_ms),
+            "prefill_tokens": self.workers["prefill_tokens"],
+            "prompt_tokens": self.workers["prompt_tokens"],
+            "cached_token_share": round(self.workers["cached_token_share"], 6),
+            "goodput": round(self.summary.goodput, 6),
+            "errors": self.summary.errors,
+            "completed": self.summary.completed,
+            "requests": self.summary.requests,
+            "per_worker_requests": self.workers["per_worker_requests"],
+            "router_overhead_ms": {k: round(v, 3) for k, v in self.overhead_ms.items()},
+            "request_throughput": round(self.summary.request_throughput, 4),
+            **({"replay_prediction": self.prediction} if self.prediction else {}),
+            "per_request": bench_json(self.summary, self.records)["per_request"],
+        }
+
+
+def run_entry(
+    entry: Entry, config: FleetConfig, workload: Workload, arrivals: Arrivals, args: argparse.Namespace, log_dir: Path
+) -> RunResult:
+    with Fleet(entry, config, log_dir) as fleet:
+        model = args.served_model_name or config.model
+        capacity_blocks = worker_capacity_blocks(fleet.workers[0].grpc_port)
+        overhead = asyncio.run(probe_overhead(fleet, model))
+        before = fleet.counters()
+        make_sender = partial(HttpSender, Target(fleet.url, model, None, args.ignore_eos, args.timeout))
+        records, duration = asyncio.run(
+            run_requests(
+                workload, make_sender, arrivals, progress=not args.no_progress, live_history=args.history == "live"
+            )
+        )
+        time.sleep(0.2)  # the last request's counters are updated as its stream ends
+        workers = counter_delta(before, fleet.counters())
+    summary = summarize(records, duration, slo_from(args))
+    return RunResult(entry, records, summary, workers, overhead, capacity_blocks)
+
+
+def format_table(results: dict[str, RunResult]) -> str:
+    """One side-by-side table of the runs."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None or value != value else f"{value:,.1f}"
+
+    rows = [
+        ("TTFT p50 ms", lambda r: ms(r.summary.ttft_ms["p50"])),
+        ("TTFT p90 ms", lambda r: ms(r.summary.ttft_ms["p90"])),
+        ("TTFT p99 ms", lambda r: ms(r.summary.ttft_ms["p99"])),
+        ("E2E p50 ms", lambda r: ms(r.summary.e2e_ms["p50"])),
+        ("E2E p99 ms", lambda r: ms(r.summary.e2e_ms["p99"])),
+        ("TPOT p50 ms", lambda r: ms(r.summary.tpot_ms["p50"])),
+        ("prefill tokens", lambda r: f"{r.workers['prefill_tokens']:,}"),
+        ("cached share", lambda r: f"{r.workers['cached_token_share']:.1%}"),
+        ("goodput", lambda r: f"{r.summary.goodput:.1%}"),
+        ("req/s", lambda r: f"{r.summary.request_throughput:.2f}"),
+        ("errors", lambda r: str(sum(r.summary.errors.values()))),
+        ("requests/worker", lambda r: "/".join(str(v) for v in r.workers["per_worker_requests"].values())),
+        ("overhead p50 ms", lambda r: ms(r.overhead_ms["p50"])),
+        ("overhead p99 ms", lambda r: ms(r.overhead_ms["p99"])),
+        ("replay prefill", lambda r: f"{r.prediction['prefill_tokens']:,}" if r.prediction else "-"),
+        ("replay hit rate", lambda r: f"{r.prediction['hit_rate']:.1%}" if r.prediction else "-"),
+    ]
+    names = list(results)
+    width = max(12, *(len(n) for n in names)) + 2
+    lines = [f"{'':<18}" + "".join(f"{n:>{width}}" for n in names)]
+    for label, cell in rows:
+        lines.append(f"{label:<18}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
+    return "\n".join(lines)
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fleets started here (instead of --url): --compare, --faults")
+    group.add_argument(
+        "--compare",
+        default=None,
+        metavar="LIST",
+        help="comma list: kvroute policies (round_robin, prefix, kv_aware, ...), smg:POLICY, vllm-router:POLICY",
+    )
+    group.add_argument(
+        "--faults",
+        action="store_true",
+        help="soak: a Redis fleet with 2 gateways; kill a worker, restart Redis and a gateway during --duration",
+    )
+    group.add_argument("--workers", type=int, default=2, help="workers per fleet (default 2)")
+    group.add_argument("--model", default="sim", help="the workers' model: sim | tiny | smollm2 | PATH (default sim)")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: the worker's)")
+    group.add_argument(
+        "--worker-arg", action="append", default=[], metavar="ARG", help="extra argument for every worker (repeat)"
+    )
+    group.add_argument(
+        "--gateway-arg", action="append", default=[], metavar="ARG", help="extra argument for kvroute gateway"
+    )
+    group.add_argument(
+        "--no-predict", action="store_true", help="skip the replay's prediction for the kvroute policies"
+    )
+    group.add_argument("--keep-logs", type=Path, default=None, metavar="DIR", help="keep the processes' logs here")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    entries = parse_entries(args.compare)
+    if args.url:
+        raise UserError("--compare starts its own fleets; drop --url")
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    from loadtest.bench import arrivals_from
+
+    arrivals = arrivals_from(args)
+    workload = workload_from(args)
+    config = FleetConfig(
+        args.workers, args.model, args.seed, args.num_kv_blocks, tuple(args.worker_arg), tuple(args.gateway_arg)
+    )
+    print(
+        f"kvroute bench --compare: {len(workload.requests):,} requests of {workload.name}, {arrivals.describe()}, "
+        f"{args.workers} x {args.model} workers per fleet",
+        file=sys.stderr,
+    )
+    results: dict[str, RunResult] = {}
+    skipped: dict[str, str] = {}
+    with _log_dir(args.keep_logs) as log_dir:
+        for entry in entries:
+            if entry.router != KVROUTE and peer_binary(entry.router) is None:
+                skipped[entry.name] = f"{entry.router} is not installed: {PEER_INSTALL_HINT}"
+                print(f"skipping {entry.name}: {skipped[entry.name]}", file=sys.stderr)
+                continue
+            try:
+                logs = log_dir / entry.name.replace(":", "-")
+                logs.mkdir(parents=True, exist_ok=True)
+                results[entry.name] = run_entry(entry, config, workload, arrivals, args, logs)
+            except CompareError as exc:
+                skipped[entry.name] = str(exc).splitlines()[0]
+                print(f"{entry.name} failed: {exc}", file=sys.stderr)
+                continue
+            print(format_summary(results[entry.name].summary, entry.name), file=sys.stderr)
+    if not results:
+        raise UserError("no entry ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    if not args.no_predict:
+        for result in results.values():
+            if result.entry.router == KVROUTE and result.records:
+                result.prediction = predict(workload, result, args.workers, args.tokenizer)
+    print(format_table(results))
+    for name, reason in skipped.items():
+        print(f"{name}: skipped ({reason})")
+    if args.json is not None:
+        report = {
+            "workload": workload.name,
+            "requests": len(workload.requests),
+            "arrivals": arrivals.describe(),
+            "workers": args.workers,
+            "model": args.model,
+            "num_kv_blocks": args.num_kv_blocks,
+            "seed": args.seed,
+            "runs": {name: result.to_json() for name, result in results.items()},
+            "skipped": skipped,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        plot_runs(
+            {n: (r.records, r.workers["per_worker_requests"]) for n, r in results.items()},
+            args.plot,
+            f"{workload.name}: {args.workers} x {args.model} workers, {arrivals.describe()}",
+        )
+    return 0 if all(not r.summary.errors for r in results.values()) and not skipped else 1
+
+
+@contextlib.contextmanager
+def _log_dir(keep: Path | None) -> Iterator[Path]:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="kvroute-compare-") as tmp:
+        yield Path(tmp)
+
+
+def predict(workload: Workload, run: RunResult, workers: int, tokenizer_spec: str) -> dict[str, Any]:
+    """The replay's prediction for one kvroute run: the prompts exactly as the workers received them
+    (rendered, templated, tokenized), in the order and at the times the bench sent them in that run, over
+    `workers` replicas of the run's cache size. No known answers: the model's own answer is never the
+    logged one, so a later turn cannot reuse it."""
+    from loadtest.render import token_ids, vocabulary
+    from loadtest.replay import ReplayConfig, replay
+    from loadtest.traces import Trace, TraceRequest
+
+    tokenizer = vocabulary(tokenizer_spec).tokenizer
+    requests = []
+    for record in sorted(run.records, key=lambda r: r.sent_s):
+        request = workload.requests[record.index]
+        ids = tuple(token_ids(request, tokenizer))
+        requests.append(
+            TraceRequest(
+                record.sent_s * 1e3,
+                len(ids),
+                request.max_tokens,
+                token_ids=ids,
+                session_id=request.session,
+                cache_salt=request.cache_salt,
+            )
+        )
+    trace = Trace(f"live:{workload.name}", "tokens", DEFAULT_BLOCK_SIZE, tuple(requests))
+    config = ReplayConfig(replicas=workers, policies=(run.entry.policy,), capacity_blocks=run.capacity_blocks)
+    replayed = replay(trace, config)
+    result = replayed.policies[run.entry.policy]
+    return {
+        "prefill_tokens": result.prefill_tokens,
+        "ideal_prefill_tokens": replayed.ideal_prefill_tokens,
+        "hit_rate": round(result.hit_rate, 6),
+        "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
+        "per_worker_requests": result.per_replica_requests,
+    }
+
+
+def worker_capacity_blocks(grpc_port: int) -> int:
+    """A running worker's KV blocks (GetStats)."""
+    import grpc
+
+    from proto import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stats = worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10.0)
+    return stats.num_blocks_total

@@ -1,0 +1,460 @@
+"""What the gateway costs: its added latency, its throughput, and its routing decision, against the same
+workers called directly and against SGLang's Rust router (smg) over the same workers, in one run.
+
+    python -m loadtest.gateway_bench --json OUT [--workers 2] [--requests 300] [--duration 8] [--profile FILE]
+
+Set-up: `--workers` sim workers (`kvroute worker --model sim --http-port`, sim costs 0, so the worker is
+not the bottleneck), our gateway over their gRPC ports (`kvroute gateway`, kv_aware), and smg over their
+HTTP ports (`smg launch --policy cache_aware`). Every process is a child in one process group, stopped at
+the end.
+
+1. Latency, one request at a time, the targets interleaved request by request (the machine is shared:
+   drift hits all alike): a chat completion (non-streaming, 4 tokens) sent
+   - to worker 0's own HTTP port (`worker_http`: the same front door and tokenizer, in the worker's process),
+   - through our gateway (`gateway_http`: HTTP -> route -> gRPC -> worker),
+   - through smg (`smg_http`: HTTP -> route -> HTTP -> worker's front door),
+   and the same prompt's token ids to worker 0 over gRPC (`worker_grpc`, the floor).
+   Added latency = a router's percentile less worker_http's (both sides do the HTTP, JSON and tokenizer
+   work once, the router adds its hop and decision); ours is also given against worker_grpc.
+2. Throughput: `--concurrency` keep-alive connections for `--duration` seconds through the gateway (and,
+   for scale, to a worker's HTTP port and through smg). Client, gateway and workers share this machine's
+   cores, so this is a floor for a gateway on its own core; `--profile` runs the gateway under cProfile
+   during this phase and writes its top functions, which name what bounds it.
+3. The routing decision for a 4,096-token chat prompt: template + tokenize, block hashes, and the pick
+   over an 8-worker view whose index holds half of the prompt, medians of 200 runs, in this process.
+The client is a minimal HTTP/1.1 keep-alive client (loadtest's own), so that it costs the same for every
+target and little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from launch.up import Fleet, kvroute_argv
+from launch.worker import free_port
+
+SYSTEM = "You are a concise assistant for a bicycle shop. Answer in one short sentence. " * 6
+MAX_TOKENS = 4
+
+
+# -- a minimal HTTP/1.1 client ---------------------------------------------------------------------------------
+
+
+class HttpConnection:
+    """One keep-alive connection; `post` returns (status, body). Content-Length and chunked bodies."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        assert self.reader is not None
+        status_and_headers = await self.reader.readuntil(b"\r\n\r\n")
+        lines = status_and_headers.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+        if "content-length" in headers:
+            payload = await self.reader.readexactly(int(headers["content-length"]))
+        else:  # chunked
+            parts = []
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+                parts.append(await self.reader.readexactly(size + 2))
+                if size == 0:
+                    break
+            payload = b"".join(p[:-2] for p in parts)
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        return status, payload
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def chat_body(i: int) -> bytes:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}: do you fix brakes?"}]
+    return json.dumps({"model": "sim", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+
+
+# -- the fleet -------------------------------------------------------------------------------------------------------
+
+
+def wait_ready(url: str, timeout: float, fleet: Fleet) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = fleet.exited()
+        if dead is not None:
+            raise RuntimeError(dead)
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout:g} s")
+
+
+def start_fleet(num_workers: int, profile: str | None, with_smg: bool) -> tuple[Fleet, dict[str, Any]]:
+    fleet = Fleet()
+    grpc_ports = [free_port() for _ in range(num_workers)]
+    http_ports = [free_port() for _ in range(num_workers)]
+    for i, (grpc_port, http_port) in enumerate(zip(grpc_ports, http_ports, strict=True)):
+        fleet.spawn(
+            f"worker-{i}",
+            kvroute_argv(
+                "worker", "--model", "sim", "--port", str(grpc_port), "--http-port", str(http_port),
+                "--worker-id", f"worker-{i}", "--sim-prefill-us-per-token", "0", "--sim-decode-ms-per-step", "0",
+                "--num-kv-blocks", "4096",
+            ),
+        )  # fmt: skip
+    gateway_port = free_port()
+    gateway_argv = kvroute_argv(
+        "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(gateway_port), "--grpc-port", "0",
+        "--workers", ",".join(f"127.0.0.1:{p}" for p in grpc_ports), "--log-level", "warning",
+    )  # fmt: skip
+    if profile:  # serving only, under cProfile (not the start-up's tokenizer load)
+        code = "import sys; from loadtest.gateway_bench import profiled_gateway; profiled_gateway(sys.argv[1:])"
+        gateway_argv = [sys.executable, "-c", code, profile, *gateway_argv[4:]]
+    fleet.spawn("gateway", gateway_argv)
+    ports = {"worker_grpc": grpc_ports[0], "worker_http": http_ports[0], "gateway_http": gateway_port}
+    for port in (*http_ports, gateway_port):
+        wait_ready(f"http://127.0.0.1:{port}/ready", 300, fleet)
+    smg = shutil.which("smg", path=str(Path(sys.executable).parent)) if with_smg else None
+    if smg:
+        smg_port = free_port()
+        fleet.spawn(
+            "smg",
+            [smg, "launch", "--host", "127.0.0.1", "--port", str(smg_port), "--policy", "cache_aware",
+             "--log-level", "warn", "--worker-urls", *(f"http://127.0.0.1:{p}" for p in http_ports)],
+        )  # fmt: skip
+        ports["smg_http"] = smg_port
+        wait_smg(smg_port, fleet)
+    return fleet, ports
+
+
+def wait_smg(port: int, fleet: Fleet) -> None:
+    """smg answers once it has registered the workers: poll with a real request."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if fleet.exited():
+            raise RuntimeError(fleet.exited())
+        try:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions", chat_body(0), {"content-type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("smg did not route a request within 60 s")
+
+
+# -- 1. latency --------------------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def measure_latency(ports: dict[str, int], requests: int, warmup: int) -> dict[str, dict[str, float]]:
+    import grpc
+
+    from kvroute.model_source import resolve_model
+    from kvroute.tokenizer import Tokenizer
+    from proto import worker_pb2, worker_pb2_grpc
+
+    tokenizer = Tokenizer.for_model(resolve_model("sim"))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports['worker_grpc']}")
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    connections = {name: HttpConnection("127.0.0.1", port) for name, port in ports.items() if name.endswith("_http")}
+
+    def grpc_call(i: int) -> Callable[[], Awaitable[None]]:
+        body = json.loads(chat_body(i))
+        ids = tokenizer.encode_chat(body["messages"])
+        message = worker_pb2.GenerateRequest(
+            prompt_token_ids=ids, sampling=worker_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        )
+
+        async def call() -> None:
+            async for _ in stub.Generate(message):
+                pass
+
+        return call
+
+    async def http_call(name: str, i: int) -> None:
+        status, payload = await connections[name].post("/v1/chat/completions", chat_body(i))
+        if status != 200:
+            raise RuntimeError(f"{name}: HTTP {status}: {payload[:200]!r}")
+
+    samples: dict[str, list[float]] = {name: [] for name in ["worker_grpc", *connections]}
+    for i in range(warmup + requests):
+        grpc_request = grpc_call(i)
+        for name in samples:
+            start = time.perf_counter()
+            if name == "worker_grpc":
+                await grpc_request()
+            else:
+                await http_call(name, i)
+            if i >= warmup:
+                samples[name].append(time.perf_counter() - start)
+    for connection in connections.values():
+        await connection.close()
+    await channel.close()
+    return {
+        name: {
+            "p50_ms": percentile(v, 0.5) * 1e3,
+            "p99_ms": percentile(v, 0.99) * 1e3,
+            "mean_ms": statistics.fmean(v) * 1e3,
+        }
+        for name, v in samples.items()
+    }
+
+
+# -- 2. throughput ------------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_throughput(port: int, concurrency: int, duration: float, pid: int | None) -> dict[str, float]:
+    """Closed loop for `duration` s; with `pid`, that process's CPU time per request too (what it would
+    need of a core of its own: the noise-free figure on a shared machine)."""
+    cpu_before = cpu_seconds(pid) if pid else 0.0
+    done = 0
+    errors = 0
+    stop_at = time.perf_counter() + duration
+
+    async def client(k: int) -> None:
+        nonlocal done, errors
+        connection = HttpConnection("127.0.0.1", port)
+        i = k * 1_000_000
+        while time.perf_counter() < stop_at:
+            status, _ = await connection.post("/v1/chat/completions", chat_body(i))
+            i += 1
+            if status == 200:
+                done += 1
+            else:
+                errors += 1
+        await connection.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    result = {"requests_per_s": done / elapsed, "requests": done, "errors": errors, "seconds": elapsed}
+    if pid and done:
+        cpu_ms = (cpu_seconds(pid) - cpu_before) * 1e3 / done
+        result["server_cpu_ms_per_request"] = cpu_ms
+        result["requests_per_s_per_core"] = 1e3 / cpu_ms
+    return result
+
+
+# -- 3. the routing decision --------------------------------------------------------------------------------
+
+
+def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repeats: int = 200) -> dict[str, float]:
+    from gateway.fleet import FleetView
+    from gateway.router import RouteRequest, make_policy
+    from kvroute.hashing import block_hashes
+    from kvroute.model_source import resolve_model
+    from kvroute.tokenizer import Tokenizer
+
+    source = resolve_model("sim")
+    tokenizer = Tokenizer.for_model(source)
+    words = "The quick brown fox jumps over the lazy dog near the river bank. "
+    system = words * (prompt_tokens // 14)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise."}]
+    while len(ids := tokenizer.encode_chat(messages)) > prompt_tokens:
+        system = system[: -len(words)]
+        messages[0]["content"] = system
+    hashes = block_hashes(ids, model_id=source.model_id)
+    view = FleetView.empty([f"w{i}" for i in range(replicas)])
+    view.kv_index.add("w3", hashes[: len(hashes) // 2])
+    policy = make_policy("kv_aware")
+
+    def median_us(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    template_tokenize = median_us(lambda: tokenizer.encode_chat(messages))
+    hashing = median_us(lambda: block_hashes(ids, model_id=source.model_id))
+    request = RouteRequest("r", hashes, len(ids))
+    pick = median_us(lambda: policy.pick(request, view))
+
+    def whole(scope: str | None) -> None:
+        prompt = tokenizer.encode_chat(messages, cache_scope=scope)
+        policy.pick(RouteRequest("r", block_hashes(prompt, model_id=source.model_id), len(prompt)), view)
+
+    whole("tenant")  # the system prompt is now remembered for this scope (a tenant's repeated system prompt)
+    return {
+        "prompt_tokens": len(ids),
+        "replicas": replicas,
+        "template_and_tokenize_us": template_tokenize,
+        "block_hashes_us": hashing,
+        "pick_us": pick,
+        "total_us": median_us(lambda: whole(None)),
+        "total_system_prompt_seen_us": median_us(lambda: whole("tenant")),
+    }
+
+
+def profiled_gateway(argv: list[str]) -> None:
+    """`kvroute gateway ARGS` with its serving (not its start-up) under cProfile, written to argv[0]."""
+    import cProfile
+
+    import uvloop
+
+    from gateway.cli_gateway import build_gateway, serve
+    from kvroute.cli import build_parser
+
+    out, gateway_args = argv[0], ["gateway", *argv[1:]]
+    args = build_parser(gateway_args).parse_args(gateway_args)
+    gateway = build_gateway(args)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        uvloop.run(serve(gateway, args))
+    finally:
+        profiler.disable()
+        profiler.dump_stats(out)
+
+
+# -- the run ------------------------------------------------------------------------------------------------------
+
+
+def profile_top(path: str, limit: int = 25) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(path, stream=out).sort_stats("tottime").print_stats(limit)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.gateway_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, help="write the figures here")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=300, help="latency samples per target")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per throughput target")
+    parser.add_argument("--no-smg", action="store_true", help="leave smg out")
+    parser.add_argument("--profile", default=None, help="write the gateway's cProfile top functions here")
+    args = parser.parse_args(argv)
+
+    import uvloop
+
+    results: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs, shared with the workers and the client"}
+    results["routing_decision"] = measure_routing_decision()
+    profile_raw = tempfile.mktemp(suffix=".prof") if args.profile else None
+    fleet, ports = start_fleet(args.workers, profile_raw, with_smg=not args.no_smg)
+    try:
+        latency = uvloop.run(measure_latency(ports, args.requests, args.warmup))
+        results["latency"] = latency
+        base = latency["worker_http"]
+        results["added_latency_ms"] = {
+            router: {
+                "p50": latency[router]["p50_ms"] - base["p50_ms"],
+                "p99": latency[router]["p99_ms"] - base["p99_ms"],
+            }
+            for router in ("gateway_http", "smg_http")
+            if router in latency
+        }
+        results["added_latency_ms"]["gateway_http_vs_worker_grpc"] = {
+            "p50": latency["gateway_http"]["p50_ms"] - latency["worker_grpc"]["p50_ms"],
+            "p99": latency["gateway_http"]["p99_ms"] - latency["worker_grpc"]["p99_ms"],
+        }
+        if "smg_http" in latency:
+            ours, theirs = (
+                results["added_latency_ms"]["gateway_http"]["p50"],
+                results["added_latency_ms"]["smg_http"]["p50"],
+            )
+            results["overhead_ratio_p50_gateway_over_smg"] = ours / theirs if theirs > 0 else float("inf")
+        pids = {"gateway_http": "gateway", "worker_http": "worker-0", "smg_http": "smg"}
+        by_name = {name: child.pid for child, name in fleet.names.items()}
+        results["throughput"] = {
+            name: uvloop.run(measure_throughput(ports[name], args.concurrency, args.duration, by_name[pids[name]]))
+            for name in ("gateway_http", "worker_http", "smg_http")
+            if name in ports
+        }
+    finally:
+        if profile_raw:  # SIGINT: the gateway drains and returns, so cProfile writes its file
+            gateway = next(c for c, n in fleet.names.items() if n == "gateway")
+            gateway.send_signal(signal.SIGINT)
+            try:
+                gateway.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        fleet.stop()
+    if profile_raw and Path(profile_raw).is_file():
+        Path(args.profile).write_text(profile_top(profile_raw))
+        results["profile"] = args.profile
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(format_results(results))
+    return 0
+
+
+def format_results(r: dict[str, Any]) -> str:
+    lines = [f"gateway_bench ({r['machine']})", "latency, one at a time (ms):"]
+    for name, v in r["latency"].items():
+        lines.append(f"  {name:<13} p50 {v['p50_ms']:7.2f}  p99 {v['p99_ms']:7.2f}")
+    lines.append("added latency over the worker's own HTTP port (ms):")
+    for name, v in r["added_latency_ms"].items():
+        lines.append(f"  {name:<27} p50 {v['p50']:+7.2f}  p99 {v['p99']:+7.2f}")
+    if "overhead_ratio_p50_gateway_over_smg" in r:
+        lines.append(f"  our p50 overhead / smg's: {r['overhead_ratio_p50_gateway_over_smg']:.2f}x")
+    lines.append(
+        "throughput (requests/s, closed loop; the server process's CPU per request, and so its rate on a core):"
+    )
+    for name, v in r["throughput"].items():
+        lines.append(
+            f"  {name:<13} {v['requests_per_s']:7.0f}  ({v['errors']} errors)  "
+            f"{v.get('server_cpu_ms_per_request', float('nan')):.2f} CPU-ms/request -> "
+            f"{v.get('requests_per_s_per_core', float('nan')):.0f}/s per core"
+        )
+    d = r["routing_decision"]
+    lines.append(
+        f"routing decision, {d['prompt_tokens']}-token chat prompt, {d['replicas']} replicas (µs, median): "
+        f"template+tokenize {d['template_and_tokenize_us']:.0f}, hashes {d['block_hashes_us']:.0f}, "
+        f"pick {d['pick_us']:.0f}, total {d['total_us']:.0f}; its system prompt seen before: "
+        f"{d['total_system_prompt_seen_us']:.0f}"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The replay's yardstick: a bounded longest-prefix oracle (`kvroute replay --policies oracle`).
+
+It knows every replica's cache exactly (the replay's fleet KV index, fed synchronously by the block
+pools' events) and routes request i (counting from 0) by two rules:
+
+  1. a replica is a candidate while it has been given fewer than ceil(1.1 * (i + 1) / N) requests, so
+     after any prefix of the trace no replica holds more than 10% above its share of requests (the set
+     is never empty: N replicas at that count would already hold more than i requests);
+  2. among the candidates, the longest cached prefix wins; ties go to the fewest assigned, then to the
+     lowest replica index.
+
+No live router can do this (it needs the caches exactly and counts every request of the fleet), so a
+policy's prefill tokens over the oracle's says how far it is from the best a balanced router could do.
+The ideal (one unlimited cache, no routing) is the other, looser yardstick.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from gateway.fleet import FleetView
+from gateway.router import PolicyOptions, RouteDecision, RouteRequest, RoutingPolicy
+
+ORACLE_SLACK = Fraction(11, 10)  # a Fraction: ceil(1.1 (i + 1) / N) with no float rounding at the edges
+
+
+class BoundedOracle(RoutingPolicy):
+    name = "oracle"
+
+    def __init__(self, options: PolicyOptions | None = None) -> None:
+        super().__init__(options or PolicyOptions())
+        self._assigned: dict[str, int] = {}
+        self._routed = 0
+
+    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+        n = len(fleet.replicas)
+        cap = math.ceil(ORACLE_SLACK * (self._routed + 1) / n)
+        matched = fleet.kv_index.match(request.block_hashes)
+        assigned = [self._assigned.get(r, 0) for r in fleet.replicas]
+        best = min(
+            (i for i in range(n) if assigned[i] + 1 <= cap),
+            key=lambda i: (-matched[i], assigned[i], i),
+        )
+        replica = fleet.replicas[best]
+        self._assigned[replica] = assigned[best] + 1
+        self._routed += 1
+        return RouteDecision(replica, "oracle", matched[best])

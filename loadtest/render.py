@@ -1,0 +1,290 @@
+"""Workloads rendered to text for `kvroute bench`: what the replay simulates as token ids, sent as real
+prompts to a live fleet.
+
+Token ids become words: each id maps to one word that the model's tokenizer encodes as exactly one token
+with its leading space (`" harbor"`), so a rendered prompt of n ids is n tokens, and equal token-id
+prefixes give equal text prefixes, hence equal token prefixes again on the server (the pre-tokenizer
+splits at every space, so a word never merges with its neighbour).
+
+Sources (`--workload`):
+  NAME         a synthetic workload of loadtest.workloads (`synthetic:NAME` is accepted too), one
+               `/v1/completions` prompt per request. A request whose trace carries a known answer
+               (multi-turn chat, agents) follows the previous request of its session: the bench sends
+               it only after that one finished, as a user would.
+  chat         multi-turn chat sessions as `/v1/chat/completions` messages: one 1,000-token system
+               prompt shared by every session, 100-token questions, 300-token answers, 8 turns. Each
+               turn resends the whole conversation with the logged answers (the model's own answer is
+               discarded), so every router sees the same prompts.
+  trace:FILE   a Mooncake trace: one fixed block of text per hash id (seeded by the id, so equal ids give
+               equal text), `block_tokens` words each (512 as in Mooncake; fewer scales the whole trace
+               down, output lengths too, so a CPU fleet can serve it); the last block of a prompt is the
+               prefix of its id's block that the input length asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kvroute.hashing import DEFAULT_BLOCK_SIZE
+from kvroute.model_source import resolve_model, smollm2_gguf_path
+from kvroute.tokenizer import Tokenizer
+from loadtest.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest, read_mooncake
+from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
+
+TRACE_PREFIX = "trace:"
+SYNTHETIC_PREFIX = "synthetic:"
+CHAT = "chat"
+CHAT_SYSTEM_TOKENS = 1000
+CHAT_QUESTION_TOKENS = 100
+CHAT_ANSWER_TOKENS = 300
+CHAT_TURNS = 8
+CHAT_DEFAULT_REQUESTS = 256
+CHAT_MEAN_GAP_MS = 250.0  # between session starts
+CHAT_THINK_MS = 10_000.0  # the replay's clock between a session's turns (the bench waits for the answer instead)
+_WORD = re.compile(r"Ġ[a-z]{3,12}")  # byte-level BPE writes the leading space as "Ġ"
+
+
+class RenderError(ValueError):
+    """A workload that cannot be rendered: an unknown name, a bad size, a trace that cannot be read."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request as the bench sends it: a completion `prompt` or chat `messages` (exactly one is set)."""
+
+    index: int
+    arrival_s: float  # the workload's own arrival time, from its start
+    max_tokens: int
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    session: str | None = None
+    after: int | None = None  # index of the request this one follows (its session's previous turn)
+    cache_salt: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Rendered requests, in arrival order, and the token-id trace they came from (for the replay)."""
+
+    name: str
+    requests: tuple[BenchRequest, ...]
+    trace: Trace = field(repr=False)
+
+
+class Vocabulary:
+    """Token id -> a word that is one token of the tokenizer with its leading space."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        candidates = sorted(w[1:] for w in tokenizer.backend.get_vocab() if _WORD.fullmatch(w))
+        encoded = tokenizer.backend.encode_batch([" " + w for w in candidates], add_special_tokens=False)
+        self.words = [" " + w for w, e in zip(candidates, encoded, strict=True) if len(e.ids) == 1]
+        if len(self.words) < 1000:
+            raise RenderError(f"the tokenizer has only {len(self.words)} single-token words; need 1,000 or more")
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        words = self.words
+        return "".join(words[t % len(words)] for t in token_ids)
+
+
+@lru_cache(maxsize=4)
+def vocabulary(model: str = "smollm2") -> Vocabulary:
+    """The vocabulary of a model spec's tokenizer (`tiny` and `sim` share SmolLM2's)."""
+    try:
+        source = resolve_model(model)
+        if source.kind == "hf":
+            tokenizer = Tokenizer.from_hf_dir(source.path)
+        else:
+            tokenizer = Tokenizer.from_gguf(source.path if source.kind == "gguf" else smollm2_gguf_path())
+    except (ValueError, FileNotFoundError) as exc:
+        raise RenderError(str(exc)) from None
+    return Vocabulary(tokenizer)
+
+
+def workload_names() -> tuple[str, ...]:
+    return (*WORKLOAD_NAMES, CHAT, f"{TRACE_PREFIX}FILE")
+
+
+def render(
+    name: str,
+    requests: int | None = None,
+    seed: int = 0,
+    model: str = "smollm2",
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Workload:
+    """Render workload `name` (see the module docstring); the first `requests` of it when given."""
+    if requests is not None and requests < 1:
+        raise RenderError(f"requests must be >= 1, got {requests}")
+    vocab = vocabulary(model)
+    if name.startswith(TRACE_PREFIX):
+        return render_mooncake(name.removeprefix(TRACE_PREFIX), vocab, requests, block_tokens)
+    name = name.removeprefix(SYNTHETIC_PREFIX)
+    if name == CHAT:
+        return render_chat(vocab, requests or CHAT_DEFAULT_REQUESTS, seed)
+    try:
+        trace = generate(name, requests, seed=seed, block_size=block_size)
+    except WorkloadError as exc:
+        raise RenderError(f"workload: {exc}; or {CHAT}, or {TRACE_PREFIX}FILE") from None
+    return render_token_trace(trace, vocab)
+
+
+def render_token_trace(trace: Trace, vocab: Vocabulary) -> Workload:
+    """Completion prompts for a token-id trace; a request follows its session's previous one when that one
+    carries a known answer (the conversation continues from it)."""
+    last_of_session: dict[str, int] = {}
+    out = []
+    for i, req in enumerate(trace.requests):
+        after = None
+        if req.session_id is not None:
+            previous = last_of_session.get(req.session_id)
+            if previous is not None and trace.requests[previous].output_token_ids:
+                after = previous
+            last_of_session[req.session_id] = i
+        out.append(
+            BenchRequest(
+                i,
+                req.arrival_ms / 1e3,
+                max(req.output_length, 1),
+                prompt=vocab.text(req.token_ids),
+                session=req.session_id,
+                after=after,
+                cache_salt=req.cache_salt,
+            )
+        )
+    return Workload(trace.name, tuple(out), trace)
+
+
+def render_chat(vocab: Vocabulary, n: int, seed: int, turns: int = CHAT_TURNS) -> Workload:
+    """`n` chat turns in sessions of `turns` (see the module docstring), with the token-id trace the replay
+    simulates for them (the logged answer is the one the replay's cache keeps)."""
+    rng = random.Random(seed)
+
+    def ids(count: int) -> list[int]:
+        return [rng.randrange(1, 32_000) for _ in range(count)]
+
+    system = ids(CHAT_SYSTEM_TOKENS)
+    turns_out: list[_Turn] = []
+    start_ms = 0.0
+    for session in range(-(-n // turns)):
+        at, history = start_ms, list(system)
+        messages: list[dict[str, str]] = [{"role": "system", "content": vocab.text(system)}]
+        for turn in range(min(turns, n - len(turns_out))):
+            question, answer = ids(CHAT_QUESTION_TOKENS), ids(CHAT_ANSWER_TOKENS)
+            messages = [*messages, {"role": "user", "content": vocab.text(question)}]
+            prompt = history + question
+            name = f"chat-{session}"
+            token_request = TraceRequest(
+                at, len(prompt), len(answer), token_ids=tuple(prompt), output_token_ids=tuple(answer), session_id=name
+            )
+            turns_out.append(_Turn(at, session, turn, tuple(messages), token_request))
+            messages = [*messages, {"role": "assistant", "content": vocab.text(answer)}]
+            history = prompt + answer
+            at = round(at + CHAT_THINK_MS + rng.expovariate(1 / CHAT_THINK_MS), 3)
+        start_ms += rng.expovariate(1 / CHAT_MEAN_GAP_MS)
+    turns_out.sort(key=lambda t: (t.at_ms, t.session, t.turn))
+    index = {(t.session, t.turn): i for i, t in enumerate(turns_out)}
+    requests = tuple(
+        BenchRequest(
+            i,
+            t.at_ms / 1e3,
+            t.token_request.output_length,
+            messages=t.messages,
+            session=t.token_request.session_id,
+            after=index.get((t.session, t.turn - 1)),
+        )
+        for i, t in enumerate(turns_out)
+    )
+    trace = Trace(CHAT, "tokens", DEFAULT_BLOCK_SIZE, tuple(t.token_request for t in turns_out))
+    return Workload(CHAT, requests, trace)
+
+
+@dataclass(frozen=True)
+class _Turn:
+    at_ms: float
+    session: int
+    turn: int
+    messages: tuple[dict[str, str], ...]
+    token_request: TraceRequest
+
+
+def render_mooncake(path: str, vocab: Vocabulary, requests: int | None, block_tokens: int) -> Workload:
+    """Completion prompts for a Mooncake trace, scaled to `block_tokens` tokens per hash id."""
+    if not 1 <= block_tokens <= MOONCAKE_BLOCK_TOKENS:
+        raise RenderError(f"block_tokens must be in [1, {MOONCAKE_BLOCK_TOKENS}], got {block_tokens}")
+    try:
+        trace = read_mooncake(Path(path))
+    except ValueError as exc:
+        raise RenderError(f"{TRACE_PREFIX}{path}: {exc}") from None
+    if requests is not None:
+        trace = Trace(trace.name, trace.kind, trace.block_size, trace.requests[:requests])
+    scale = block_tokens / MOONCAKE_BLOCK_TOKENS
+    blocks: dict[int, str] = {}
+
+    def block_words(hash_id: int) -> list[str]:
+        rng = random.Random(f"mooncake-block-{hash_id}")
+        return [vocab.words[rng.randrange(len(vocab.words))] for _ in range(block_tokens)]
+
+    out = []
+    start = trace.requests[0].arrival_ms
+    for i, req in enumerate(trace.requests):
+        tokens = max(1, math.ceil(req.input_length * scale))
+        words: list[str] = []
+        for hash_id in req.hash_ids:
+            if hash_id not in blocks:
+                blocks[hash_id] = "".join(block_words(hash_id))
+            words.append(blocks[hash_id])
+        text = "".join(words)
+        # Each word is one leading space plus letters: cut at the `tokens`-th word.
+        cut = _word_boundary(text, tokens)
+        max_tokens = max(1, round(req.output_length * scale))
+        out.append(BenchRequest(i, (req.arrival_ms - start) / 1e3, max_tokens, prompt=text[:cut]))
+    return Workload(f"{TRACE_PREFIX}{trace.name}", tuple(out), trace)
+
+
+def _word_boundary(text: str, words: int) -> int:
+    """The offset just past the `words`-th space-led word of `text` (its whole length when shorter)."""
+    position = -1
+    for _ in range(words):
+        position = text.find(" ", position + 1)
+        if position < 0:
+            return len(text)
+    following = text.find(" ", position + 1)
+    return len(text) if following < 0 else following
+
+
+def token_ids(request: BenchRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids as a server with this tokenizer sees them (the chat template applied)."""
+    if request.messages is not None:
+        return tokenizer.encode(tokenizer.apply_chat_template(list(request.messages)))
+    return tokenizer.encode(request.prompt or "")
+
+
+def dump_jsonl(workload: Workload, path: Path) -> None:
+    """One request a line, `{"app", "prompt" | "messages", "timestamp" (ms), "session", "max_tokens"}`: the
+    prefix doctor's input (`kvroute doctor FILE`); the app is the workload."""
+    with path.open("w", encoding="utf-8") as f:
+        for request in workload.requests:
+            line: dict[str, Any] = {
+                "app": workload.name,
+                "timestamp": round(request.arrival_s * 1e3, 3),
+                "session": request.session,
+                "max_tokens": request.max_tokens,
+            }
+            if request.messages is not None:
+                line["messages"] = list(request.messages)
+            else:
+                line["prompt"] = request.prompt
+            f.write(json.dumps(line) + "\n")

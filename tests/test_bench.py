@@ -1,0 +1,288 @@
+"""`kvroute bench`: its statistics against numpy and vLLM's definitions, workloads rendered to text, and a short
+compare run over real sim workers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvroute.cli import UserError
+from kvroute.tokenizer import Tokenizer
+from loadtest.bench import Arrivals, with_answers
+from loadtest.bench_stats import SLO, RequestRecord, format_summary, percentiles, summarize
+from loadtest.compare import parse_entries
+from loadtest.render import (
+    CHAT_ANSWER_TOKENS,
+    CHAT_QUESTION_TOKENS,
+    CHAT_SYSTEM_TOKENS,
+    BenchRequest,
+    RenderError,
+    dump_jsonl,
+    render,
+    vocabulary,
+)
+
+# -- statistics ---------------------------------------------------------------------------------------
+
+SAMPLE_S = [0.512, 0.034, 0.078, 0.250, 1.731, 0.092, 0.120, 0.047, 0.300, 0.066, 0.081, 2.405, 0.150]
+
+
+def record(index: int, ttft: float, e2e: float, tokens: int, itl: list[float] | None = None, **kw) -> RequestRecord:
+    return RequestRecord(index, 0.0, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens, itl_s=itl or [], **kw)
+
+
+def test_percentiles_are_numpys_linear_interpolation():
+    stats = percentiles(SAMPLE_S)
+    ms = np.asarray(SAMPLE_S) * 1e3
+    for p in (50, 90, 99):
+        assert stats[f"p{p}"] == pytest.approx(np.percentile(ms, p, method="linear"), rel=1e-12)
+    assert stats["mean"] == pytest.approx(ms.mean())
+    # Worked by hand: 4 samples, p50 halfway between the 2nd and 3rd, p90 at rank 2.7, p99 at rank 2.97.
+    assert percentiles([0.010, 0.020, 0.030, 0.040]) == pytest.approx(
+        {"mean": 25.0, "p50": 25.0, "p90": 37.0, "p99": 39.7}
+    )
+    assert percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_tpot_is_decode_time_over_output_tokens_after_the_first():
+    assert record(0, 0.1, 1.0, 10).tpot_s == pytest.approx(0.1)  # (1.0 - 0.1) / 9
+    assert record(0, 0.1, 0.1, 1).tpot_s is None  # one token: no TPOT, as in vLLM
+    assert RequestRecord(0, 0.0, status="http_503").tpot_s is None
+
+
+def test_summary_pools_itl_over_requests_and_counts_tokens_and_workers():
+    records = [
+        record(0, 0.100, 0.400, 4, [0.1, 0.1, 0.1], prompt_tokens=1000, cached_tokens=0, worker="w0"),
+        record(1, 0.050, 0.250, 3, [0.05, 0.15], prompt_tokens=1000, cached_tokens=992, worker="w1"),
+        record(2, 0.070, 0.070, 1, prompt_tokens=500, cached_tokens=496, worker="w1"),
+        RequestRecord(3, 0.5, status="http_429", error="too many requests"),
+        RequestRecord(4, 0.6, status="stream_error"),
+        RequestRecord(5, 0.7, status="http_429"),
+    ]
+    summary = summarize(records, duration_s=2.0)
+    assert (summary.requests, summary.completed) == (6, 3)
+    assert summary.itl_ms["p50"] == pytest.approx(np.percentile([100, 100, 100, 50, 150], 50))
+    assert summary.ttft_ms["p90"] == pytest.approx(np.percentile([100, 50, 70], 90))
+    assert summary.tpot_ms["p50"] == pytest.approx(np.percentile([100, 100], 50))  # the 1-token request has none
+    assert summary.errors == {"http_429": 2, "stream_error": 1}
+    assert summary.cached_token_share == pytest.approx((992 + 496) / 2500)
+    assert summary.per_worker_requests == {"w0": 1, "w1": 2}
+    assert summary.request_throughput == pytest.approx(1.5)
+    assert summary.output_throughput == pytest.approx(4.0)
+    assert summary.goodput == pytest.approx(3 / 6)  # no SLO: every completed request counts
+    assert "http_429: 2" in format_summary(summary)
+    assert json.loads(json.dumps(summary.to_json()))["errors"] == {"http_429": 2, "stream_error": 1}
+
+
+def test_goodput_is_the_share_of_all_requests_within_every_slo():
+    rng = np.random.default_rng(7)
+    ttft = rng.lognormal(np.log(0.2), 0.8, 200)
+    tokens = rng.integers(1, 60, 200)
+    e2e = ttft + rng.lognormal(np.log(0.03), 0.4, 200) * np.maximum(tokens - 1, 0)
+    records = [record(i, float(t), float(e), int(n)) for i, (t, e, n) in enumerate(zip(ttft, e2e, tokens, strict=True))]
+    records += [RequestRecord(200 + i, 0.0, status="timeout") for i in range(10)]
+    slo = SLO(ttft_ms=300, tpot_ms=40)
+    tpot = np.where(tokens > 1, (e2e - ttft) / np.maximum(tokens - 1, 1), 0.0)
+    expected = int(np.sum((ttft * 1e3 <= 300) & (tpot * 1e3 <= 40)))
+    summary = summarize(records, duration_s=10.0, slo=slo)
+    assert 0 < expected < 200
+    assert summary.goodput == pytest.approx(expected / 210)
+    assert summary.goodput_rps == pytest.approx(expected / 10.0)
+    assert summary.to_json()["slo_ms"] == {"ttft": 300, "tpot": 40}
+
+
+def test_slo_rejects_a_non_positive_objective_naming_it():
+    with pytest.raises(ValueError, match="ttft_ms"):
+        SLO(ttft_ms=0)
+    with pytest.raises(ValueError, match="tpot_ms"):
+        SLO(tpot_ms=float("nan"))
+
+
+# -- workloads rendered to text --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return vocabulary("smollm2").tokenizer  # SmolLM2's, loaded once for the rendering and the checks
+
+
+def test_each_token_id_renders_to_one_token_and_equal_prefixes_stay_equal(tokenizer):
+    vocab = vocabulary("smollm2")
+    rng = np.random.default_rng(0)
+    shared = rng.integers(1, 32_000, 700).tolist()
+    a, b = shared + rng.integers(1, 32_000, 90).tolist(), shared + rng.integers(1, 32_000, 50).tolist()
+    text_a, text_b = vocab.text(a), vocab.text(b)
+    ids_a, ids_b = tokenizer.encode(text_a), tokenizer.encode(text_b)
+    assert (len(ids_a), len(ids_b)) == (790, 750)
+    assert text_a.startswith(vocab.text(shared)) and text_b.startswith(vocab.text(shared))
+    assert ids_a[:700] == ids_b[:700] == tokenizer.encode(vocab.text(shared))
+    assert ids_a[700] != ids_b[700]
+
+
+def test_chat_sessions_share_the_system_prompt_and_grow_turn_by_turn(tokenizer):
+    workload = render("chat", 40, seed=3)
+    requests = workload.requests
+    assert len(requests) == 40 and all(r.endpoint == "/v1/chat/completions" for r in requests)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    by_session: dict[str, list] = {}
+    for r in requests:
+        by_session.setdefault(r.session, []).append(r)
+    assert len(by_session) == 5  # 8 turns each
+    for turns in by_session.values():
+        assert turns[0].after is None
+        assert [t.after for t in turns[1:]] == [t.index for t in turns[:-1]]
+        for k, turn in enumerate(turns):
+            assert [m["role"] for m in turn.messages] == ["system"] + ["user", "assistant"] * k + ["user"]
+            assert turn.max_tokens == CHAT_ANSWER_TOKENS
+    first, second = by_session["chat-0"][:2]
+    assert second.messages[: len(first.messages)] == first.messages
+    text_1 = tokenizer.apply_chat_template(list(first.messages))
+    text_2 = tokenizer.apply_chat_template(list(second.messages))
+    ids_1, ids_2 = tokenizer.encode(text_1), tokenizer.encode(text_2)
+    template_tokens = len(ids_1) - CHAT_SYSTEM_TOKENS - CHAT_QUESTION_TOKENS
+    assert 0 < template_tokens < 20
+    assert ids_2[: len(ids_1) - 3] == ids_1[:-3]  # all but the generation prompt's "<|im_start|>assistant\n"
+    assert len({r.messages[0]["content"] for r in requests}) == 1
+    # The replay's token-id trace of the same turns: prompt = history + question, the logged answer after it.
+    trace = workload.trace.requests
+    assert [t.input_length for t in trace if t.session_id == "chat-0"][:3] == [1100, 1500, 1900]
+
+
+def test_synthetic_conversations_follow_their_previous_turn_and_others_do_not():
+    multiturn = render("multiturn", 12).requests
+    assert multiturn[0].endpoint == "/v1/completions"
+    followers = [r for r in multiturn if r.after is not None]
+    assert len(followers) == 12 - 2  # two chats of six turns
+    assert all(multiturn[r.after].session == r.session for r in followers)
+    assert all(multiturn[r.after].prompt and r.prompt.startswith(multiturn[r.after].prompt) for r in followers)
+    assert all(r.after is None for r in render("support", 10).requests)
+    tenants = render("tenants", 8).requests
+    assert {r.cache_salt for r in tenants} == {f"tenant-{i}" for i in range(4)}
+
+
+def test_a_mooncake_trace_renders_equal_hash_ids_to_equal_text(tmp_path, tokenizer):
+    lines = [
+        {"timestamp": 0, "input_length": 1200, "output_length": 64, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 4]},
+        {"timestamp": 900, "input_length": 300, "output_length": 1, "hash_ids": [5]},
+    ]
+    path = tmp_path / "trace.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(line) for line in lines))
+    full = render(f"trace:{path}").requests
+    assert [len(tokenizer.encode(r.prompt)) for r in full] == [1200, 1100, 300]
+    assert full[0].prompt[:200] == full[1].prompt[:200]
+    ids_0, ids_1 = tokenizer.encode(full[0].prompt), tokenizer.encode(full[1].prompt)
+    assert ids_0[:1024] == ids_1[:1024] and ids_0[1024:1030] != ids_1[1024:1030]
+    assert [r.max_tokens for r in full] == [64, 10, 1]
+    assert [r.arrival_s for r in full] == [0.0, 0.5, 0.9]
+    scaled = render(f"trace:{path}", block_tokens=32).requests  # 16x smaller
+    assert [len(tokenizer.encode(r.prompt)) for r in scaled] == [75, 69, 19]
+    assert [r.max_tokens for r in scaled] == [4, 1, 1]
+    assert tokenizer.encode(scaled[0].prompt)[:64] == tokenizer.encode(scaled[1].prompt)[:64]
+
+
+def test_the_dump_is_the_prefix_doctors_input(tmp_path):
+    from loadtest.doctor import read_prompts
+
+    path = tmp_path / "chat.jsonl"
+    dump_jsonl(render("chat", 8), path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [set(line) for line in lines[:1]] == [{"app", "messages", "timestamp", "session", "max_tokens"}]
+    assert len(read_prompts(path, vocabulary("smollm2").tokenizer)) == 8
+
+
+def test_bad_workloads_are_named():
+    with pytest.raises(RenderError, match="nope"):
+        render("nope")
+    with pytest.raises(RenderError, match="requests must be >= 1"):
+        render("chat", 0)
+    with pytest.raises(RenderError, match="no such file"):
+        render("trace:/nonexistent.jsonl")
+    with pytest.raises(RenderError, match="block_tokens"):
+        render("trace:/nonexistent.jsonl", block_tokens=0)
+
+
+# -- the generator's arrivals and live chat history ---------------------------------------------------------
+
+
+def test_poisson_arrivals_are_seeded_and_average_the_rate():
+    requests = tuple(BenchRequest(i, i / 10, 1, prompt=" probe") for i in range(2000))
+    times = Arrivals(rate=8.0, seed=1).send_times(requests)
+    assert times == Arrivals(rate=8.0, seed=1).send_times(requests) != Arrivals(rate=8.0, seed=2).send_times(requests)
+    assert times[0] == 0.0 and np.mean(np.diff(times)) == pytest.approx(1 / 8.0, rel=0.05)
+    assert Arrivals(concurrency=4).send_times(requests) is None
+    assert Arrivals(time_scale=0.5).send_times(requests)[5] == pytest.approx(requests[5].arrival_s / 2)
+    with pytest.raises(ValueError, match="rate"):
+        Arrivals(rate=-1.0)
+    with pytest.raises(ValueError, match="not both"):
+        Arrivals(rate=1.0, concurrency=2)
+
+
+def test_live_history_puts_the_servers_answers_in_the_later_turns():
+    requests = render("chat", 16, seed=5).requests
+    session = [r for r in requests if r.session == "chat-1"]
+    answers = {session[0].index: "first answer", session[1].index: "second answer"}
+    third = with_answers(session[2], requests, answers)
+    assert [m["content"] for m in third.messages if m["role"] == "assistant"] == ["first answer", "second answer"]
+    assert [m for m in third.messages if m["role"] != "assistant"] == [
+        m for m in session[2].messages if m["role"] != "assistant"
+    ]
+    del answers[session[1].index]  # a failed turn keeps its logged answer
+    kept = with_answers(session[2], requests, answers).messages
+    assert kept[2]["content"] == "first answer" and kept[4] == session[2].messages[4]
+
+
+# -- compare: real sim workers, our gateway and a peer router ----------------------------------------------
+
+
+def test_compare_entries_are_checked_before_any_fleet_starts():
+    assert [e.name for e in parse_entries("kv_aware, smg:cache_aware,vllm-router:round_robin")] == [
+        "kv_aware",
+        "smg:cache_aware",
+        "vllm-router:round_robin",
+    ]
+    for bad, message in (
+        ("nginx:rr", "unknown router 'nginx'"),
+        ("fastest", "unknown kvroute policy 'fastest'"),
+        ("smg:", "names no policy"),
+        ("prefix,prefix", "listed twice"),
+        (" , ", "no entries"),
+    ):
+        with pytest.raises(UserError, match=message):
+            parse_entries(bad)
+
+
+def test_a_short_compare_run_reports_every_router_alike(tmp_path):
+    """Two fresh fleets of 2 sim workers (kv_aware, then smg's cache_aware over the workers' HTTP ports), the
+    same 8 chat turns; figures from the workers' own counters. About a minute on 2 shared cores, most of it
+    the workers' start (torch import, tokenizer)."""
+    out = tmp_path / "compare.json"
+    argv = [
+        sys.executable, "-m", "kvroute.cli", "bench", "--compare", "kv_aware,smg:cache_aware",
+        "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "8", "--concurrency", "4",
+        "--worker-arg=--sim-decode-ms-per-step=1", "--no-progress", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert set(runs) == {"kv_aware", "smg:cache_aware"}, done.stderr[-3000:]
+    assert done.returncode == 0 and report["skipped"] == {}
+    for name, run in runs.items():
+        assert run["errors"] == {} and run["completed"] == 8, name
+        assert set(run["ttft_ms"]) == {"p50", "p90", "p99"} and run["ttft_ms"]["p50"] > 0
+        assert run["e2e_ms"]["p99"] >= run["ttft_ms"]["p99"]
+        assert sum(run["per_worker_requests"].values()) == 8  # from the workers' own counters
+        # 8 turns of one session, 1,114 to 4,000 prompt tokens: the system prompt and every earlier turn are
+        # reused wherever the router keeps the session on its worker.
+        assert run["prompt_tokens"] > 8 * 1100 and 0 < run["prefill_tokens"] < run["prompt_tokens"]
+        assert 0 < run["cached_token_share"] < 1 and run["goodput"] == 1.0
+        assert set(run["router_overhead_ms"]) >= {"p50", "p99"}
+    assert runs["kv_aware"]["replay_prediction"]["prefill_tokens"] > 0
+    assert "replay_prediction" not in runs["smg:cache_aware"]
+    assert "kv_aware" in done.stdout and "smg:cache_aware" in done.stdout  # the side-by-side table

@@ -1,0 +1,262 @@
+"""The gateway's gRPC front door over the real request path and two real `sim` workers (tests/gateway_stack.py):
+`kvroute.v1.Gateway.Generate` for text, chat and token ids, the `kvroute.v1.Worker` service answered by the
+fleet, the standard health service, errors as status codes naming the field, and cancellation.
+
+`sim` workers emit deterministic token ids (a function of the context), so the same prompt gives the same
+tokens through either door and straight from a worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+AUTH = (("authorization", f"Bearer {KEY}"),)
+STOP = worker_pb2.FINISH_REASON_STOP
+LENGTH = worker_pb2.FINISH_REASON_LENGTH
+UNSET = worker_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[GatewayStack]:
+    with GatewayStack(StackOptions(model="sim", workers=2, dead_fleet=True)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def channel(stack: GatewayStack) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(stack.grpc_address) as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def gateway(channel: grpc.Channel) -> gateway_pb2_grpc.GatewayStub:
+    return gateway_pb2_grpc.GatewayStub(channel)
+
+
+@pytest.fixture(scope="module")
+def fleet_worker(channel: grpc.Channel) -> worker_pb2_grpc.WorkerStub:
+    return worker_pb2_grpc.WorkerStub(channel)
+
+
+def sampling(**fields: object) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(**fields)
+
+
+def generate(
+    gateway: gateway_pb2_grpc.GatewayStub, metadata: tuple[tuple[str, str], ...] = AUTH, **fields: object
+) -> tuple[list[gateway_pb2.GatewayGenerateResponse], dict[str, str]]:
+    call = gateway.Generate(gateway_pb2.GatewayGenerateRequest(**fields), metadata=metadata, timeout=30)
+    replies = list(call)
+    return replies, dict(call.initial_metadata())
+
+
+def text_of(replies: list[gateway_pb2.GatewayGenerateResponse], index: int = 0) -> str:
+    return "".join(r.text for r in replies if r.index == index)
+
+
+def tokens_of(replies: list[gateway_pb2.GatewayGenerateResponse], index: int = 0) -> list[int]:
+    return [t for r in replies if r.index == index for t in r.token_ids]
+
+
+# -- Gateway.Generate -------------------------------------------------------------------------------------------
+
+
+def test_text_prompt_streams_text_tokens_route_and_usage(gateway: gateway_pb2_grpc.GatewayStub, stack: GatewayStack):
+    replies, metadata = generate(gateway, prompt="Once upon a time", sampling=sampling(max_tokens=6))
+    assert metadata["x-kvroute-worker"] in {w.worker_id for w in stack.workers}
+    assert metadata["x-kvroute-route"].startswith("policy=kv_aware; reason=")
+    route = replies[0].route
+    assert (route.worker_id, route.route) == (metadata["x-kvroute-worker"], metadata["x-kvroute-route"])
+    assert route.request_id == metadata["x-request-id"]
+    assert all(not r.HasField("route") for r in replies[1:]), "the route comes once, in the first reply"
+    assert len(tokens_of(replies)) == 6
+    assert [r.finish_reason for r in replies if r.finish_reason != UNSET] == [LENGTH]
+    usage = replies[-1].usage
+    assert (usage.completion_tokens, usage.prompt_tokens > 0) == (6, True)
+    assert all(not r.HasField("usage") for r in replies[:-1]), "usage comes last, once"
+    with httpx.Client(base_url=stack.http_url, headers={"authorization": f"Bearer {KEY}"}) as http:
+        body = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 6}).json()
+    assert text_of(replies) == body["choices"][0]["text"], "both doors give the same answer"
+
+
+def test_chat_and_token_ids(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="Name a colour.")])
+    tools = json.dumps([{"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}])
+    replies, _ = generate(gateway, chat=chat, tools_json=tools, sampling=sampling(max_tokens=4), model=SERVED_MODEL)
+    assert len(tokens_of(replies)) == 4 and text_of(replies)
+    ids = gateway_pb2.TokenIds(ids=list(range(200, 240)))
+    replies, _ = generate(gateway, prompt_token_ids=ids, sampling=sampling(max_tokens=5, logprobs=True))
+    assert len(tokens_of(replies)) == 5 and replies[-1].usage.prompt_tokens == 40
+    for reply in replies:
+        assert len(reply.logprobs) == len(reply.token_ids)
+        assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
+
+
+def test_cached_tokens_on_a_repeat(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    ids = gateway_pb2.TokenIds(ids=list(range(1000, 1070)))  # 70 tokens: 4 full blocks
+    first, meta_first = generate(gateway, prompt_token_ids=ids, sampling=sampling(max_tokens=2))
+    second, meta_second = generate(gateway, prompt_token_ids=ids, sampling=sampling(max_tokens=2))
+    assert meta_first["x-kvroute-worker"] == meta_second["x-kvroute-worker"]
+    assert first[-1].usage.cached_tokens == 0 and second[-1].usage.cached_tokens == 64
+
+
+def test_stop_token_ids_stop_strings_and_n(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    ids = gateway_pb2.TokenIds(ids=list(range(300, 320)))
+    full, _ = generate(gateway, prompt_token_ids=ids, sampling=sampling(max_tokens=12))
+    tokens = tokens_of(full)
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    stopped, _ = generate(gateway, prompt_token_ids=ids, sampling=sampling(max_tokens=12, stop_token_ids=[tokens[k]]))
+    assert tokens_of(stopped) == tokens[: k + 1]
+    assert [r.finish_reason for r in stopped if r.finish_reason != UNSET] == [STOP]
+    text = text_of(full)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut, _ = generate(gateway, prompt_token_ids=ids, sampling=sampling(max_tokens=12), stop=["zzzz", stop])
+    assert text_of(cut) == text[: text.index(stop)]
+    two, _ = generate(gateway, prompt="Pick a number", sampling=sampling(max_tokens=3), n=2)
+    assert {r.index for r in two if r.token_ids} == {0, 1}
+    assert sorted(r.index for r in two if r.finish_reason != UNSET) == [0, 1]
+    assert two[-1].usage.completion_tokens == 6
+
+
+# -- errors: status codes naming the field; the server keeps serving ------------------------------------------
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+ERROR_CASES = [
+    ("no input", {}, AUTH, INVALID, "input:"),
+    ("empty prompt", {"prompt": ""}, AUTH, INVALID, "prompt:"),
+    ("empty token ids", {"prompt_token_ids": gateway_pb2.TokenIds()}, AUTH, INVALID, "prompt_token_ids:"),
+    ("token id outside the vocabulary", {"prompt_token_ids": gateway_pb2.TokenIds(ids=[1, 2**31])}, AUTH, INVALID,
+     "prompt_token_ids:"),
+    ("empty chat", {"chat": gateway_pb2.ChatMessages()}, AUTH, INVALID, "chat.messages:"),
+    ("unknown role", {"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="wizard")])}, AUTH,
+     INVALID, "chat.messages[0].role:"),
+    ("bad tools json", {"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user")]),
+                        "tools_json": "[{"}, AUTH, INVALID, "tools_json:"),
+    ("tools without chat", {"prompt": "hi", "tools_json": "[]"}, AUTH, INVALID, "tools_json:"),
+    ("negative temperature", {"prompt": "hi", "sampling": sampling(temperature=-1)}, AUTH, INVALID,
+     "sampling.temperature:"),
+    ("top_p above one", {"prompt": "hi", "sampling": sampling(top_p=2)}, AUTH, INVALID, "sampling.top_p:"),
+    ("zero max_tokens", {"prompt": "hi", "sampling": sampling(max_tokens=0)}, AUTH, INVALID, "sampling.max_tokens:"),
+    ("max_tokens over the limit", {"prompt": "hi", "sampling": sampling(max_tokens=1000)}, AUTH, INVALID,
+     "max_tokens:"),
+    ("past the context", {"prompt": "hello " * 400, "sampling": sampling(max_tokens=200)}, AUTH, INVALID,
+     "max_tokens:"),
+    ("n over the limit", {"prompt": "hi", "n": 9}, AUTH, INVALID, "n:"),
+    ("empty stop", {"prompt": "hi", "stop": ["a", ""]}, AUTH, INVALID, "stop[1]:"),
+    ("unknown model", {"prompt": "hi", "model": "gpt-9"}, AUTH, grpc.StatusCode.NOT_FOUND, "model:"),
+    ("bad key", {"prompt": "hi"}, (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED, "invalid"),
+    ("no key", {"prompt": "hi"}, (), grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "fields", "metadata", "code", "names"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_errors_are_status_codes_naming_the_field(
+    gateway: gateway_pb2_grpc.GatewayStub, case: str, fields: dict, metadata: tuple, code: grpc.StatusCode, names: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        generate(gateway, metadata=metadata, **fields)
+    assert raised.value.code() == code, raised.value.details()
+    assert names in raised.value.details(), raised.value.details()
+
+
+def test_still_serving_after_errors(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    replies, _ = generate(gateway, prompt="still there?", sampling=sampling(max_tokens=2))
+    assert replies[-1].usage.completion_tokens == 2
+
+
+def test_tenant_limit_is_resource_exhausted_with_retry_after(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    small = (("authorization", f"Bearer {SMALL_KEY}"),)
+    request = gateway_pb2.GatewayGenerateRequest(prompt="long", sampling=sampling(max_tokens=250))
+    held = gateway.Generate(request, metadata=small, timeout=30)
+    next(held)  # routed and generating: the tenant's one slot is taken
+    with pytest.raises(grpc.RpcError) as raised:
+        generate(gateway, metadata=small, prompt="hi")
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert int(dict(raised.value.trailing_metadata())["retry-after"]) >= 1
+    held.cancel()
+
+
+def test_cancelling_a_call_frees_the_worker_blocks(gateway: gateway_pb2_grpc.GatewayStub, stack: GatewayStack):
+    before = sum(s.generation_tokens_total for s in stack.wait_workers_idle())
+    call = gateway.Generate(
+        gateway_pb2.GatewayGenerateRequest(prompt="Go on forever", sampling=sampling(max_tokens=250)), metadata=AUTH
+    )
+    next(call)
+    call.cancel()
+    stats = stack.wait_workers_idle()
+    assert all(s.num_running == 0 and s.num_blocks_used == 0 for s in stats)
+    assert sum(s.generation_tokens_total for s in stats) - before < 250
+
+
+def test_no_worker_is_unavailable_and_health_follows_readiness(channel: grpc.Channel, stack: GatewayStack) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "kvroute.v1.Gateway", "kvroute.v1.Worker"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    assert stack.dead_grpc is not None
+    with grpc.insecure_channel(f"127.0.0.1:{stack.dead_grpc.port}") as dead:
+        status = health_pb2_grpc.HealthStub(dead).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(gateway_pb2_grpc.GatewayStub(dead), prompt="hi")
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# -- kvroute.v1.Worker on the gateway ------------------------------------------------------------------------------
+
+
+def test_worker_generate_through_the_gateway_matches_a_worker(
+    fleet_worker: worker_pb2_grpc.WorkerStub, stack: GatewayStack
+) -> None:
+    request = worker_pb2.GenerateRequest(
+        prompt_token_ids=list(range(500, 540)), sampling=sampling(max_tokens=8, temperature=0, logprobs=True)
+    )
+    call = fleet_worker.Generate(request, metadata=AUTH, timeout=30)
+    through_gateway = list(call)
+    served_by = dict(call.initial_metadata())["x-kvroute-worker"]
+    worker = next(w for w in stack.workers if w.worker_id == served_by)
+    with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as direct_channel:
+        direct = list(worker_pb2_grpc.WorkerStub(direct_channel).Generate(request, timeout=30))
+    assert [t for r in through_gateway for t in r.token_ids] == [t for r in direct for t in r.token_ids]
+    assert all(r.finish_reason == UNSET and not r.HasField("usage") for r in through_gateway[:-1])
+    last = through_gateway[-1]
+    assert last.finish_reason == LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 8)
+    assert all(len(r.logprobs) == len(r.token_ids) for r in through_gateway)
+
+
+def test_worker_generate_errors_name_the_field_as_a_worker_does(fleet_worker: worker_pb2_grpc.WorkerStub) -> None:
+    bad = worker_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=sampling(temperature=-1))
+    with pytest.raises(grpc.RpcError) as raised:
+        list(fleet_worker.Generate(bad, metadata=AUTH, timeout=10))
+    assert raised.value.code() == INVALID and raised.value.details().startswith("temperature:")
+    with pytest.raises(grpc.RpcError) as raised:
+        list(fleet_worker.Generate(worker_pb2.GenerateRequest(prompt_token_ids=[1]), timeout=10))
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_get_info_describes_the_fleet_and_stats_are_per_worker(
+    fleet_worker: worker_pb2_grpc.WorkerStub, stack: GatewayStack
+) -> None:
+    info = fleet_worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.workers[0].port}") as direct_channel:
+        worker_info = worker_pb2_grpc.WorkerStub(direct_channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    assert (info.model_id, info.block_size, info.hash_fingerprint) == (
+        worker_info.model_id, worker_info.block_size, worker_info.hash_fingerprint,
+    )  # fmt: skip
+    assert info.max_model_len == 512 and info.vocab_size == stack.request_path.vocab_size
+    assert info.worker_id.startswith("gateway-") and info.incarnation
+    for rpc, request in ((fleet_worker.GetStats, worker_pb2.GetStatsRequest()),
+                         (fleet_worker.GetKVEvents, worker_pb2.GetKVEventsRequest())):  # fmt: skip
+        with pytest.raises(grpc.RpcError) as raised:
+            rpc(request, timeout=5)
+        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED and "each worker" in raised.value.details()

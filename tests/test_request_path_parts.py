@@ -1,0 +1,174 @@
+"""The request path's parts on their own: stop strings over real SmolLM2 tokens, circuit breakers, retry
+backoff, API keys and tenant salts, the prefix doctor's live metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from gateway.auth import OPEN_TENANT, Authenticator, cache_salt, key_sha256, tenant_salt
+from gateway.errors import AuthenticationError
+from gateway.metrics import GatewayMetrics
+from gateway.request import Tenant
+from gateway.retry import BreakerState, CircuitBreakers, RetryPolicy
+from gateway.stop_strings import ChoiceText, StopStringMatcher
+from kvroute.tokenizer import Tokenizer
+
+# -- stop strings ------------------------------------------------------------------------------------------------
+
+
+def stream(matcher: StopStringMatcher, pieces: list[str]) -> str:
+    return "".join(matcher.feed(p) for p in pieces) + matcher.flush()
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "expected", "matched"),
+    [
+        (["Hello", "\n", "\nUs", "er: hi"], ["\n\nUser:"], "Hello", "\n\nUser:"),
+        (["ab", "c", "d"], ["cd", "bc"], "a", "bc"),  # the earliest match wins, whichever stop it is
+        (["a", "b", "x"], ["abc"], "abx", None),  # a held partial match that fails is released
+        (["The end"], ["."], "The end", None),
+        (["x.", "y"], ["."], "x", "."),
+    ],
+)
+def test_stop_strings_match_across_pieces(
+    pieces: list[str], stops: list[str], expected: str, matched: str | None
+) -> None:
+    matcher = StopStringMatcher(stops)
+    assert stream(matcher, pieces) == expected
+    assert matcher.matched == matched
+
+
+def test_only_a_possible_stop_prefix_is_held_back() -> None:
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("go ST") == "go "
+    assert matcher.feed("ay") == "STay"
+    assert matcher.feed("no stop here") == "no stop here"
+
+
+def test_choice_text_is_right_across_multi_byte_characters(tokenizer_smollm2: Tokenizer) -> None:
+    text = "naïve 🎉 café — 日本語 END rest"
+    ids = tokenizer_smollm2.encode(text)
+    choice = ChoiceText(tokenizer_smollm2, ["END"])
+    out = ""
+    for token_id in ids:
+        out += choice.add([token_id])
+        assert "\ufffd" not in out
+        if choice.stopped:
+            break
+    assert choice.stopped and out == "naïve 🎉 café — 日本語 "
+
+
+# -- breakers and retries ------------------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_k_failures_probes_once_and_closes_on_success() -> None:
+    clock = Clock()
+    breakers = CircuitBreakers(failure_threshold=3, cooldown_s=5.0, clock=clock)
+    for _ in range(2):
+        breakers.on_dispatch("w1")
+        breakers.on_failure("w1")
+    assert breakers.blocked() == frozenset() and breakers.state("w1") is BreakerState.CLOSED
+    breakers.on_failure("w1")
+    assert breakers.blocked() == {"w1"} and breakers.state("w1") is BreakerState.OPEN
+    clock.now = 5.0
+    assert breakers.blocked() == frozenset() and breakers.state("w1") is BreakerState.HALF_OPEN
+    breakers.on_dispatch("w1")  # the probe
+    assert breakers.blocked() == {"w1"}  # nobody else until it is decided
+    breakers.on_failure("w1")
+    assert breakers.state("w1") is BreakerState.OPEN
+    clock.now = 10.0
+    breakers.on_dispatch("w1")
+    breakers.on_abandoned("w1")  # the client left: the probe may be sent again
+    assert breakers.blocked() == frozenset()
+    breakers.on_dispatch("w1")
+    breakers.on_success("w1")
+    assert breakers.state("w1") is BreakerState.CLOSED and breakers.states() == {}
+
+
+def test_a_success_resets_the_failure_count() -> None:
+    breakers = CircuitBreakers(failure_threshold=2)
+    breakers.on_failure("w1")
+    breakers.on_success("w1")
+    breakers.on_failure("w1")
+    assert breakers.state("w1") is BreakerState.CLOSED
+
+
+def test_backoff_is_full_jitter_under_a_growing_cap() -> None:
+    policy = RetryPolicy(retries=3, backoff_base_s=0.01, backoff_cap_s=0.025)
+    rng = random.Random(0)
+    for attempt, ceiling in ((1, 0.01), (2, 0.02), (3, 0.025), (4, 0.025)):
+        delays = [policy.backoff(attempt, rng) for _ in range(200)]
+        assert 0 <= min(delays) and max(delays) <= ceiling and max(delays) > 0.8 * ceiling
+    with pytest.raises(ValueError, match="--retries"):
+        RetryPolicy(retries=-1)
+
+
+# -- API keys and salts ----------------------------------------------------------------------------------------------
+
+
+def test_keys_map_to_tenants_with_server_side_salts(tmp_path) -> None:
+    entries = [
+        {"tenant": "acme", "key_sha256": key_sha256("k1"), "max_concurrency": 4},
+        {"tenant": "acme", "key_sha256": key_sha256("k2")},
+        {"tenant": "globex", "key_sha256": key_sha256("k3")},
+    ]
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(entries))
+    auth = Authenticator.from_config(str(path), environ={})
+    acme = auth.authenticate("k1")
+    assert acme == auth.authenticate("k2") == Tenant("acme", tenant_salt("acme"), 4)
+    globex = auth.authenticate("k3")
+    assert globex.cache_salt != acme.cache_salt and len(acme.cache_salt) == 64
+    for bad in (None, "", "k4", "k1 "):
+        with pytest.raises(AuthenticationError):
+            auth.authenticate(bad)
+    # The secret makes salts unguessable; every gateway with it derives the same ones.
+    env = {"KVROUTE_API_KEYS": json.dumps(entries), "KVROUTE_CACHE_SALT_SECRET": "s3cret"}
+    secret_auth = Authenticator.from_config(None, environ=env)
+    assert secret_auth.authenticate("k1").cache_salt == tenant_salt("acme", b"s3cret") != acme.cache_salt
+    # A client's salt goes under the tenant's, so no client can reach another tenant's (or the open) salt.
+    assert cache_salt(acme, "x").startswith(acme.cache_salt + "\x00") and cache_salt(acme, "") == acme.cache_salt
+    assert Authenticator.from_config(None, environ={}).authenticate(None) == OPEN_TENANT
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ({"tenant": "a"}, "must be a JSON list"),
+        ([{"tenant": "", "key_sha256": "0" * 64}], r"api keys\[0\]\.tenant"),
+        ([{"tenant": "a", "key_sha256": "abc"}], r"api keys\[0\]\.key_sha256: must be 64 hex digits"),
+        ([{"tenant": "a", "key_sha256": "0" * 64, "max_concurrency": 0}], r"max_concurrency: must be an integer >= 1"),
+        ([{"tenant": "a", "key_sha256": "0" * 64, "rate": 1}], "unknown field 'rate'"),
+        ([{"tenant": "a", "key_sha256": "0" * 64}, {"tenant": "b", "key_sha256": "0" * 64}], "listed twice"),
+    ],
+)
+def test_bad_key_files_are_refused_with_the_field(entries: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Authenticator.from_config(None, environ={"KVROUTE_API_KEYS": json.dumps(entries)})
+
+
+# -- the prefix doctor's live half ------------------------------------------------------------------------------------
+
+
+def test_divergence_and_hit_rate_per_app() -> None:
+    metrics = GatewayMetrics("m")
+    a = [bytes([i]) for i in range(10)]
+    metrics.observe_prefix("chat", a, matched_blocks=0, block_size=16)
+    metrics.observe_prefix("chat", a[:6] + [b"x"] * 4, matched_blocks=6, block_size=16)
+    text = metrics.render().decode()
+    assert 'kvroute:prefix_divergence_tokens_sum{app="chat"} 96.0' in text  # 6 blocks of 16
+    assert 'kvroute:prefix_hit_rate{app="chat"} 0.3' in text  # 6 of 20 blocks
+    for i in range(150):  # client-named apps are bounded
+        metrics.observe_prefix(f"app{i}", a, 0, 16)
+    assert text.count("kvroute:prefix_hit_rate{") < metrics.render().decode().count("kvroute:prefix_hit_rate{") <= 101
