@@ -33,11 +33,11 @@ import grpc
 
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
 from gateway.kv_index import BlockKey
+from kvroute.grpc_options import CLIENT_OPTIONS
 from proto import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 16 * 2**20  # the worker's own limit: a snapshot of a large cache fits
 _KINDS = {
     worker_pb2.KVEvent.KIND_STORED: "stored",
     worker_pb2.KVEvent.KIND_REMOVED: "removed",
@@ -47,12 +47,6 @@ _NOT_ROUTABLE = {
     worker_pb2.ENGINE_STATE_DEAD: "its engine is dead",
     worker_pb2.ENGINE_STATE_DRAINING: "it is draining",
 }
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
 
 
 @dataclass(frozen=True)
@@ -154,7 +148,7 @@ class WorkerPoller:
 
     def _connect(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         return self._stub
 

@@ -16,6 +16,9 @@ Contract for the request path:
   3. `member(worker_id)` gives the address and identity to forward to.
   4. `on_dispatch(worker_id)` when a request is sent to a worker, `on_finish(worker_id)` when it ends (any way);
      `on_failure(worker_id)` when a worker could not be reached, so the state can probe it sooner.
+  5. `watch_membership(callback)`: `callback(old)` is called, synchronously, with the member as it was when
+     it leaves, restarts with a new incarnation or moves to a new address (the request path resets its
+     circuit breaker and closes a channel no member uses any more).
 Membership changes (a worker joins, its heartbeat expires, it restarts with a new incarnation) update the
 view and the KV index in place, never rebuilding them from nothing.
 """
@@ -24,27 +27,20 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.fleet import FleetView
 from gateway.kv_index import BlockKey, KVEventLike
+from kvroute.fleet_keys import WorkerDescription
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerMember:
-    """One live worker as the gateway knows it (from GetInfo or the Redis registry)."""
+class WorkerMember(WorkerDescription):
+    """One live worker as the gateway knows it (its description from GetInfo or the Redis registry)."""
 
-    worker_id: str
-    address: str  # host:port of its gRPC Worker service
-    incarnation: int
-    model_id: str
-    block_size: int
-    max_model_len: int
-    hash_fingerprint: str
-    tokenizer_fingerprint: str
     parity_ok: bool  # both fingerprints equal the gateway's own: its KV entries are scored
 
 
@@ -82,6 +78,9 @@ class FleetState(ABC):
 
     @abstractmethod
     def on_failure(self, worker_id: str) -> None: ...
+
+    @abstractmethod
+    def watch_membership(self, callback: Callable[[WorkerMember], None]) -> None: ...
 
 
 # -- the books both implementations keep ------------------------------------------------------------------
@@ -130,6 +129,15 @@ class FleetBook:
         self._own: dict[str, int] = {}  # this gateway's requests in flight per worker (members or not)
         self._since_report: dict[str, int] = {}  # own dispatches less own finishes since the last report
         self._reported: dict[str, _Reported] = {}
+        self._watchers: list[Callable[[WorkerMember], None]] = []
+
+    def watch_membership(self, callback: Callable[[WorkerMember], None]) -> None:
+        """`callback(old)` when a member leaves, restarts (new incarnation) or moves (new address)."""
+        self._watchers.append(callback)
+
+    def _changed(self, old: WorkerMember) -> None:
+        for callback in self._watchers:
+            callback(old)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -203,17 +211,21 @@ class FleetBook:
             self.fleet.kv_index.reset_replica(worker_id)
         self._members[worker_id] = member
         self._refresh_load(worker_id)
+        if old is not None and (old.incarnation != incarnation or old.address != address):
+            self._changed(old)
         return member
 
     def leave(self, worker_id: str, reason: str) -> None:
         """The worker stops being a candidate; its KV entries go, every other worker's stay."""
-        if self._members.pop(worker_id, None) is None:
+        old = self._members.pop(worker_id, None)
+        if old is None:
             return
         self.fleet.remove_replica(worker_id)
         self._reported.pop(worker_id, None)
         self._since_report.pop(worker_id, None)
         self.counters.leaves += 1
         logger.warning("fleet: worker %s left the candidates: %s", worker_id, reason)
+        self._changed(old)
 
     # -- reports --------------------------------------------------------------------------------------
 
@@ -304,3 +316,6 @@ class BookkeepingFleetState(FleetState):
 
     def on_finish(self, worker_id: str) -> None:
         self.book.on_finish(worker_id)
+
+    def watch_membership(self, callback: Callable[[WorkerMember], None]) -> None:
+        self.book.watch_membership(callback)

@@ -38,14 +38,15 @@ from gateway.fleet_state import FleetIdentity, WorkerMember
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
+from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.sampling import InvalidRequest, SamplingParams
+from kvroute.sampling_proto import sampling_from_proto
 from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  # "kvroute.v1.Gateway"
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
-MAX_MESSAGE_BYTES = 16 * 2**20  # as the workers': a prompt at the longest context is well under it
 HEALTH_INTERVAL_S = 1.0
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 FINISH_REASONS = {
@@ -86,21 +87,10 @@ def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str
     return headers, metadata.get("x-request-id") or None
 
 
-def sampling_from_proto(msg: worker_pb2.SamplingParams, default_max_tokens: int, prefix: str = "") -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults (max_tokens: `default_max_tokens`); raises
-    InvalidRequestError naming the first bad field (as `prefix` + its name)."""
-    default = SamplingParams()
-    params = SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else default.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else default.top_p,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs,
-    )
+def checked_sampling(msg: worker_pb2.SamplingParams, default_max_tokens: int, prefix: str = "") -> SamplingParams:
+    """kvroute.sampling_proto's conversion, validated: raises InvalidRequestError naming the first bad field
+    (as `prefix` + its name)."""
+    params = sampling_from_proto(msg, default_max_tokens)
     try:
         params.validate()
     except InvalidRequest as exc:
@@ -137,7 +127,8 @@ def gateway_request_from_proto(
     return GatewayRequest(
         api_key=headers.api_key,
         model=msg.model or None,
-        params=sampling_from_proto(msg.sampling, max_tokens, prefix="sampling."),
+        params=checked_sampling(msg.sampling, max_tokens, prefix="sampling."),
+        max_tokens_defaulted=not msg.sampling.HasField("max_tokens"),
         stop=stops,
         n=msg.n or 1,
         session_id=headers.session_id or msg.session_id or None,
@@ -187,7 +178,7 @@ def worker_request_to_gateway(msg: worker_pb2.GenerateRequest, headers: RequestH
         api_key=headers.api_key,
         model=None,
         prompt_token_ids=list(msg.prompt_token_ids),
-        params=sampling_from_proto(msg.sampling, SamplingParams().max_tokens),
+        params=checked_sampling(msg.sampling, SamplingParams().max_tokens),
         session_id=headers.session_id,
         app=headers.app,
         client_cache_salt=msg.cache_salt,
@@ -411,24 +402,14 @@ async def start_grpc_server(
 ) -> GatewayGrpcServer:
     """Serve Gateway, Worker and Health on host:port (port 0 picks a free one; `.port` says which).
     `default_max_tokens` is a chat's max_tokens when the client sets none (the gateway's --max-tokens)."""
-    server = grpc.aio.server(
-        options=(
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # Clients that keep their channel alive with pings (gateway.worker_client pings every 10 s, with
-            # or without calls) must not be answered with GOAWAY "too_many_pings".
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-        )
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(request_path, default_max_tokens), server)
     worker_pb2_grpc.add_WorkerServicer_to_server(FleetWorkerServicer(request_path), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(_address(host, port))
+    bound = server.add_insecure_port(grpc_address(host, port))
     if bound == 0:
-        raise OSError(f"cannot listen on {_address(host, port)}")
+        raise OSError(f"cannot listen on {grpc_address(host, port)}")
     await server.start()
     await _set_health(health, request_path.ready())
     task = asyncio.create_task(_watch_health(health, request_path, health_interval_s))
@@ -450,7 +431,3 @@ async def _watch_health(health: health_aio.HealthServicer, request_path: ServesF
             ready = now
             logger.info("gateway gRPC health: %s", "SERVING" if ready else "NOT_SERVING (no routable worker)")
             await _set_health(health, ready)
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

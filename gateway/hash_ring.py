@@ -21,6 +21,7 @@ import math
 from bisect import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from hashlib import md5
 
 from uhashring import HashRing as _UHashRing
 
@@ -51,10 +52,12 @@ class LoadBound:
         if not 0 < self.kv_high_watermark <= 1:
             raise ValueError(f"kv_high_watermark must be in (0, 1], got {self.kv_high_watermark}")
 
-    def in_flight_limit(self, fleet: FleetView, slack: float = 1.0) -> int:
+    def in_flight_limit(self, fleet: FleetView, slack: float = 1.0, total_in_flight: int | None = None) -> int:
         """The most in-flight requests a replica may have after taking the next one; `slack` scales
-        epsilon (kv_aware lets a replica that holds more of the prompt carry more)."""
-        fair_share = math.ceil((1 + self.epsilon * slack) * (fleet.total_in_flight + 1) / len(fleet.replicas))
+        epsilon (kv_aware lets a replica that holds more of the prompt carry more). A caller that asks
+        several times in one decision passes the fleet's `total_in_flight` (a sum over every replica)."""
+        total = fleet.total_in_flight if total_in_flight is None else total_in_flight
+        fair_share = math.ceil((1 + self.epsilon * slack) * (total + 1) / len(fleet.replicas))
         return max(fair_share, self.min_in_flight)
 
     def is_over(self, replica: str, fleet: FleetView, limit: int) -> bool:
@@ -83,7 +86,8 @@ class HashRing:
         self._successors: dict[int, tuple[str, ...]] = {}
 
     def position(self, key: Hashable) -> int:
-        pos = bisect(self._points, self._ring.hashi(ring_key(key)))
+        # uhashring's point hash (md5 of the key string, as an integer), without its per-call indirections
+        pos = bisect(self._points, int.from_bytes(md5(ring_key(key).encode()).digest(), "big"))
         return 0 if pos == len(self._points) else pos
 
     def successors(self, key: Hashable) -> tuple[str, ...]:

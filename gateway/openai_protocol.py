@@ -90,11 +90,18 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError("must not be an empty string", param="stop")
 
     def _gateway_request(
-        self, headers: RequestHeaders, max_tokens: int, logprobs: bool, top_logprobs: int, **fields: Any
+        self,
+        headers: RequestHeaders,
+        max_tokens: int | None,
+        default_max_tokens: int,
+        logprobs: bool,
+        top_logprobs: int,
+        **fields: Any,
     ) -> GatewayRequest:
+        """`max_tokens`: the client's; None takes `default_max_tokens` (and marks the request so)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
@@ -109,6 +116,7 @@ class SamplingFields(OpenAIModel):
             api_key=headers.api_key,
             model=self.model,
             params=params,
+            max_tokens_defaulted=max_tokens is None,
             stop=stop,
             n=self.n,
             session_id=headers.session_id or self.user,
@@ -175,10 +183,10 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("is not supported by this server (only equal to n)", param="best_of")
         text, token_ids = _one_prompt(self.prompt)
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return self._gateway_request(
             headers,
-            max_tokens=max_tokens,
+            max_tokens=self.max_tokens if "max_tokens" in self.model_fields_set else None,
+            default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             prompt=text,
@@ -273,10 +281,10 @@ class ChatCompletionRequest(SamplingFields):
         template_kwargs = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
         if self.tools is not None:
             template_kwargs["tools"] = self.tools
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return self._gateway_request(
             headers,
-            max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS if default_max_tokens is None else default_max_tokens,
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             messages=messages,

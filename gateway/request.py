@@ -40,6 +40,9 @@ class GatewayRequest:
     messages: list[dict[str, Any]] | None = None  # chat: rendered through the model's chat template
     prompt_token_ids: list[int] | None = None  # token-level clients (gRPC); used as given
     params: SamplingParams = field(default_factory=SamplingParams)  # token-level sampling, sent to the worker
+    # The client set no max_tokens: params.max_tokens is the front door's default, which the request path
+    # cuts to the context the worker has left (a limit the client chose is refused instead when it is too big).
+    max_tokens_defaulted: bool = False
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text across token boundaries
     n: int = 1  # independent choices for the same prompt (each its own worker request)
     session_id: str | None = None  # x-session-id header or OpenAI `user`: the `session` policy's key

@@ -54,6 +54,7 @@ from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
 from kvroute.sampling import InvalidRequest, SamplingParams
+from kvroute.sampling_proto import sampling_to_proto
 from kvroute.tokenizer import Tokenizer
 from proto import worker_pb2
 
@@ -116,6 +117,7 @@ class RequestPath:
         self._idle = asyncio.Event()
         self._idle.set()
         metrics.watch(lambda: getattr(fleet, "counters", None), self.breakers.states)
+        fleet.watch_membership(self._member_changed)
 
     # -- health and shutdown ------------------------------------------------------------------------------
 
@@ -144,6 +146,13 @@ class RequestPath:
 
     async def close(self) -> None:
         await self.clients.close()
+
+    def _member_changed(self, old: WorkerMember) -> None:
+        """A worker left, restarted or moved: its breaker's history no longer applies, and a channel to an
+        address no member has any more is closed."""
+        self.breakers.forget(old.worker_id)
+        if all(member.address != old.address for member in self.fleet.members()):
+            self.clients.release(old.address)
 
     # -- the path -----------------------------------------------------------------------------------------
 
@@ -175,7 +184,7 @@ class RequestPath:
         span = tracing.start_request_span(request_id, request.kind, request.trace_context)
         try:
             hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
-            forward = _Forward(request_id, prompt_ids, salt, hashes, request.params, span)
+            forward = _Forward(request_id, prompt_ids, salt, hashes, request.params, request.max_tokens_defaulted, span)
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
             streams = [first]
@@ -350,12 +359,12 @@ class RequestPath:
         return [stream for stream, _ in opened]
 
     def _check_context(self, forward: _Forward, member: WorkerMember) -> None:
-        """Prompt + max_tokens must fit the worker's context. A max_tokens equal to the gateway's limit is
-        the front doors' default for a chat that set none: it is cut to the context that is left instead."""
+        """Prompt + max_tokens must fit the worker's context. A max_tokens the client did not set (the front
+        door's default) is cut to the context that is left instead."""
         prompt_tokens, max_tokens = len(forward.prompt_ids), forward.params.max_tokens
         if prompt_tokens + max_tokens <= member.max_model_len:
             return
-        if max_tokens == self.limits.max_tokens and prompt_tokens < member.max_model_len:
+        if forward.max_tokens_defaulted and prompt_tokens < member.max_model_len:
             forward.params = dataclasses.replace(forward.params, max_tokens=member.max_model_len - prompt_tokens)
             return
         raise ContextLengthExceeded(
@@ -371,17 +380,7 @@ class RequestPath:
         message = worker_pb2.GenerateRequest(
             request_id=forward.request_id if choice == 0 else f"{forward.request_id}-{choice}",
             prompt_token_ids=forward.prompt_ids,
-            sampling=worker_pb2.SamplingParams(
-                max_tokens=params.max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                seed=seed,
-                stop_token_ids=params.stop_token_ids,
-                ignore_eos=params.ignore_eos,
-                logprobs=params.logprobs,
-                top_logprobs=params.top_logprobs,
-            ),
+            sampling=sampling_to_proto(dataclasses.replace(params, seed=seed)),
             cache_salt=forward.salt,
             block_hashes=forward.hashes,
             trace_context=forward.trace_context,
@@ -411,6 +410,7 @@ class _Forward:
     salt: str
     hashes: list[bytes]
     params: SamplingParams
+    max_tokens_defaulted: bool  # the client set none: cut to the context left rather than refused
     span: trace.Span
     trace_context: dict[str, str] = dataclasses.field(init=False)
 
@@ -546,15 +546,12 @@ class _StreamingGeneration(Generation):
         elif response.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
             text += text_state.finish()
             finish_reason = FINISH_REASONS.get(response.finish_reason, "abort")
-            if stream.choice == 0:
-                self.usage.cached_tokens = response.usage.cached_tokens
             self._end_stream(stream)
+        if stream.choice == 0 and response.HasField("usage"):
+            # On the worker's first message and its last: exact even when a stop string cancels it mid-way.
+            self.usage.cached_tokens = response.usage.cached_tokens
         if finish_reason is not None:
             self._path.metrics.request_success.labels(finish_reason).inc()
-            if finish_reason == "stop" and text_state.stopped and stream.choice == 0:
-                # Cut short by a stop string, the worker's own count never came: the routing index's estimate.
-                matched = self.route.matched_blocks * self._path.block_size
-                self.usage.cached_tokens = min(matched, len(self.prompt_token_ids) - 1)
         if not text and not token_ids and finish_reason is None:
             return None
         logprobs = self._logprobs(response) if self._want_logprobs else ()

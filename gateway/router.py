@@ -178,9 +178,12 @@ class _RingPolicy(RoutingPolicy):
             self._ring = HashRing(fleet.replicas, self.options.vnodes)
         return self._ring
 
-    def _walk(self, order: Sequence[str], fleet: FleetView, slack: float = 1.0) -> tuple[str | None, tuple[str, ...]]:
-        """The first replica of `order` under its bound (None if none is), and the ones over it before it."""
-        limit = self.bound.in_flight_limit(fleet, slack)
+    def _walk(
+        self, order: Sequence[str], fleet: FleetView, slack: float = 1.0, total: int | None = None
+    ) -> tuple[str | None, tuple[str, ...]]:
+        """The first replica of `order` under its bound (None if none is), and the ones over it before it;
+        `total` is the fleet's in-flight count when the caller already has it."""
+        limit = self.bound.in_flight_limit(fleet, slack, total)
         for i, replica in enumerate(order):
             if not self.bound.is_over(replica, fleet, limit):
                 return replica, tuple(order[:i])
@@ -193,7 +196,12 @@ class _RingPolicy(RoutingPolicy):
         return RouteDecision(replica, "fallback-overloaded", 0, tuple(r for r in order if r != replica))
 
     def _guarded(
-        self, decision: RouteDecision, order: Sequence[str], fleet: FleetView, matched: list[int] | None = None
+        self,
+        decision: RouteDecision,
+        order: Sequence[str],
+        fleet: FleetView,
+        matched: list[int] | None = None,
+        total: int | None = None,
     ) -> RouteDecision:
         """The decision, or (for a request that is not a hit) the first starving replica in `order`: an
         idle one that this policy never chose, or, while the chosen replica is busy (it has a prefill queue,
@@ -202,11 +210,15 @@ class _RingPolicy(RoutingPolicy):
         self._decisions += 1
         chosen = fleet.loads[decision.replica]
         if decision.reason != "hit" and chosen.in_flight > 0:
-            busy = chosen.queued > 0 or chosen.in_flight >= fleet.total_in_flight / len(fleet.replicas) + 1
+            total = fleet.total_in_flight if total is None else total
+            busy = chosen.queued > 0 or chosen.in_flight >= total / len(fleet.replicas) + 1
             horizon = self._decisions - STARVATION_WINDOW * len(fleet.replicas)
+            loads, last_chosen = fleet.loads, self._last_chosen
             for replica in order:
-                last = self._last_chosen.get(replica)
-                if fleet.loads[replica].in_flight == 0 and (last is None or (busy and last <= horizon)):
+                if loads[replica].in_flight:
+                    continue
+                last = last_chosen.get(replica)
+                if last is None or (busy and last <= horizon):
                     depth = matched[fleet.index_of[replica]] if matched else 0
                     decision = RouteDecision(replica, "idle", depth, (decision.replica,))
                     break
@@ -264,31 +276,35 @@ class KVAware(PrefixRing):
         place = self.placement(request, fleet)
         matched = fleet.kv_index.match(request.block_hashes)
         total = len(request.block_hashes)
+        in_flight = fleet.total_in_flight  # read once: a sum over the fleet, and every bound below needs it
+        index_of = fleet.index_of
+        depths = [matched[index_of[r]] for r in place.order]  # in ring order
 
-        def depth(replica: str) -> int:
-            return matched[fleet.index_of[replica]]
-
-        best: str | None = None
-        for replica in place.order:  # rule 3: the order breaks ties, so the first longest match wins
-            m = depth(replica)
-            if m <= place.common or (best is not None and m <= depth(best)):
+        best = -1
+        for i, m in enumerate(depths):  # rule 3: the order breaks ties, so the first longest match wins
+            if m <= place.common or (best >= 0 and m <= depths[best]):
                 continue  # rule 1: no deeper than the common prefix; or no better than the best so far
-            if not self.bound.is_over(replica, fleet, self.bound.in_flight_limit(fleet, 1 + HIT_SLACK * m / total)):
-                best = replica  # rule 2
-        if best is not None:
-            better = tuple(r for r in place.order if depth(r) > depth(best))  # over their bound
-            return self._guarded(RouteDecision(best, "hit", depth(best), better), place.order, fleet, matched)
+            limit = self.bound.in_flight_limit(fleet, 1 + HIT_SLACK * m / total, in_flight)
+            if not self.bound.is_over(place.order[i], fleet, limit):
+                best = i  # rule 2
+        if best >= 0:
+            better = tuple(r for r, m in zip(place.order, depths, strict=True) if m > depths[best])  # over their bound
+            decision = RouteDecision(place.order[best], "hit", depths[best], better)
+            return self._guarded(decision, place.order, fleet, matched, in_flight)
         common = min(place.common, total)  # rule 4
-        holders = [r for r in place.order if depth(r) >= common]
-        replica, _ = self._walk(holders, fleet, 1 + HIT_SLACK * common / max(total, 1))
+        holders = [r for r, m in zip(place.order, depths, strict=True) if m >= common]
+        replica, _ = self._walk(holders, fleet, 1 + HIT_SLACK * common / max(total, 1), in_flight)
         if replica is not None:
-            return self._guarded(RouteDecision(replica, "ring", depth(replica)), place.order, fleet, matched)
-        replica, skipped = self._walk(place.order, fleet)
+            decision = RouteDecision(replica, "ring", matched[index_of[replica]])
+            return self._guarded(decision, place.order, fleet, matched, in_flight)
+        replica, skipped = self._walk(place.order, fleet, 1.0, in_flight)
         if replica is None:
             decision = self._least_loaded(place.order, fleet)
-            return self._guarded(replace(decision, matched_blocks=depth(decision.replica)), place.order, fleet, matched)
+            decision = replace(decision, matched_blocks=matched[index_of[decision.replica]])
+            return self._guarded(decision, place.order, fleet, matched, in_flight)
         reason = "fallback-overloaded" if skipped else "ring"
-        return self._guarded(RouteDecision(replica, reason, depth(replica), skipped), place.order, fleet, matched)
+        decision = RouteDecision(replica, reason, matched[index_of[replica]], skipped)
+        return self._guarded(decision, place.order, fleet, matched, in_flight)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -1,29 +1,22 @@
-"""gRPC channels to workers: one `grpc.aio` channel per worker address, opened on first use and kept.
+"""gRPC channels to workers: one `grpc.aio` channel per worker address, opened on first use and kept while a
+member of the fleet has that address.
 
 A channel multiplexes every request to its worker over one HTTP/2 connection, so the cost of a request is
 one stream, not a connection. Channels belong to the event loop that created them; `close()` at shutdown.
-Keepalive pings find a dead connection within ~20 s even when no request is running on it.
+Options (message sizes, keepalive pings that find a dead connection between requests) are
+kvroute.grpc_options.CLIENT_OPTIONS, which the workers' server options accept by construction.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
+from kvroute.grpc_options import CLIENT_OPTIONS
 from proto import worker_pb2_grpc
 
-# As the worker's server: a prompt at the longest context is well under this in varints.
-MAX_MESSAGE_BYTES = 16 * 2**20
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Reconnect soon after a worker restarts at the same address (gRPC's default backoff grows to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-)
+RELEASE_GRACE_S = 600.0
 
 
 class WorkerClients:
@@ -32,17 +25,38 @@ class WorkerClients:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._released: dict[asyncio.Task[None], grpc.aio.Channel] = {}  # closing once their calls end
+
+    @property
+    def addresses(self) -> frozenset[str]:
+        """The addresses with an open channel."""
+        return frozenset(self._channels)
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
 
+    def release(self, address: str) -> None:
+        """No member has this address any more: its channel takes no new call and closes in the background
+        once the calls still on it end (at most RELEASE_GRACE_S later: a worker that only missed heartbeats
+        may still be streaming). A member at this address later gets a new channel. Call from the channels'
+        event loop."""
+        channel = self._channels.pop(address, None)
+        self._stubs.pop(address, None)
+        if channel is not None:
+            closing = channel.close(grace=RELEASE_GRACE_S)
+            task = asyncio.get_running_loop().create_task(closing, name=f"close channel {address}")
+            self._released[task] = channel
+            task.add_done_callback(lambda done: self._released.pop(done, None))
+
     async def close(self) -> None:
-        """Close every channel (at shutdown)."""
+        """Close every channel, released ones too, cancelling the calls still on them (at shutdown)."""
         channels, self._channels, self._stubs = self._channels, {}, {}
-        for channel in channels.values():
+        released = dict(self._released)
+        for channel in [*channels.values(), *released.values()]:
             await channel.close()
+        await asyncio.gather(*released, return_exceptions=True)

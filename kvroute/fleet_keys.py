@@ -69,12 +69,10 @@ class FleetKeys:
 
 
 @dataclass(frozen=True)
-class WorkerRecord:
-    """One worker's registry entry and load, as the fields of its info hash (all written every heartbeat).
-
-    `beat` grows by one at every write: a gateway takes a new load report, and a sign of life, only when it
-    changed. A worker whose beat has not changed for `heartbeat_ttl` seconds (as the gateway's clock sees
-    it) has left."""
+class WorkerDescription:
+    """A worker as it describes itself to gateways (its GetInfo reply, its registry record): who it is, where
+    to dial it, and what it hashes and tokenizes with. Shared by the reporter, the record and the gateway's
+    WorkerMember, so the three never drift apart."""
 
     worker_id: str
     address: str  # host:port gateways dial
@@ -84,6 +82,17 @@ class WorkerRecord:
     max_model_len: int
     hash_fingerprint: str
     tokenizer_fingerprint: str
+
+
+@dataclass(frozen=True)
+class WorkerRecord(WorkerDescription):
+    """One worker's registry entry and load, as the fields of its info hash (all written every heartbeat):
+    its description, then the fields below.
+
+    `beat` grows by one at every write: a gateway takes a new load report, and a sign of life, only when it
+    changed. A worker whose beat has not changed for `heartbeat_ttl` seconds (as the gateway's clock sees
+    it) has left."""
+
     heartbeat_ttl: float
     engine_state: str
     beat: int

@@ -14,8 +14,11 @@ the tenant's cache salt: equal text from two tenants or two models never matches
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -23,12 +26,18 @@ DEFAULT_BLOCK_SIZE = 16
 HASH_BYTES = 16
 HASH_VERSION = b"kvroute-block-hash-v1"
 _MAX_TOKEN_ID = 2**32 - 1
+# A fresh BLAKE2b-128 state; copying it is cheaper than the constructor's keyword parsing, which matters at
+# one call per block (256 for a 4,096-token prompt, on every routing decision).
+_EMPTY = hashlib.blake2b(digest_size=HASH_BYTES)
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
+_SWAP = sys.byteorder != "little"
 
 
 def _digest(data: bytes | memoryview) -> BlockHash:
     return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
 
 
+@functools.lru_cache(maxsize=1024)  # one per (model, tenant salt) in use; every prompt's hashing starts here
 def root_hash(model_id: str, cache_salt: str = "") -> BlockHash:
     """The parent of a sequence's first block, for one model and one tenant salt."""
     model = model_id.encode()
@@ -40,11 +49,18 @@ def root_hash(model_id: str, cache_salt: str = "") -> BlockHash:
 
 def serialize_tokens(tokens: Sequence[int]) -> bytes:
     """Fixed-width little-endian uint32 encoding of token ids."""
+    encoded = array(_UINT32)
     try:
-        return struct.pack(f"<{len(tokens)}I", *tokens)
-    except struct.error as exc:
+        if isinstance(tokens, list):
+            encoded.fromlist(tokens)  # about twice as fast as converting through the iterator protocol
+        else:
+            encoded.extend(tokens)
+    except (TypeError, OverflowError) as exc:
         bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID)), None)
         raise ValueError(f"token id {bad!r} is not an integer in [0, 2**32)") from exc
+    if _SWAP:
+        encoded.byteswap()
+    return encoded.tobytes()
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
@@ -68,12 +84,17 @@ def extend_block_hashes(parent: BlockHash, tokens: Sequence[int], block_size: in
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     num_full = len(tokens) // block_size
-    data = memoryview(serialize_tokens(tokens[: num_full * block_size]))
+    end = num_full * block_size
+    data = serialize_tokens(tokens if len(tokens) == end else tokens[:end])
     stride = 4 * block_size
     hashes: list[BlockHash] = []
-    for i in range(num_full):
-        parent = _digest(parent + data[i * stride : (i + 1) * stride])
-        hashes.append(parent)
+    append, fresh = hashes.append, _EMPTY.copy
+    for block in [data[i : i + stride] for i in range(0, len(data), stride)]:
+        h = fresh()  # H(parent || block) fed in two updates: no concatenated copy per block
+        h.update(parent)
+        h.update(block)
+        parent = h.digest()
+        append(parent)
     return hashes
 
 

@@ -107,10 +107,20 @@ def peer_binary(router: str) -> str | None:
     return shutil.which(router)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free local port never handed out before by this process: the OS may offer a port again as soon as
+    its probe socket closes, before the child it was meant for has bound it, and two children on one port
+    make a fleet with a duplicate address."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass(frozen=True)
@@ -356,7 +366,7 @@ def run_entry(
     with Fleet(entry, config, log_dir) as fleet:
         model = args.served_model_name or config.model
         capacity_blocks = worker_capacity_blocks(fleet.workers[0].grpc_port)
-        overhead = asyncio.run(probe_overhead(fleet, model))
+        overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
         before = fleet.counters()
         make_sender = partial(HttpSender, Target(fleet.url, model, None, args.ignore_eos, args.timeout))
         records, duration = asyncio.run(
@@ -393,6 +403,8 @@ def format_table(results: dict[str, RunResult]) -> str:
         ("overhead p99 ms", lambda r: ms(r.overhead_ms["p99"])),
         ("replay prefill", lambda r: f"{r.prediction['prefill_tokens']:,}" if r.prediction else "-"),
         ("replay hit rate", lambda r: f"{r.prediction['hit_rate']:.1%}" if r.prediction else "-"),
+        ("ideal prefill", lambda r: f"{r.prediction['ideal_prefill_tokens']:,}" if r.prediction else "-"),
+        ("prefill x ideal", lambda r: _times_ideal(r)),
     ]
     names = list(results)
     width = max(12, *(len(n) for n in names)) + 2
@@ -400,6 +412,13 @@ def format_table(results: dict[str, RunResult]) -> str:
     for label, cell in rows:
         lines.append(f"{label:<18}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
     return "\n".join(lines)
+
+
+def _times_ideal(run: RunResult) -> str:
+    """Measured prefill over the ideal (one unlimited cache on the same prompts), for a predicted run."""
+    if not run.prediction or not run.prediction["ideal_prefill_tokens"]:
+        return "-"
+    return f"{run.workers['prefill_tokens'] / run.prediction['ideal_prefill_tokens']:.3f}"
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -428,6 +447,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-predict", action="store_true", help="skip the replay's prediction for the kvroute policies"
     )
     group.add_argument("--keep-logs", type=Path, default=None, metavar="DIR", help="keep the processes' logs here")
+    group.add_argument(
+        "--probes",
+        type=int,
+        default=PROBES,
+        metavar="N",
+        help=f"router-overhead probes, each through the router and straight to a worker (default {PROBES})",
+    )
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -436,6 +462,8 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UserError("--compare starts its own fleets; drop --url")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if args.probes < 2:
+        raise UserError(f"--probes must be >= 2 (percentiles of each side), got {args.probes}")
     from loadtest.bench import arrivals_from
 
     arrivals = arrivals_from(args)
@@ -470,7 +498,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if not args.no_predict:
         for result in results.values():
             if result.entry.router == KVROUTE and result.records:
-                result.prediction = predict(workload, result, args.workers, args.tokenizer)
+                result.prediction = predict(workload, result, args.workers, args.tokenizer, config.worker_args)
     print(format_table(results))
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})")
@@ -506,11 +534,13 @@ def _log_dir(keep: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def predict(workload: Workload, run: RunResult, workers: int, tokenizer_spec: str) -> dict[str, Any]:
+def predict(
+    workload: Workload, run: RunResult, workers: int, tokenizer_spec: str, worker_args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The replay's prediction for one kvroute run: the prompts exactly as the workers received them
     (rendered, templated, tokenized), in the order and at the times the bench sent them in that run, over
-    `workers` replicas of the run's cache size. No known answers: the model's own answer is never the
-    logged one, so a later turn cannot reuse it."""
+    `workers` replicas of the run's cache size and the sim workers' cost model (`worker_args`). No known
+    answers: the model's own answer is never the logged one, so a later turn cannot reuse it."""
     from loadtest.render import token_ids, vocabulary
     from loadtest.replay import ReplayConfig, replay
     from loadtest.traces import Trace, TraceRequest
@@ -531,7 +561,9 @@ def predict(workload: Workload, run: RunResult, workers: int, tokenizer_spec: st
             )
         )
     trace = Trace(f"live:{workload.name}", "tokens", DEFAULT_BLOCK_SIZE, tuple(requests))
-    config = ReplayConfig(replicas=workers, policies=(run.entry.policy,), capacity_blocks=run.capacity_blocks)
+    config = ReplayConfig(
+        replicas=workers, policies=(run.entry.policy,), capacity_blocks=run.capacity_blocks, **sim_costs(worker_args)
+    )
     replayed = replay(trace, config)
     result = replayed.policies[run.entry.policy]
     return {
@@ -541,6 +573,23 @@ def predict(workload: Workload, run: RunResult, workers: int, tokenizer_spec: st
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
         "per_worker_requests": result.per_replica_requests,
     }
+
+
+def sim_costs(worker_args: tuple[str, ...]) -> dict[str, float]:
+    """The replay's cost-model fields that the `--worker-arg`s set on sim workers (both `--flag=V` and
+    `--flag V` forms); unset ones keep the replay's defaults, which are the sim worker's."""
+    flags = {"--sim-prefill-us-per-token": "prefill_us_per_token", "--sim-decode-ms-per-step": "decode_ms_per_step"}
+    costs: dict[str, float] = {}
+    for i, arg in enumerate(worker_args):
+        flag, sep, value = arg.partition("=")
+        if flag in flags:
+            if not sep:
+                value = worker_args[i + 1] if i + 1 < len(worker_args) else ""
+            try:
+                costs[flags[flag]] = float(value)
+            except ValueError:
+                raise UserError(f"--worker-arg {flag} needs a number, got {value!r}") from None
+    return costs
 
 
 def worker_capacity_blocks(grpc_port: int) -> int:

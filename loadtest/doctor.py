@@ -35,7 +35,8 @@ from pathlib import Path
 
 from kvroute.cli import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes
-from loadtest.traces import MOONCAKE_BLOCK_TOKENS, TraceError, read_mooncake
+from loadtest.replay import _common_prefix
+from loadtest.traces import MOONCAKE_BLOCK_TOKENS, TraceError, json_object_line, read_mooncake
 
 DOCTOR_MODEL_ID = "doctor"
 LINE_EXCERPT = 48  # characters of the parting line shown
@@ -167,12 +168,7 @@ def read_prompts(path: Path, tokenizer) -> list[Prompt]:
 
 
 def _parse_prompt_line(line: str, number: int) -> tuple[str, list | None, str | None, float | None]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DoctorError(f"line {number}: not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise DoctorError(f"line {number}: expected a JSON object")
+    record = json_object_line(line, number, DoctorError)
     app = record.get("app")
     if not isinstance(app, str) or not app:
         raise DoctorError(f"line {number}: field 'app' must be a non-empty string")
@@ -317,14 +313,6 @@ def _main_parting(
             excerpt = p.text.split("\n")[line - 1][:LINE_EXCERPT]
             break
     return Parting(token, line, excerpt, count)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def run_doctor(path: Path, tokenizer_factory, block_size: int = DEFAULT_BLOCK_SIZE) -> DoctorReport:

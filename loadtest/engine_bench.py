@@ -6,7 +6,8 @@ To measure another CPU's branch on this one, hide its features and cap oneDNN, M
 AVX2-only CPU: KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 ATEN_CPU_CAPABILITY=avx2. The report names the CPU, the dtype and attention path taken, and why.
 
-Measures (medians of `--repeats` runs where affordable):
+Measures (medians of `--repeats` runs where affordable; the prefill runs of the engines and transformers take
+turns, so that a shared machine's load falls on all alike):
   prefix_ttft   TTFT of a 3,300-token prompt whose first 2,900 tokens are cached vs the same prompt uncached;
   throughput    32 concurrent ~200-token prompts x 64 output tokens: kvroute vs transformers' batched generate
                 (left-padded, greedy), output tokens/s end to end (one run each: it is the long one);
@@ -86,6 +87,16 @@ def real_text() -> str:
 
 def median_time(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
+
+
+def interleaved_medians(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """The median of each of `fns` (each returns seconds), run in turn `repeats` times, so that the load of a
+    shared machine falls on all of them alike and their ratios hold."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(fn())
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 class Corpus:
@@ -241,12 +252,15 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS) -> dict:
     if "prefill" in sections:
         prefill: dict = {}
         for n in (1000, 3000):
-            ours, ours_fp32 = both(lambda e, n=n: n / median_time(lambda: ttft(e, corpus.take(n))[0], repeats))
-            row = {
-                "kvroute_tok_s": ours,
-                "kvroute_fp32_tok_s": ours_fp32,
-                "transformers_fp32_tok_s": n / median_time(lambda n=n: hf_prefill_seconds(hf, corpus.take(n)), repeats),
+            runs = {
+                "kvroute_tok_s": lambda n=n: ttft(engine, corpus.take(n))[0],
+                "kvroute_fp32_tok_s": lambda n=n: ttft(fp32, corpus.take(n))[0],
+                "transformers_fp32_tok_s": lambda n=n: hf_prefill_seconds(hf, corpus.take(n)),
             }
+            if same:
+                del runs["kvroute_fp32_tok_s"]
+            row = {name: n / seconds for name, seconds in interleaved_medians(runs, repeats).items()}
+            row.setdefault("kvroute_fp32_tok_s", row["kvroute_tok_s"])
             row["ratio"] = row["kvroute_tok_s"] / row["transformers_fp32_tok_s"]
             prefill[str(n)] = row
             print(f"prefill {n}: {row}", flush=True)

@@ -27,7 +27,6 @@ import heapq
 import json
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -289,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = None
     if args.redis is None:
-        sys.path.insert(0, "tests")
-        from redis_server import RedisServer
+        from loadtest.redis_server import RedisServer
 
         server = RedisServer()
         server.start()

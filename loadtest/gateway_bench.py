@@ -103,20 +103,22 @@ def chat_body(i: int) -> bytes:
 # -- the fleet -------------------------------------------------------------------------------------------------------
 
 
-def wait_ready(url: str, timeout: float, fleet: Fleet) -> None:
+def wait_ok(request: str | urllib.request.Request, timeout: float, fleet: Fleet, interval: float = 0.2) -> None:
+    """Poll `request` until it answers 200; RuntimeError when a process of the fleet exits or `timeout` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = fleet.exited()
         if dead is not None:
             raise RuntimeError(dead)
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
+            with urllib.request.urlopen(request, timeout=2.0) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout:g} s")
+        time.sleep(interval)
+    url = request if isinstance(request, str) else request.full_url
+    raise RuntimeError(f"{url} did not answer 200 within {timeout:g} s")
 
 
 def start_fleet(num_workers: int, profile: str | None, with_smg: bool) -> tuple[Fleet, dict[str, Any]]:
@@ -143,7 +145,7 @@ def start_fleet(num_workers: int, profile: str | None, with_smg: bool) -> tuple[
     fleet.spawn("gateway", gateway_argv)
     ports = {"worker_grpc": grpc_ports[0], "worker_http": http_ports[0], "gateway_http": gateway_port}
     for port in (*http_ports, gateway_port):
-        wait_ready(f"http://127.0.0.1:{port}/ready", 300, fleet)
+        wait_ok(f"http://127.0.0.1:{port}/ready", 300, fleet)
     smg = shutil.which("smg", path=str(Path(sys.executable).parent)) if with_smg else None
     if smg:
         smg_port = free_port()
@@ -159,21 +161,8 @@ def start_fleet(num_workers: int, profile: str | None, with_smg: bool) -> tuple[
 
 def wait_smg(port: int, fleet: Fleet) -> None:
     """smg answers once it has registered the workers: poll with a real request."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if fleet.exited():
-            raise RuntimeError(fleet.exited())
-        try:
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions", chat_body(0), {"content-type": "application/json"}
-            )
-            with urllib.request.urlopen(request, timeout=2.0) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("smg did not route a request within 60 s")
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    wait_ok(urllib.request.Request(url, chat_body(0), {"content-type": "application/json"}), 60, fleet, 0.3)
 
 
 # -- 1. latency --------------------------------------------------------------------------------------------------------

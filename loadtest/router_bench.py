@@ -4,12 +4,14 @@ Runs over 8 and over 64 replicas by default. The fleet KV index is warm (each re
 of other prompts and one holds half of this prompt), loads are mixed, and the prompt differs every
 iteration, so nothing is served from a cache that a live gateway would not have (the policies' own
 common-prefix sketches see every iteration's prompt, as a gateway's would). Prints median and p90
-microseconds per step and per policy, and the kv_aware decision (hashing + pick) against its target.
+microseconds per step and per policy, the kv_aware decision (hashing + pick) against its target, and the
+machine's load average (the figures are only comparable with others measured under the same load).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print()
     print("\n".join(summary))
+    print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 
 

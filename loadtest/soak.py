@@ -97,7 +97,7 @@ class SoakFleet:
     retries_seen: float = 0.0  # gateway retries counted before a gateway restart reset its counters
 
     def start(self) -> None:
-        from tests.redis_server import RedisServer
+        from loadtest.redis_server import RedisServer
 
         self.redis = RedisServer()
         self.redis.start()

@@ -66,13 +66,19 @@ def read_mooncake(path: str | Path) -> Trace:
     return Trace(path.name, "mooncake", MOONCAKE_BLOCK_TOKENS, tuple(requests))
 
 
-def parse_mooncake_line(line: str, number: int) -> TraceRequest:
+def json_object_line(line: str, number: int, error: type[Exception] = TraceError) -> dict:
+    """Line `number` of a JSON-lines file as its object; raises `error` naming the line otherwise."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise TraceError(f"line {number}: not valid JSON ({exc.msg})") from None
+        raise error(f"line {number}: not valid JSON ({exc.msg})") from None
     if not isinstance(record, dict):
-        raise TraceError(f"line {number}: expected a JSON object")
+        raise error(f"line {number}: expected a JSON object")
+    return record
+
+
+def parse_mooncake_line(line: str, number: int) -> TraceRequest:
+    record = json_object_line(line, number)
     timestamp = _field(record, "timestamp", number, (int, float))
     input_length = _field(record, "input_length", number, (int,))
     output_length = _field(record, "output_length", number, (int,))

@@ -5,8 +5,10 @@ It runs in a background thread's event loop (uvloop, as `kvroute gateway` does),
 ordinary synchronous clients (httpx, the `openai` package, grpc stubs) over real sockets, and reaches into it
 only through `call(coroutine)`:
 
-    with GatewayStack(model="sim", workers=2) as stack:
+    with GatewayStack(StackOptions(model="sim", workers=2)) as stack:
         httpx.post(f"{stack.http_url}/v1/completions", json={"prompt": "hi"})
+
+A test module that shares one stack among its tests: `stack = stack_fixture(StackOptions(...))`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import pytest
 import uvloop
 
 from gateway.auth import Authenticator, key_sha256
@@ -61,6 +64,17 @@ class StackOptions:
     num_kv_blocks: int = 256
     sim_decode_ms_per_step: float = 2.0
     dead_fleet: bool = False  # also serve a second gateway whose only worker address has nothing behind it
+
+
+def stack_fixture(options: StackOptions) -> Callable[[], Iterator[GatewayStack]]:
+    """A module-scoped pytest fixture that runs one GatewayStack with `options` for all of a module's tests."""
+
+    @pytest.fixture(scope="module")
+    def stack() -> Iterator[GatewayStack]:
+        with GatewayStack(options) as running:
+            yield running
+
+    return stack
 
 
 class GatewayStack:

@@ -15,7 +15,7 @@ from kvroute.cli import UserError
 from kvroute.tokenizer import Tokenizer
 from loadtest.bench import Arrivals, with_answers
 from loadtest.bench_stats import SLO, RequestRecord, format_summary, percentiles, summarize
-from loadtest.compare import parse_entries
+from loadtest.compare import parse_entries, sim_costs
 from loadtest.render import (
     CHAT_ANSWER_TOKENS,
     CHAT_QUESTION_TOKENS,
@@ -26,6 +26,10 @@ from loadtest.render import (
     render,
     vocabulary,
 )
+from loadtest.replay import ReplayConfig
+from loadtest.sweep import main as sweep_main
+from loadtest.sweep import parse_axes, sweep
+from loadtest.workloads import generate
 
 # -- statistics ---------------------------------------------------------------------------------------
 
@@ -260,13 +264,13 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
 
 def test_a_short_compare_run_reports_every_router_alike(tmp_path):
     """Two fresh fleets of 2 sim workers (kv_aware, then smg's cache_aware over the workers' HTTP ports), the
-    same 8 chat turns; figures from the workers' own counters. About a minute on 2 shared cores, most of it
-    the workers' start (torch import, tokenizer)."""
+    same 5 chat turns; figures from the workers' own counters. Most of its time is the workers' start (torch
+    import, tokenizer), so it sends few requests and few overhead probes."""
     out = tmp_path / "compare.json"
     argv = [
         sys.executable, "-m", "kvroute.cli", "bench", "--compare", "kv_aware,smg:cache_aware",
-        "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "8", "--concurrency", "4",
-        "--worker-arg=--sim-decode-ms-per-step=1", "--no-progress", "--json", str(out),
+        "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "5", "--concurrency", "2",
+        "--probes", "6", "--worker-arg=--sim-decode-ms-per-step=1", "--no-progress", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
     report = json.loads(out.read_text())
@@ -274,15 +278,61 @@ def test_a_short_compare_run_reports_every_router_alike(tmp_path):
     assert set(runs) == {"kv_aware", "smg:cache_aware"}, done.stderr[-3000:]
     assert done.returncode == 0 and report["skipped"] == {}
     for name, run in runs.items():
-        assert run["errors"] == {} and run["completed"] == 8, name
+        assert run["errors"] == {} and run["completed"] == 5, name
         assert set(run["ttft_ms"]) == {"p50", "p90", "p99"} and run["ttft_ms"]["p50"] > 0
         assert run["e2e_ms"]["p99"] >= run["ttft_ms"]["p99"]
-        assert sum(run["per_worker_requests"].values()) == 8  # from the workers' own counters
-        # 8 turns of one session, 1,114 to 4,000 prompt tokens: the system prompt and every earlier turn are
+        assert sum(run["per_worker_requests"].values()) == 5  # from the workers' own counters
+        # 5 turns of one session, 1,114 to 2,800 prompt tokens: the system prompt and every earlier turn are
         # reused wherever the router keeps the session on its worker.
-        assert run["prompt_tokens"] > 8 * 1100 and 0 < run["prefill_tokens"] < run["prompt_tokens"]
+        assert run["prompt_tokens"] > 5 * 1100 and 0 < run["prefill_tokens"] < run["prompt_tokens"]
         assert 0 < run["cached_token_share"] < 1 and run["goodput"] == 1.0
         assert set(run["router_overhead_ms"]) >= {"p50", "p99"}
     assert runs["kv_aware"]["replay_prediction"]["prefill_tokens"] > 0
     assert "replay_prediction" not in runs["smg:cache_aware"]
     assert "kv_aware" in done.stdout and "smg:cache_aware" in done.stdout  # the side-by-side table
+
+
+def test_the_prediction_uses_the_sim_workers_cost_model():
+    args = ("--sim-prefill-us-per-token=100", "--seed", "3", "--sim-decode-ms-per-step", "5")
+    assert sim_costs(args) == {"prefill_us_per_token": 100.0, "decode_ms_per_step": 5.0}
+    assert sim_costs(()) == {}
+    with pytest.raises(UserError, match="--sim-decode-ms-per-step needs a number"):
+        sim_costs(("--sim-decode-ms-per-step",))
+
+
+# -- capacity sweep -----------------------------------------------------------------------------------
+
+
+def test_sweep_axes_are_checked_and_an_unswept_axis_keeps_its_single_value():
+    assert parse_axes(["replicas=8,2,4,4"], 4, 1000) == ([2, 4, 8], [1000])
+    assert parse_axes(["capacity-blocks=500", "replicas=2"], 4, 1000) == ([2], [500])
+    for bad, message in (
+        (["nodes=2"], "AXIS one of replicas, capacity-blocks"),
+        (["replicas"], "expected AXIS=V1"),
+        (["replicas=2,x"], "must be integers"),
+        (["replicas=0"], ">= 1"),
+        (["replicas=2", "replicas=4"], "given twice"),
+        (["replicas=" + ",".join(map(str, range(1, 10))), "capacity-blocks=" + ",".join(map(str, range(1, 9)))],
+         "72 grid points"),
+    ):  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            parse_axes(bad, 4, 1000)
+
+
+def test_the_sweep_replays_every_point_against_one_ideal(tmp_path):
+    trace = generate("multiturn", 200, seed=0)
+    result = sweep(trace, ReplayConfig(policies=("round_robin", "kv_aware")), [2, 4], [300, 3000], 0.9, False)
+    assert [(p.replicas, p.capacity_blocks) for p in result.points if p.policy == "kv_aware"] == [
+        (2, 300), (2, 3000), (4, 300), (4, 3000),
+    ]  # fmt: skip
+    assert {p.policy for p in result.points} == {"round_robin", "kv_aware", "oracle"}
+    assert 0 < result.ideal_prefill_tokens <= min(p.prefill_tokens for p in result.points)
+    rr = {(p.replicas, p.capacity_blocks): p.hit_rate for p in result.points if p.policy == "round_robin"}
+    assert rr[(2, 3000)] >= rr[(2, 300)] and rr[(4, 3000)] >= rr[(4, 300)]  # more cache keeps more
+    best = result.smallest("kv_aware")
+    assert best is None or best.hit_rate >= 0.9 * result.ideal_hit_rate
+    out = tmp_path / "sweep.json"
+    assert sweep_main(["synthetic:multiturn", "--requests", "60", "--sweep", "replicas=2,4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["points"]) == 2 * 4 and set(report["smallest"]) == {"round_robin", "prefix", "kv_aware", "oracle"}
+    assert sweep_main(["synthetic:multiturn", "--sweep", "gpus=2"]) == 2  # a clear one-line error, no traceback

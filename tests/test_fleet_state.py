@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from redis_server import RedisSentinel, free_port
 
 from gateway.embedded_fleet import EmbeddedFleetState
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
@@ -19,6 +18,7 @@ from gateway.redis_fleet import RedisFleetState
 from gateway.router import RouteRequest, make_policy
 from kvroute.fleet_keys import FleetKeys, WorkerRecord, redis_client
 from kvroute.hashing import block_hashes
+from loadtest.redis_server import RedisSentinel, free_port
 from proto import worker_pb2, worker_pb2_grpc
 from worker.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from worker.config import EngineConfig

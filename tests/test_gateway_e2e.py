@@ -318,7 +318,8 @@ def test_no_worker_is_a_clear_503_and_draining_refuses_new_requests() -> None:
 
 def test_stop_strings_cut_the_text_and_cancel_the_worker_request() -> None:
     async def body() -> None:
-        async with fleet(1) as f:
+        # round_robin scores no prefix: cached_tokens can only come from the worker's own count.
+        async with fleet(1, policy="round_robin") as f:
             full = await complete(await f.path.generate(chat("say something", max_tokens=24)))
             stop = full[len(full) // 2 : len(full) // 2 + 5]
             assert stop.strip()
@@ -329,6 +330,11 @@ def test_stop_strings_cut_the_text_and_cancel_the_worker_request() -> None:
             assert "".join(c.text for c in chunks) == full[: full.index(stop)]
             assert chunks[-1].finish_reason == "stop"
             assert (await f.wait_until_idle("w0")).num_blocks_used == 0
+            # Cancelled before the worker's last message: the count came with its first one, exact.
+            assert generation.route.matched_blocks == 0
+            reference = await f.path.generate(chat("say something", max_tokens=2))
+            await complete(reference)
+            assert generation.usage.cached_tokens == reference.usage.cached_tokens > 0
 
     run(body)
 
@@ -425,8 +431,13 @@ def test_limits_name_the_field_and_the_numbers() -> None:
                 await f.path.generate(
                     GatewayRequest(api_key=None, model=None, prompt_token_ids=[1, 99999999], kind="tokens")
                 )
-            # max_tokens equal to the gateway's limit is a chat's default: cut to the context that is left.
-            generation = await f.path.generate(chat("x", max_tokens=3500))
+            # A max_tokens the client set is refused when it does not fit, even one equal to the limit ...
+            with pytest.raises(ContextLengthExceeded, match="max_tokens is 3500"):
+                await f.path.generate(chat("x", max_tokens=3500))
+            # ... while the front door's default (the client set none) is cut to the context that is left.
+            defaulted = chat("x", max_tokens=3500)
+            defaulted.max_tokens_defaulted = True
+            generation = await f.path.generate(defaulted)
             await generation.aclose()
             assert f.path.active == 0
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions
+from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions, stack_fixture
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -25,10 +25,7 @@ LENGTH = worker_pb2.FINISH_REASON_LENGTH
 UNSET = worker_pb2.FINISH_REASON_UNSPECIFIED
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[GatewayStack]:
-    with GatewayStack(StackOptions(model="sim", workers=2, dead_fleet=True)) as running:
-        yield running
+stack = stack_fixture(StackOptions(model="sim", workers=2, dead_fleet=True))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions
+from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions, stack_fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,10 +27,7 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # over 64 tok
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[GatewayStack]:
-    with GatewayStack(StackOptions(model="sim", workers=2, dead_fleet=True)) as running:
-        yield running
+stack = stack_fixture(StackOptions(model="sim", workers=2, dead_fleet=True))
 
 
 @pytest.fixture(scope="module")

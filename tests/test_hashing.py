@@ -95,3 +95,15 @@ def test_truncate_then_rehash():
     hasher.update(tokens)
     hasher.truncate(2)
     assert hasher.update(tokens[:48] + [9] * 16)[1] == block_hashes(tokens[:48] + [9] * 16, model_id="m")[3]
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=100), st.integers(1, 20), st.text(max_size=8))
+def test_fast_path_matches_the_definition(tokens, block_size, salt):
+    """The hashing loop (array serialisation, copied BLAKE2b states) gives exactly H(parent || uint32 LE block)."""
+    parent = root_hash("m", salt)
+    expected = []
+    for i in range(len(tokens) // block_size):
+        block = b"".join(t.to_bytes(4, "little") for t in tokens[i * block_size : (i + 1) * block_size])
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        expected.append(parent)
+    assert block_hashes(tokens, model_id="m", cache_salt=salt, block_size=block_size) == expected

@@ -11,6 +11,7 @@ NetworkPolicy admits exactly the intended flows. Each value set is rendered once
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import copy
 import io
@@ -160,7 +161,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             },
         },
         "routing": {"policy": "prefix", "options": {"epsilon": 0.25, "min_in_flight": 4}},
-        "auth": {"existingSecret": "kvroute-api-keys"},
+        "auth": {
+            "existingSecret": "kvroute-api-keys",
+            "cacheSaltSecret": {"existingSecret": "kvroute-salt", "secretKey": "salt"},
+        },
         "observability": {
             "otel": {"endpoint": "http://otel-collector.monitoring:4317", "resourceAttributes": {"env": "prod"}},
             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -706,6 +710,23 @@ def test_bundled_redis_has_a_password_and_an_explicit_persistence_choice() -> No
     assert flag_value(redis.args, "--appendonly") == "yes"
     claim = mounted_file(redis, "/data/x")[0]["persistentVolumeClaim"]["claimName"]
     assert claim in {o["metadata"]["name"] for o in persistent.all("PersistentVolumeClaim")}
+
+
+def test_every_gateway_gets_the_same_cache_salt_secret_from_a_secret() -> None:
+    from gateway.auth import SALT_SECRET_ENV
+
+    release = render("defaults")
+    (salt,) = [e for e in release.container("gateway").spec["env"] if e["name"] == SALT_SECRET_ENV]
+    ref = salt["valueFrom"]["secretKeyRef"]
+    secret = next(s for s in release.all("Secret") if s["metadata"]["name"] == ref["name"])
+    assert labels(secret)[COMPONENT] == "gateway" and ref["key"] == "cache-salt-secret"
+    assert len(base64.b64decode(secret["data"][ref["key"]])) >= 48, "generated, random"
+    assert "lookup" in (CHART / "templates" / "gateway-cache-salt-secret.yaml").read_text(), "kept across upgrades"
+
+    release = render("everything")
+    (salt,) = [e for e in release.container("gateway").spec["env"] if e["name"] == SALT_SECRET_ENV]
+    assert salt["valueFrom"]["secretKeyRef"] == {"name": "kvroute-salt", "key": "salt"}
+    assert not [s for s in release.all("Secret") if labels(s).get(COMPONENT) == "gateway"], "the given one is used"
 
 
 def test_workers_keep_identity_load_slowly_and_drain() -> None:

@@ -12,15 +12,12 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from gateway_stack import KEY, SERVED_MODEL, GatewayStack, StackOptions
+from gateway_stack import KEY, SERVED_MODEL, GatewayStack, StackOptions, stack_fixture
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[GatewayStack]:
-    with GatewayStack(StackOptions(model="tiny", workers=1, num_kv_blocks=64)) as running:
-        yield running
+stack = stack_fixture(StackOptions(model="tiny", workers=1, num_kv_blocks=64))
 
 
 @pytest.fixture(scope="module")

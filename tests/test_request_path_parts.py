@@ -3,6 +3,7 @@ backoff, API keys and tenant salts, the prefix doctor's live metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -10,6 +11,8 @@ import pytest
 
 from gateway.auth import OPEN_TENANT, Authenticator, cache_salt, key_sha256, tenant_salt
 from gateway.errors import AuthenticationError
+from gateway.fleet_state import BookkeepingFleetState
+from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.request import Tenant
 from gateway.retry import BreakerState, CircuitBreakers, RetryPolicy
@@ -104,6 +107,55 @@ def test_a_success_resets_the_failure_count() -> None:
     assert breakers.state("w1") is BreakerState.CLOSED
 
 
+def test_a_worker_that_leaves_or_restarts_has_its_breaker_and_channel_reset(tokenizer_smollm2: Tokenizer) -> None:
+    from gateway.fleet_state import FleetBook, FleetIdentity
+    from gateway.request_path import RequestPath
+    from gateway.router import make_policy
+
+    async def body() -> None:
+        identity = FleetIdentity("m", 16, "h", "t")
+        fleet = _BookFleet(identity)
+        path = RequestPath(
+            fleet, make_policy("round_robin"), tokenizer_smollm2, "m", "m", Authenticator(), Limits(),
+            GatewayMetrics("m"), breakers=CircuitBreakers(failure_threshold=1),
+        )  # fmt: skip
+        book: FleetBook = fleet.book
+        for worker_id, address in (("w0", "127.0.0.1:1"), ("w1", "127.0.0.1:2")):
+            book.admit(worker_id, address, 1, "m", 16, 4096, "h", "t")
+            path.clients.stub(address)
+            path.breakers.on_failure(worker_id)
+        assert path.breakers.blocked() == {"w0", "w1"}
+        book.admit("w0", "127.0.0.1:1", 2, "m", 16, 4096, "h", "t")  # restarted at the same address
+        assert path.breakers.blocked() == {"w1"}, "a restarted worker is routable at once"
+        assert path.clients.addresses == {"127.0.0.1:1", "127.0.0.1:2"}, "its channel reconnects, kept"
+        book.admit("w0", "127.0.0.1:3", 3, "m", 16, 4096, "h", "t")  # restarted elsewhere (a new pod IP)
+        assert path.clients.addresses == {"127.0.0.1:2"}, "the old address's channel is closed"
+        book.leave("w1", "test")
+        assert path.breakers.blocked() == frozenset() and path.clients.addresses == frozenset()
+        await path.close()
+
+    asyncio.run(body())
+
+
+def test_front_doors_mark_a_max_tokens_the_client_did_not_set() -> None:
+    from gateway.grpc_server import gateway_request_from_proto
+    from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestHeaders
+    from proto import gateway_pb2
+
+    headers = RequestHeaders()
+    chat = [{"role": "user", "content": "hi"}]
+    defaulted = ChatCompletionRequest(messages=chat).to_gateway_request(headers, default_max_tokens=100)
+    assert (defaulted.params.max_tokens, defaulted.max_tokens_defaulted) == (100, True)
+    chosen = ChatCompletionRequest(messages=chat, max_completion_tokens=100).to_gateway_request(headers, 100)
+    assert (chosen.params.max_tokens, chosen.max_tokens_defaulted) == (100, False)
+    assert CompletionRequest(prompt="hi").to_gateway_request(headers).max_tokens_defaulted
+    assert not CompletionRequest(prompt="hi", max_tokens=16).to_gateway_request(headers).max_tokens_defaulted
+    message = gateway_pb2.GatewayGenerateRequest(prompt="hi")
+    assert gateway_request_from_proto(message, headers, 100).max_tokens_defaulted
+    message.sampling.max_tokens = 16
+    assert not gateway_request_from_proto(message, headers, 100).max_tokens_defaulted
+
+
 def test_backoff_is_full_jitter_under_a_growing_cap() -> None:
     policy = RetryPolicy(retries=3, backoff_base_s=0.01, backoff_cap_s=0.025)
     rng = random.Random(0)
@@ -172,3 +224,13 @@ def test_divergence_and_hit_rate_per_app() -> None:
     for i in range(150):  # client-named apps are bounded
         metrics.observe_prefix(f"app{i}", a, 0, 16)
     assert text.count("kvroute:prefix_hit_rate{") < metrics.render().decode().count("kvroute:prefix_hit_rate{") <= 101
+
+
+class _BookFleet(BookkeepingFleetState):
+    """A fleet state fed by the test itself through its book (no worker is dialled)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def on_failure(self, worker_id: str) -> None: ...

@@ -2,7 +2,7 @@ import pytest
 
 from gateway.common_prefix import HALF_LIFE, CommonPrefixSketch
 from gateway.fleet import FleetView
-from gateway.hash_ring import HashRing, LoadBound
+from gateway.hash_ring import HashRing, LoadBound, ring_key
 from gateway.kv_index import KVIndex
 from gateway.router import POLICY_NAMES, STARVATION_WINDOW, NoReplicaAvailable, RouteRequest, make_policy
 
@@ -95,6 +95,13 @@ def test_bounded_fallback_walks_ring_successors_in_order():
     view.loads[order[1]].queued = 100
     decision = policy.pick(one_block, view)
     assert decision.replica == order[2] and decision.skipped == (order[0], order[1])
+
+
+def test_ring_positions_match_uhashring():
+    """HashRing hashes keys itself (for speed) and must place them where uhashring's own lookup does."""
+    ring = HashRing(REPLICAS)
+    keys = [i.to_bytes(16, "little") for i in range(300)] + list(range(300)) + ["req-7", "session-a"]
+    assert all(ring.successors(key)[0] == ring._ring.get_node(ring_key(key)) for key in keys)
 
 
 def test_a_lightly_loaded_replica_is_never_over_its_bound():

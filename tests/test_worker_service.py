@@ -132,6 +132,10 @@ def test_generate_streams_tokens_and_final_usage(sim_engine: LLMEngine) -> None:
         again = await client.generate(prompt, max_tokens=6, temperature=0)
         assert tokens_of(again) == tokens_of(responses)
         assert again[-1].usage.cached_tokens == 32, "the repeat hits the two cached full blocks"
+        # The first message carries the prompt's usage too (a gateway that cancels early still knows it).
+        assert (responses[0].usage.prompt_tokens, responses[0].usage.cached_tokens) == (40, 0)
+        assert (again[0].usage.prompt_tokens, again[0].usage.cached_tokens) == (40, 32)
+        assert not responses[1].HasField("usage"), "middle messages carry no usage"
         expected = tokens_of(responses)
         stopped = await client.generate(prompt, max_tokens=6, stop_token_ids=[expected[2]])
         assert tokens_of(stopped) == expected[:3]

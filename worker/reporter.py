@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
 from redis.exceptions import RedisError
@@ -30,6 +30,7 @@ from kvroute.fleet_keys import (
     DATA_TTL_S,
     DEFAULT_PREFIX,
     FleetKeys,
+    WorkerDescription,
     WorkerRecord,
     check_worker_id,
     pack_hashes,
@@ -55,20 +56,6 @@ class EngineFeed(Protocol):
     async def kv_events_since(self, after_seq: int, max_events: int = ...) -> KVEventsSince: ...
 
 
-@dataclass(frozen=True)
-class ReporterIdentity:
-    """What the reporter registers (the worker's WorkerInfo, as gateways must see it)."""
-
-    worker_id: str
-    address: str  # host:port gateways dial
-    incarnation: int
-    model_id: str
-    block_size: int
-    max_model_len: int
-    hash_fingerprint: str
-    tokenizer_fingerprint: str
-
-
 class WorkerReporter:
     """Reports one worker to Redis until `stop()`. `start()` returns at once: a Redis that is down at start
     is retried like one that goes down later (the worker must serve without it)."""
@@ -76,7 +63,7 @@ class WorkerReporter:
     def __init__(
         self,
         redis_url: str,
-        identity: ReporterIdentity,
+        identity: WorkerDescription,
         engine: EngineFeed,
         *,
         engine_state: Callable[[], str] = lambda: "serving",
@@ -222,13 +209,18 @@ class WorkerReporter:
     async def _write_record(self, engine_state: str, ttl: float) -> None:
         stats = self.engine.latest_stats
         self._beat += 1
-        i = self.identity
         record = WorkerRecord(
-            i.worker_id, i.address, i.incarnation, i.model_id, i.block_size, i.max_model_len, i.hash_fingerprint,
-            i.tokenizer_fingerprint, self.heartbeat_ttl, engine_state, self._beat, stats.num_running,
-            stats.num_waiting, stats.num_blocks_used, stats.num_blocks_total,
-            stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0, self._published_seq,
-        )  # fmt: skip
+            **asdict(self.identity),
+            heartbeat_ttl=self.heartbeat_ttl,
+            engine_state=engine_state,
+            beat=self._beat,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_blocks_used=stats.num_blocks_used,
+            num_blocks_total=stats.num_blocks_total,
+            kv_cache_usage=stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0,
+            kv_event_seq=self._published_seq,
+        )
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(self._info_key, mapping=record.to_fields())
         pipe.pexpire(self._info_key, int(ttl * 1000))
@@ -250,7 +242,7 @@ def reporter_for_server(
     """A reporter for a running WorkerServer: its identity and advertise address, its engine's events and
     load, and its engine state (draining while it drains, dead when the engine died). Call `start()`."""
     info = server.servicer.info
-    identity = ReporterIdentity(
+    identity = WorkerDescription(
         worker_id=server.worker_id,
         address=server.advertise_address,
         incarnation=server.incarnation,

@@ -31,8 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import propagate, trace
 
+from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.sampling import InvalidRequest, SamplingParams
+from kvroute.sampling_proto import sampling_from_proto
 from proto import worker_pb2, worker_pb2_grpc
 from worker.async_engine import (
     DEFAULT_MAX_STREAMS,
@@ -52,9 +54,6 @@ logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.worker")
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
-# A prompt of the longest context we serve is well under 1 MiB of varints; 16 MiB leaves room for
-# KV-event snapshots of a large cache.
-MAX_MESSAGE_BYTES = 16 * 2**20
 MAX_KV_EVENTS_PER_REPLY = 4096
 
 FINISH_REASONS = {
@@ -87,34 +86,23 @@ def default_advertise_address(host: str, port: int) -> str:
     """host:port as another machine dials it: a wildcard listen address becomes this host's name."""
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = socket.gethostname()
-    return _address(host, port)
+    return grpc_address(host, port)
 
 
 # -- proto <-> engine ----------------------------------------------------------------------------------
 
 
-def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; values are not checked here (validate() does)."""
-    default = SamplingParams()
-    return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default.max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else default.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else default.top_p,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs,
-    )
-
-
-def response_from_output(output: RequestOutput, completion_tokens: int) -> worker_pb2.GenerateResponse:
+def response_from_output(
+    output: RequestOutput, completion_tokens: int, first: bool = False
+) -> worker_pb2.GenerateResponse:
+    """One engine output as a GenerateResponse. `usage` is set on the first response (prompt and cached
+    tokens as admitted, so a gateway that cancels early still knows them) and on the last (final counts)."""
     response = worker_pb2.GenerateResponse(token_ids=output.new_token_ids, logprobs=output.new_logprobs)
     for ids, logprobs in output.new_top_logprobs:
         response.top_logprobs.add(token_ids=ids, logprobs=logprobs)
     if output.finished:
         response.finish_reason = FINISH_REASONS[output.finish_reason or "abort"]
+    if output.finished or first:
         response.usage.CopyFrom(
             worker_pb2.Usage(
                 prompt_tokens=output.prompt_tokens,
@@ -239,7 +227,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
         timer = self.metrics.start_request()
         try:
-            params = sampling_params_from_proto(request.sampling)
+            params = sampling_from_proto(request.sampling)
             self.engine.check_admission(request_id, request.prompt_token_ids, params)  # before any hashing
             if request.block_hashes:
                 span.set_attribute("kvroute.block_hash_parity", self._check_block_hashes(request))
@@ -264,6 +252,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         completion_tokens = 0
         finished = False
+        first = True
         outputs = self.engine.generate(request_id, request.prompt_token_ids, params, request.cache_salt)
         try:
             async with aclosing(outputs):
@@ -280,7 +269,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "kvroute.finish_reason": output.finish_reason or "abort",
                             }
                         )
-                    yield response_from_output(output, completion_tokens)
+                    yield response_from_output(output, completion_tokens, first)
+                    first = False
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 timer.on_finished("abort")
@@ -410,24 +400,15 @@ async def start_worker_server(
         try:
             bound_metrics_port = metrics.serve(metrics_port, metrics_host)
         except OSError as exc:
-            raise OSError(f"cannot serve metrics on {_address(metrics_host, metrics_port)}: {exc.strerror}") from exc
+            where = grpc_address(metrics_host, metrics_port)
+            raise OSError(f"cannot serve metrics on {where}: {exc.strerror}") from exc
     health = health_aio.HealthServicer()
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # Gateways keep their channels alive with pings (every 10 s, with or without calls) so that a dead
-            # worker is found between requests; answering them with GOAWAY "too_many_pings" would drop them.
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ]
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     try:
-        bound_port = server.add_insecure_port(_address(host, port))
+        bound_port = server.add_insecure_port(grpc_address(host, port))
     except RuntimeError as exc:
         metrics.stop()
-        raise OSError(f"cannot listen on {_address(host, port)}: {exc}") from exc
+        raise OSError(f"cannot listen on {grpc_address(host, port)}: {exc}") from exc
     identity = WorkerIdentity(
         worker_id or default_worker_id(bound_port), advertise_address or default_advertise_address(host, bound_port)
     )
@@ -449,9 +430,3 @@ async def _report_engine_death(engine: AsyncEngine, health: health_aio.HealthSer
     logger.error("the engine died (%s); health is NOT_SERVING", error)
     for service in ("", WORKER_SERVICE):
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-
-def _address(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):  # a bare IPv6 address
-        host = f"[{host}]"
-    return f"{host}:{port}"

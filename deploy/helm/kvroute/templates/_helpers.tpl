@@ -117,6 +117,10 @@ imagePullSecrets:
 {{- else }}{{ .Values.redis.external.existingSecret }}{{ end }}
 {{- end }}
 
+{{- define "kvroute.gateway.cacheSaltSecretName" -}}
+{{ default (printf "%s-cache-salt" (include "kvroute.gateway.fullname" .)) .Values.auth.cacheSaltSecret.existingSecret }}
+{{- end }}
+
 {{- define "kvroute.redis.secretKey" -}}
 {{- if eq .Values.redis.mode "bundled" }}{{ .Values.redis.bundled.existingSecretKey }}{{ else }}{{ .Values.redis.external.existingSecretKey }}{{ end }}
 {{- end }}

@@ -1,0 +1,44 @@
+"""SamplingParams <-> the wire's `kvroute.v1.SamplingParams`: one conversion for the worker (what it receives), the
+gateway's gRPC front door (what a client sends) and the request path (what it forwards)."""
+
+from __future__ import annotations
+
+from kvroute.sampling import SamplingParams
+from proto import worker_pb2
+
+_DEFAULT = SamplingParams()
+
+
+def sampling_from_proto(msg: worker_pb2.SamplingParams, default_max_tokens: int | None = None) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults (max_tokens: `default_max_tokens` when given);
+    values are not checked here (`validate()` does, naming the field)."""
+    if msg.HasField("max_tokens"):
+        max_tokens = msg.max_tokens
+    else:
+        max_tokens = _DEFAULT.max_tokens if default_max_tokens is None else default_max_tokens
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else _DEFAULT.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else _DEFAULT.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
+    """Every field set explicitly (a seed of None stays unset), so `sampling_from_proto` gives `params` back."""
+    return worker_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
+    )
