@@ -178,6 +178,7 @@ def plot_sweep(result: Sweep, path: Path) -> None:
 
     policies = list(dict.fromkeys(p.policy for p in result.points))
     capacities = sorted({p.capacity_blocks for p in result.points})
+    replicas = sorted({p.replicas for p in result.points})
     styles = ["-", "--", ":", "-."]
     fig = Figure(figsize=(16, 4.8))
     axes = fig.subplots(1, 3)
@@ -206,6 +207,10 @@ def plot_sweep(result: Sweep, path: Path) -> None:
         if ideal is not None:
             ax.axhline(ideal, color="0.5", linewidth=1, label="ideal (one unlimited cache)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(replicas, [str(n) for n in replicas])
+        if ideal is None:  # an under-provisioned point's queue is minutes long against milliseconds elsewhere
+            ax.set_yscale("symlog", linthresh=10)
+            ax.set_ylim(bottom=0)
         ax.set_xlabel("replicas")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
