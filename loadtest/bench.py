@@ -540,17 +540,16 @@ def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]
 def plot_runs(runs: dict[str, tuple[list[RequestRecord], dict[str, int]]], path: Path, title: str) -> None:
     """TTFT and E2E CDFs (one line per run) and requests per worker (run name -> (records, worker -> requests)).
     Matplotlib's object API on the Agg canvas: no display needed, no global backend changed."""
-    import numpy as np
     from matplotlib.figure import Figure
+
+    from loadtest.plot import cdf_line, grouped_bars
 
     fig = Figure(figsize=(16, 4.8))
     ttft_ax, e2e_ax, load_ax = fig.subplots(1, 3)
     fig.suptitle(title)
     for ax, attribute, label in ((ttft_ax, "ttft_s", "TTFT"), (e2e_ax, "e2e_s", "E2E")):
         for name, (records, _) in runs.items():
-            values = np.sort([getattr(r, attribute) * 1e3 for r in records if r.ok and getattr(r, attribute)])
-            if len(values):
-                ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=name)
+            cdf_line(ax, [getattr(r, attribute) * 1e3 for r in records if r.ok and getattr(r, attribute)], name)
         ax.set_xscale("log")
         ax.set_xlabel(f"{label} (ms)")
         ax.set_ylabel("share of requests")
@@ -558,14 +557,7 @@ def plot_runs(runs: dict[str, tuple[list[RequestRecord], dict[str, int]]], path:
         if ax.lines:
             ax.legend(fontsize=8)
     workers = sorted({w for _, per_worker in runs.values() for w in per_worker})
-    width = 0.8 / max(len(runs), 1)
-    for i, (name, (_, per_worker)) in enumerate(runs.items()):
-        counts = [per_worker.get(w, 0) for w in workers]
-        load_ax.bar(np.arange(len(workers)) + i * width, counts, width, label=name)
-    load_ax.set_xticks(np.arange(len(workers)) + width * (len(runs) - 1) / 2, workers)
-    load_ax.set_xlabel("worker")
-    load_ax.set_ylabel("requests served")
-    load_ax.set_title("per-worker load")
-    load_ax.legend(fontsize=8)
+    counts = {name: [per_worker.get(w, 0) for w in workers] for name, (_, per_worker) in runs.items()}
+    grouped_bars(load_ax, counts, workers, "worker", "requests served", "per-worker load")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

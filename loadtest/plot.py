@@ -1,4 +1,4 @@
-"""`kvroute replay --plot`: one PNG comparing the policies.
+"""`kvroute replay --plot`: one PNG comparing the policies; and the panels `kvroute bench --plot` shares with it.
 
 Uses matplotlib's object API (a `Figure` rendered by the Agg canvas), never pyplot, so it needs no
 display and changes no global backend of the caller.
@@ -9,9 +9,31 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from loadtest.replay import ReplayResult
+
+
+def cdf_line(ax: Axes, values: list[float], label: str) -> None:
+    """One empirical CDF: the share of samples at or below each value."""
+    ordered = np.sort(np.asarray(values))
+    if len(ordered):
+        ax.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label)
+
+
+def grouped_bars(
+    ax: Axes, series: dict[str, list[float]], categories: list[str], xlabel: str, ylabel: str, title: str
+) -> None:
+    """One bar per (series, category), the series side by side within each category."""
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(np.arange(len(values)) + i * width, values, width, label=name)
+    ax.set_xticks(np.arange(len(categories)) + width * (len(series) - 1) / 2, categories)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
 
 
 def plot_result(result: ReplayResult, path: Path) -> None:
@@ -32,22 +54,16 @@ def plot_result(result: ReplayResult, path: Path) -> None:
     tokens_ax.tick_params(axis="x", rotation=20)
 
     for name in names:
-        samples = np.sort(np.asarray(result.policies[name].ttft_samples_ms))
-        ttft_ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples), label=name)
+        cdf_line(ttft_ax, result.policies[name].ttft_samples_ms, name)
     ttft_ax.set_xscale("log")
     ttft_ax.set_xlabel("TTFT (ms, simulated)")
     ttft_ax.set_ylabel("share of requests")
     ttft_ax.set_title("TTFT CDF")
     ttft_ax.legend(fontsize=8)
 
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        busy = result.policies[name].per_replica_busy_s
-        load_ax.bar(np.arange(len(busy)) + i * width, busy, width, label=name)
-    load_ax.set_xlabel("replica")
-    load_ax.set_ylabel("busy time (s, simulated)")
-    load_ax.set_title("per-replica load")
-    load_ax.legend(fontsize=8)
+    busy = {name: list(result.policies[name].per_replica_busy_s) for name in names}
+    replicas = [str(i) for i in range(result.config.replicas)]
+    grouped_bars(load_ax, busy, replicas, "replica", "busy time (s, simulated)", "per-replica load")
 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
