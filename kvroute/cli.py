@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# gRPC's C core logs connection events (a worker's GOAWAY at shutdown) at INFO on stderr, where they read as
+# errors; an operator who wants them sets GRPC_VERBOSITY. It must be set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
