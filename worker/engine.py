@@ -68,6 +68,11 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of KV blocks held by live requests, in [0, 1] (vLLM's kv_cache_usage_perc)."""
+        return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:

@@ -49,7 +49,7 @@ class EngineStatsCollector(Collector):
         stats = self.stats_source()
         if stats is None:
             return
-        usage = stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0
+        usage = stats.kv_cache_usage
         gauges = {
             "vllm:num_requests_running": ("Number of requests in model execution batches.", stats.num_running),
             "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", stats.num_waiting),

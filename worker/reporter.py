@@ -218,7 +218,7 @@ class WorkerReporter:
             num_waiting=stats.num_waiting,
             num_blocks_used=stats.num_blocks_used,
             num_blocks_total=stats.num_blocks_total,
-            kv_cache_usage=stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0,
+            kv_cache_usage=stats.kv_cache_usage,
             kv_event_seq=self._published_seq,
         )
         pipe = self._redis.pipeline(transaction=False)

@@ -129,7 +129,7 @@ def stats_to_proto(
         prefix_queries=stats.prefix_queries,
         prefix_hits=stats.prefix_hits,
         num_preemptions=stats.num_preemptions,
-        kv_cache_usage=stats.num_blocks_used / stats.num_blocks_total if stats.num_blocks_total else 0.0,
+        kv_cache_usage=stats.kv_cache_usage,
         prompt_tokens_total=stats.prompt_tokens_total,
         generation_tokens_total=stats.generation_tokens_total,
         kv_event_seq=kv_event_seq,
