@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvroute.cli import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes
-from loadtest.replay import _common_prefix
+from loadtest.replay import common_prefix_length
 from loadtest.traces import MOONCAKE_BLOCK_TOKENS, TraceError, json_object_line, read_mooncake
 
 DOCTOR_MODEL_ID = "doctor"
@@ -251,7 +251,7 @@ def _diagnose_app(app: str, prompts: Sequence[Prompt], block_size: int, mooncake
         if mooncake:
             histogram[depth * block] += 1
             continue
-        parted = _common_prefix(p.token_ids, reference.token_ids)
+        parted = common_prefix_length(p.token_ids, reference.token_ids)
         histogram[parted] += 1
         if parted >= p.num_tokens - 1:
             continue

@@ -512,12 +512,13 @@ def first_divergence(trace: Trace) -> Divergence:
         if previous is None:
             first += 1
             continue
-        buckets[_bucket(_common_prefix(previous, seq))] += 1
+        buckets[_bucket(common_prefix_length(previous, seq))] += 1
     labels = {f"{lo}-{hi}": buckets[(lo, hi)] for lo, hi in sorted(buckets)}
     return Divergence("blocks" if mooncake else "tokens", first, labels)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (the doctor uses it too)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
