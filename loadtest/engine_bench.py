@@ -1,10 +1,12 @@
 """Engine benchmark on CPU: kvroute's engine against HF transformers on the same weights, in one run.
 
     python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5] [--sections prefill,...]
+        [--dtype auto]
 
 To measure another CPU's branch on this one, hide its features and cap oneDNN, MKL and ATen to its ISA, e.g. an
-AVX2-only CPU: KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-ATEN_CPU_CAPABILITY=avx2. The report names the CPU, the dtype and attention path taken, and why.
+AVX2-only CPU: KVROUTE_CPU_HIDE_FLAGS=avx512f,avx512bw,avx512vl,avx512_bf16,amx_bf16 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2. The report names the CPU, the dtype and attention path
+taken, and why.
 
 Measures (medians of `--repeats` runs where affordable; the prefill runs of the engines and transformers take
 turns, so that a shared machine's load falls on all alike):
@@ -16,10 +18,10 @@ turns, so that a shared machine's load falls on all alike):
   bf16_quality  kvroute bf16 against kvroute fp32 over a few hundred positions of real text: top-1 agreement
                 and mean KL(fp32 || bf16).
 kvroute's headline figures (`prefix_ttft`, `throughput.kvroute_tok_s`, `decode_b1.kvroute_tok_s`) are for the
-engine's default dtype, named in `dtype` with `dtype_reason` (auto: bfloat16 where the CPU has bf16
-instructions, else float32); each section repeats them for float32 under `*_fp32` keys (the same engine, measured
-once, when the default is float32). Transformers runs in float32. Text comes from the docstrings of the Python standard
-library, so the benchmark needs no download.
+engine's `--dtype` (default auto, what `kvroute worker` serves), named in `dtype` with `dtype_reason` (auto:
+bfloat16 where the CPU has bf16 instructions, else float32); each section repeats them for float32 under `*_fp32`
+keys (the same engine, measured once, when it is float32). Transformers runs in float32. Text comes from the
+docstrings of the Python standard library, so the benchmark needs no download.
 """
 
 from __future__ import annotations
@@ -225,9 +227,9 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS) -> dict:
-    engine = LLMEngine(EngineConfig(model=model))  # the default dtype: what `kvroute worker` serves
-    same = engine.dtype == torch.float32  # auto took float32: the fp32 figures are the default's
+def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_name: str = "auto") -> dict:
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype_name))
+    same = engine.dtype == torch.float32  # the fp32 figures are this engine's
     fp32 = engine if same else LLMEngine(EngineConfig(model=model, dtype="float32"))
     corpus = Corpus(fp32.tokenizer.encode(real_text()))
     print(f"corpus: {len(corpus.ids)} tokens; fp32 engine {fp32.runner.num_kv_blocks} KV blocks", flush=True)
@@ -359,12 +361,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="kvroute's engine")
     args = parser.parse_args()
     sections = tuple(args.sections.split(","))
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     torch.set_num_threads(args.threads)
-    report = run(args.model, args.repeats, sections)
+    report = run(args.model, args.repeats, sections, args.dtype)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -1,5 +1,8 @@
-"""The AVX-512 BF16 attention kernel (kernels/cpu_attention.cpp) against the plain reference, the backend's
-choice of path, and the CPU-side speed-ups of the model runner (packed bf16 linears, kept heap)."""
+"""The CPU attention backend against the plain reference on the path this machine runs (the AVX-512 BF16 kernel
+in kernels/cpu_attention.cpp for bf16 models where the CPU has it; the torch path for the float32 models that
+`--dtype auto` picks elsewhere), the backend's choice of path, and the CPU-side speed-ups of the model runner
+(packed linears, kept heap). A test that needs a CPU feature this one lacks skips with the feature's name in its
+reason (`pytest -rs` lists them)."""
 
 import platform
 
@@ -10,7 +13,7 @@ from torch import nn
 
 import kernels.cpu_backend as cpu_backend
 from kernels.attention import FP8_DTYPE
-from kernels.cpu_backend import CpuAttentionBackend, unsupported_reason
+from kernels.cpu_backend import HIDE_FLAGS_ENV, CpuAttentionBackend, unsupported_reason
 from kernels.reference import make_paged_batch, reference_attend, reference_write_kv
 from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
@@ -18,19 +21,24 @@ from worker.cpu_memory import keep_freed_memory
 from worker.engine import LLMEngine
 from worker.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
-needs_kernel = pytest.mark.skipif(unsupported_reason() is not None, reason=f"{unsupported_reason()}")
-
-# bf16 inputs, P rounded to bf16 before P.V: the error is that of bf16 itself.
-ATOL, RTOL = 2e-2, 2e-2
+KERNEL_MISSING = unsupported_reason()
+needs_kernel = pytest.mark.skipif(KERNEL_MISSING is not None, reason=f"AVX-512 BF16 kernel: {KERNEL_MISSING}")
+# The dtype whose attention path this machine's `auto` models run: bf16 on the kernel, else float32 (torch path).
+MACHINE_DTYPE = torch.bfloat16 if KERNEL_MISSING is None else torch.float32
+# bf16 inputs, P rounded to bf16 before P.V: the error is that of bf16 itself. float32: summation order only.
+TOLERANCES = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 # A mixed step: a fresh prefill, decodes, an extend whose prefix ends mid-block, a chunk whose prefix ends on
 # a block boundary, a one-token prefill and a decode over a long context.
 MIXED = ([5, 1, 7, 1, 16, 1, 1], [5, 9, 20, 33, 48, 1, 70])
 
 
-def written_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, cache_dtype, seed=0):
+def written_batch(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, cache_dtype=None, seed=0, dtype=MACHINE_DTYPE
+):
+    """A random paged batch in `dtype` with its K/V written; cache_dtype None is the model's dtype."""
     batch = make_paged_batch(
-        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, cache_dtype, seed=seed
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype, seed=seed
     )
     reference_write_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping, *scales(batch))
     return batch
@@ -40,10 +48,11 @@ def scales(batch) -> tuple[float, float]:
     return batch.k_scale, batch.v_scale
 
 
-def run_kernel(batch) -> torch.Tensor:
-    """The backend, asserting that it takes the kernel's path."""
+def run_backend(batch) -> torch.Tensor:
+    """The CPU backend, asserting that it takes this machine's path for the batch: the kernel for bf16 where the
+    CPU has it, the torch path otherwise."""
     backend = CpuAttentionBackend()
-    assert backend.runs_kernel(batch.q, batch.k_cache)
+    assert backend.runs_kernel(batch.q, batch.k_cache) == (batch.q.dtype == torch.bfloat16 and KERNEL_MISSING is None)
     args = (batch.k_cache, batch.v_cache, batch.meta, batch.q.shape[-1] ** -0.5, *scales(batch))
     return backend.attend(batch.q, *args)
 
@@ -53,17 +62,19 @@ def reference(batch) -> torch.Tensor:
     return reference_attend(batch.q, *args)
 
 
-@needs_kernel
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def assert_matches_reference(batch) -> None:
+    torch.testing.assert_close(run_backend(batch), reference(batch), **TOLERANCES[batch.q.dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", [None, FP8_DTYPE], ids=["model-dtype", "fp8"])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_kernel_matches_reference_on_mixed_step(group, head_dim, block_size, cache_dtype):
+def test_backend_matches_reference_on_mixed_step(group, head_dim, block_size, cache_dtype):
     batch = written_batch(*MIXED, 2 * group, 2, head_dim, block_size, cache_dtype, seed=group)
-    torch.testing.assert_close(run_kernel(batch), reference(batch), atol=ATOL, rtol=RTOL)
+    assert_matches_reference(batch)
 
 
-@needs_kernel
 @pytest.mark.parametrize(
     "query_lens, seq_lens",
     [
@@ -74,38 +85,37 @@ def test_kernel_matches_reference_on_mixed_step(group, head_dim, block_size, cac
         ([64], [128]),  # everything on tile boundaries
     ],
 )
-def test_kernel_tiles_and_boundaries(query_lens, seq_lens):
-    batch = written_batch(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=len(query_lens))
-    torch.testing.assert_close(run_kernel(batch), reference(batch), atol=ATOL, rtol=RTOL)
+def test_backend_tiles_and_boundaries(query_lens, seq_lens):
+    assert_matches_reference(written_batch(query_lens, seq_lens, 9, 3, 64, 16, seed=len(query_lens)))
 
 
-@needs_kernel
-def test_kernel_is_finite_over_a_cache_full_of_nan():
+def test_backend_is_finite_over_a_cache_full_of_nan():
     """Keys past a sequence's end are masked; stale NaN in the rest of its last block must not leak in."""
-    batch = written_batch([5, 3], [21, 3], 4, 2, 64, 16, torch.bfloat16)
+    batch = written_batch([5, 3], [21, 3], 4, 2, 64, 16)
     for cache in (batch.k_cache, batch.v_cache):
         for i, seq_len in enumerate(batch.meta.seq_lens_cpu):
             last_block = batch.meta.block_tables[i, (seq_len - 1) // 16]
             cache[last_block, seq_len % 16 or 16 :] = float("nan")
-    torch.testing.assert_close(run_kernel(batch), reference(batch), atol=ATOL, rtol=RTOL)
+    assert_matches_reference(batch)
 
 
-@needs_kernel
-def test_backend_runs_the_kernel_for_bf16_only():
+def test_backend_picks_the_kernel_for_bf16_only_where_the_cpu_has_it():
     backend = CpuAttentionBackend()
-    bf16 = written_batch(*MIXED, 6, 2, 64, 16, torch.bfloat16)
-    assert backend.runs_kernel(bf16.q, bf16.k_cache)
+    bf16 = written_batch(*MIXED, 6, 2, 64, 16, dtype=torch.bfloat16)
+    assert backend.runs_kernel(bf16.q, bf16.k_cache) == (KERNEL_MISSING is None)
     assert not backend.runs_kernel(bf16.q.float(), bf16.k_cache.float())  # float32 models keep SDPA
     assert not backend.runs_kernel(bf16.q[..., :48], bf16.k_cache)  # head sizes the kernel was not built for
+    if KERNEL_MISSING is not None:
+        assert backend.describe(torch.bfloat16, 64) == f"cpu: torch path ({KERNEL_MISSING})"
 
 
 def test_backend_falls_back_to_torch_when_the_kernel_is_unavailable(monkeypatch):
     monkeypatch.setattr(cpu_backend, "load_kernel", lambda: False)
-    batch = written_batch(*MIXED, 6, 2, 64, 16, torch.bfloat16)
+    batch = written_batch(*MIXED, 6, 2, 64, 16, dtype=torch.bfloat16)
     backend = CpuAttentionBackend()
     assert not backend.runs_kernel(batch.q, batch.k_cache)
     out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5)
-    torch.testing.assert_close(out, reference(batch), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.bfloat16])
 
 
 def test_unsupported_reason_names_the_missing_flags(monkeypatch):
@@ -132,7 +142,7 @@ def test_bf16_engine_with_the_kernel_agrees_with_the_torch_path():
     assert (logits["cpu"].argmax(-1) == logits["torch"].argmax(-1)).float().mean().item() >= 0.95
 
 
-@pytest.mark.skipif(not packing_supported(), reason="oneDNN cannot run bf16 here")
+@pytest.mark.skipif(not packing_supported(), reason=f"oneDNN packing: {cpu_backend.native_bf16()[1]}")
 def test_packed_linear_matches_f_linear_and_packs_bf16_and_fp32_cpu_linears():
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
@@ -148,6 +158,13 @@ def test_packed_linear_matches_f_linear_and_packs_bf16_and_fp32_cpu_linears():
     assert pack_linears(model) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
     assert isinstance(model[2], nn.Linear)
+
+
+def test_nothing_is_packed_when_the_hide_switch_hides_native_bf16(monkeypatch):
+    monkeypatch.setenv(HIDE_FLAGS_ENV, "avx512_bf16,amx_bf16,bf16")
+    assert not packing_supported()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    assert pack_linears(model) == 0
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="glibc's mallopt")

@@ -7,7 +7,9 @@
 - float32: `F.linear` goes to MKL, which on this AMD CPU runs at about 215 GFLOP/s (2 threads); oneDNN runs
   the same products at about 505 (T = 404 and 2,048; 2.4x at T = 32), with float32 accumulation (results
   differ from MKL's by summation order only: relative 1e-6).
-The ops are the ones torch's own CPU compiler (inductor) uses for frozen linears.
+The ops are the ones torch's own CPU compiler (inductor) uses for frozen linears. Packing runs only where the CPU
+multiplies bf16 natively (`packing_supported`): with oneDNN capped to AVX2, packed float32 ran 1.3x slower than
+MKL at 2,048 rows and 1.6x slower at one row (SmolLM2's four layer matrices).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import logging
 
 import torch
 from torch import nn
+
+from kernels.cpu_backend import native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,11 @@ class PackedLinear(nn.Module):
 
 
 def packing_supported() -> bool:
-    """oneDNN in this torch build, with bf16 support (AVX-512 or AMX) on this CPU."""
+    """oneDNN in this torch build, on a CPU that multiplies bf16 natively (kernels.cpu_backend.native_bf16, which
+    honours $KVROUTE_CPU_HIDE_FLAGS) and that oneDNN agrees can run bf16. Elsewhere packing does not pay (see
+    above), for float32 either."""
+    if not native_bf16()[0]:
+        return False
     try:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
@@ -49,7 +57,7 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every bf16 or fp32 nn.Linear on the CPU in `model` by a PackedLinear; returns how many were
-    packed. Does nothing (returns 0) where oneDNN cannot run bf16."""
+    packed. Does nothing (returns 0) where `packing_supported()` is False."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
