@@ -67,6 +67,9 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = Field(None, description="not supported: only 1")
     logit_bias: dict[str, float] | None = Field(None, description="not supported: only empty")
     ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token (vLLM)")
+    min_tokens: int = Field(
+        0, ge=0, le=INT32_MAX, description="no end-of-sequence or stop token before this many output tokens (vLLM)"
+    )
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text (vLLM)")
     cache_salt: str | None = Field(
         None, description="isolates this client's cached prefixes (vLLM); mixed in under the tenant's own salt"
@@ -108,6 +111,7 @@ class SamplingFields(OpenAIModel):
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )

@@ -449,7 +449,10 @@ class _StreamingGeneration(Generation):
         self._path = path
         self._tenant = tenant
         self._streams = streams
-        self._texts = [ChoiceText(path.tokenizer, request.stop, request.skip_special_tokens) for _ in streams]
+        self._texts = [
+            ChoiceText(path.tokenizer, request.stop, request.skip_special_tokens, request.params.min_tokens)
+            for _ in streams
+        ]
         self._want_logprobs = request.params.logprobs
         self._span = span
         self._arrival = arrival

@@ -67,11 +67,17 @@ class StopStringMatcher:
 
 
 class ChoiceText:
-    """Detokenizer and stop matcher of one choice: `add(token_ids)` gives the text to stream."""
+    """Detokenizer and stop matcher of one choice: `add(token_ids)` gives the text to stream. As in vLLM, stop
+    strings are looked for only once the choice has more than `min_tokens` tokens (text that arrived before
+    streams unmatched)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stops: Sequence[str], skip_special_tokens: bool = True, min_tokens: int = 0
+    ) -> None:
         self._detokenizer = tokenizer.incremental_detokenizer(skip_special_tokens)
         self.matcher = StopStringMatcher(stops)
+        self.min_tokens = min_tokens
+        self._num_tokens = 0
 
     @property
     def stopped(self) -> bool:
@@ -79,7 +85,9 @@ class ChoiceText:
         return self.matcher.matched is not None
 
     def add(self, token_ids: Sequence[int]) -> str:
-        return self.matcher.feed(self._detokenizer.add(token_ids))
+        text = self._detokenizer.add(token_ids)
+        self._num_tokens += len(token_ids)
+        return text if self._num_tokens <= self.min_tokens else self.matcher.feed(text)
 
     def finish(self) -> str:
         """The rest of the text when the worker's stream ended (an incomplete character decodes as U+FFFD)."""

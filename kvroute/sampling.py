@@ -30,6 +30,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # stopping tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens
     logprobs: bool = False  # report the logprob of each chosen token
     top_logprobs: int = 0  # with logprobs: also the top_logprobs most likely tokens at each position
 
@@ -49,6 +50,10 @@ class SamplingParams:
             raise InvalidRequest("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(
                 "stop_token_ids", f"has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"

@@ -24,6 +24,7 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams, default_max_tokens: int 
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
     )
@@ -39,6 +40,7 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         seed=params.seed,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
     )

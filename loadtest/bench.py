@@ -3,9 +3,11 @@ worker's own HTTP port, or another router) and report the latencies users feel.
 
 Arrivals: `--rate R` is open-loop Poisson at R requests/s (seeded); `--concurrency C` keeps C requests in
 flight; neither replays the workload's own timestamps. In every mode a request that continues a
-conversation (`BenchRequest.after`) is sent only once the turn before it has finished. `--requests N`
-takes the workload's first N requests; `--duration S` stops sending after S seconds (requests in flight
-finish and count; requests not sent do not).
+conversation (`BenchRequest.after`) is sent only once the turn before it has finished, and a request with a
+think time (`chat`'s turns) waits that long more, holding no concurrency slot meanwhile. Sessions are
+closed-loop by default (`--history live`): a chat turn carries the answers the server streamed for the
+session's earlier turns, as a chat client does. `--requests N` takes the workload's first N requests;
+`--duration S` stops sending after S seconds (requests in flight finish and count; requests not sent do not).
 
 Every request streams (`stream_options.include_usage`), so TTFT, ITL and the server's token counts come
 from the stream itself; the statistics are loadtest.bench_stats'. `--compare` runs one fleet per entry
@@ -33,7 +35,7 @@ import orjson
 
 from kvroute.cli import UserError
 from loadtest.bench_stats import OK, SLO, RequestRecord, Summary, format_summary, summarize
-from loadtest.render import BenchRequest, RenderError, Workload, render, workload_names
+from loadtest.render import CHAT_THINK_MS, BenchRequest, RenderError, Workload, render, workload_names
 from loadtest.traces import MOONCAKE_BLOCK_TOKENS
 
 WORKER_HEADER = "x-kvroute-worker"
@@ -93,6 +95,7 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
+    exact_length: bool = False  # min_tokens = max_tokens
 
     def headers(self, request: BenchRequest) -> dict[str, str]:
         headers = {"content-type": "application/json"}
@@ -118,12 +121,16 @@ class Target:
             body["cache_salt"] = request.cache_salt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.exact_length:
+            body["min_tokens"] = request.max_tokens
         return body
 
 
 async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequest, t0: float) -> RequestRecord:
     """Send one streaming request and time it (see loadtest.bench_stats for the definitions). Never raises
-    for a failed request: the record's status names the kind of failure."""
+    for a failed request: the record's status names the kind of failure. A stream that ends properly with
+    no text but output tokens in its usage (a model that ended its turn at once) completed, with no TTFT,
+    as vLLM's benchmark counts it; one with neither is `empty_stream`."""
     payload = orjson.dumps(target.body(request))
     start = time.perf_counter()
     record = RequestRecord(request.index, start - t0, session=request.session)
@@ -173,7 +180,7 @@ async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequ
     record.output_text = "".join(pieces)
     if not done:
         return _failed(record, "incomplete_stream", "the stream ended without data: [DONE]")
-    if record.ttft_s is None:
+    if record.ttft_s is None and record.output_tokens == 0:
         return _failed(record, "empty_stream", "no content in the stream")
     return record
 
@@ -215,7 +222,9 @@ class HttpSender:
 class GrpcSender:
     """Streams each request through the gateway's gRPC front door (`Gateway.Generate`) on one channel."""
 
-    def __init__(self, address: str, api_key: str | None, ignore_eos: bool, timeout_s: float) -> None:
+    def __init__(
+        self, address: str, api_key: str | None, ignore_eos: bool, timeout_s: float, exact_length: bool = False
+    ) -> None:
         import grpc
 
         from proto import gateway_pb2_grpc
@@ -224,6 +233,7 @@ class GrpcSender:
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._ignore_eos = ignore_eos
+        self._exact_length = exact_length
         self._timeout_s = timeout_s
 
     async def send(self, request: BenchRequest, t0: float) -> RequestRecord:
@@ -233,7 +243,10 @@ class GrpcSender:
         from proto import gateway_pb2, worker_pb2
 
         sampling = worker_pb2.SamplingParams(
-            max_tokens=request.max_tokens, temperature=0.0, ignore_eos=self._ignore_eos
+            max_tokens=request.max_tokens,
+            temperature=0.0,
+            ignore_eos=self._ignore_eos,
+            min_tokens=request.max_tokens if self._exact_length else 0,
         )
         message = gateway_pb2.GatewayGenerateRequest(
             sampling=sampling, session_id=request.session or "", cache_salt=request.cache_salt
@@ -266,7 +279,7 @@ class GrpcSender:
             return _failed(record, f"grpc_{exc.code().name.lower()}", exc.details() or "")
         record.e2e_s = time.perf_counter() - start
         record.output_text = "".join(pieces)
-        if record.ttft_s is None:
+        if record.ttft_s is None and record.output_tokens == 0:
             return _failed(record, "empty_stream", "no text in the stream")
         return record
 
@@ -282,17 +295,20 @@ async def run_requests(
     make_sender: Callable[[], Sender],
     arrivals: Arrivals,
     progress: bool = True,
-    live_history: bool = False,
+    live_history: bool = True,
 ) -> tuple[list[RequestRecord], float]:
     """Send the workload through a sender made inside this event loop (gRPC channels bind to the loop they
     are made in); returns the records of the requests sent (by index) and the run's duration: from the
-    first send to the last finish. With `live_history`, a chat turn carries the answers the server gave to
-    the session's earlier turns instead of the logged ones (as a chat client does)."""
+    first send to the last finish. A request is sent `think_s` after the later of its arrival time (none
+    under fixed concurrency) and its previous turn's finish. With `live_history`, a chat turn carries the
+    answers the server gave to the session's earlier turns instead of the logged ones (as a chat client
+    does)."""
     requests = workload.requests
     answers: dict[int, str] = {}
     sender = make_sender()
     send_at = arrivals.send_times(requests)
     finished = [asyncio.Event() for _ in requests]
+    finished_at = [0.0] * len(requests)
     slots = asyncio.Semaphore(arrivals.concurrency) if arrivals.concurrency else None
     records: list[RequestRecord] = []
     bar = _progress_bar(len(requests), workload.name, progress)
@@ -301,14 +317,16 @@ async def run_requests(
 
     async def one(request: BenchRequest) -> None:
         try:
-            if send_at is not None:
-                if deadline is not None and t0 + send_at[request.index] >= deadline:
-                    return
-                await asyncio.sleep(max(0.0, t0 + send_at[request.index] - time.perf_counter()))
+            ready = t0 if send_at is None else t0 + send_at[request.index]
+            if deadline is not None and ready >= deadline:
+                return
+            await asyncio.sleep(max(0.0, ready - time.perf_counter()))
             if request.after is not None:
                 await finished[request.after].wait()
+                ready = max(ready, finished_at[request.after])
                 if live_history:
                     request = with_answers(request, requests, answers)
+            await asyncio.sleep(max(0.0, ready + request.think_s - time.perf_counter()))
             if slots is not None:
                 await slots.acquire()
             try:
@@ -324,6 +342,7 @@ async def run_requests(
                 if slots is not None:
                     slots.release()
         finally:
+            finished_at[request.index] = time.perf_counter()
             finished[request.index].set()
 
     try:
@@ -410,12 +429,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
     parser.add_argument(
         "--history",
-        choices=("logged", "live"),
-        default="logged",
-        help="chat turns resend the logged answers (the same prompts for every router; default) or the answers "
-        "the server gave (as a chat client does: a real model's answer can then be reused from the cache)",
+        choices=("live", "logged"),
+        default="live",
+        help="chat turns carry the answers the server streamed (closed-loop sessions, as a chat client; default: "
+        "the worker that decoded an answer holds its KV) or resend the logged answers (no worker computed them)",
+    )
+    parser.add_argument(
+        "--think-ms",
+        type=float,
+        default=CHAT_THINK_MS,
+        help=f"chat: mean think time before each turn, exponential and seeded (default {CHAT_THINK_MS:g}; 0: none)",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
+    parser.add_argument(
+        "--exact-length",
+        action="store_true",
+        help="send min_tokens = max_tokens: every answer has the workload's length and, unlike --ignore-eos, no "
+        "end-of-turn token inside it, so a closed-loop chat's next turn still hits the answer's cached KV",
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-request timeout, s")
     parser.add_argument(
         "--tokenizer", default="smollm2", help="model spec whose tokenizer renders the text (default smollm2)"
@@ -455,7 +486,12 @@ def workload_from(args: argparse.Namespace) -> Workload:
         requests = math.ceil(args.rate * args.duration) + 1  # enough to keep the rate for the whole duration
     try:
         workload = render(
-            args.workload, requests, seed=args.seed, model=args.tokenizer, block_tokens=args.trace_block_tokens
+            args.workload,
+            requests,
+            seed=args.seed,
+            model=args.tokenizer,
+            block_tokens=args.trace_block_tokens,
+            think_ms=args.think_ms,
         )
     except RenderError as exc:
         raise UserError(str(exc)) from None
@@ -483,10 +519,12 @@ def run(args: argparse.Namespace) -> int:
     make_sender: Callable[[], Sender]
     if args.grpc:
         model = args.served_model_name or "the served model"
-        make_sender = partial(GrpcSender, args.url, args.api_key, args.ignore_eos, args.timeout)
+        make_sender = partial(GrpcSender, args.url, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
     else:
         model = args.served_model_name or asyncio.run(served_model(args.url, args.api_key))
-        make_sender = partial(HttpSender, Target(args.url, model, args.api_key, args.ignore_eos, args.timeout))
+        make_sender = partial(
+            HttpSender, Target(args.url, model, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
+        )
     workload = workload_from(args)
     print(
         f"kvroute bench: {len(workload.requests):,} requests of {workload.name} to {args.url} ({model}), "

@@ -7,6 +7,8 @@ Per request, times from the moment the request is sent:
   ITL   the gaps between consecutive content chunks (pooled over all requests for its percentiles);
   E2E   the last byte of the stream (after `[DONE]`);
   TPOT  (E2E - TTFT) / (output tokens - 1), only for requests with more than one output token.
+A request whose answer has no text (the model ended its turn at once: output tokens, no content) completed
+and has an E2E but no TTFT, so it is left out of the TTFT percentiles (vLLM counts it a success too).
 Output, prompt and cached tokens are the server's `usage` (`prompt_tokens_details.cached_tokens`).
 
 Summary:

@@ -7,9 +7,11 @@ gRPC ports), or `smg:POLICY` / `vllm-router:POLICY` (that router over the worker
 
 Every router is measured alike, from the workers' own Prometheus counters read before and after the
 run: prefill tokens = prompt tokens received - prefix-cache hits, the cached-token share, and requests
-per worker. Latencies are the client's (loadtest.bench_stats). Router overhead: before the workload, short
-probe requests (one output token) go alternately through the router and straight to a worker's HTTP
-port; the overhead is the difference of their TTFT percentiles.
+per worker. Latencies are the client's (loadtest.bench_stats). Router overhead: after the workload, on the
+idle fleet, short probe requests go alternately through the router and straight to a worker's HTTP port;
+the overhead is the difference of their TTFT percentiles. After, not before: identical probes through a
+router would be the first traffic it learns from (our gateway's common-prefix sketch, smg's tree), and the
+replay's prediction, which sees only the workload, would then start from another state.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -51,6 +53,9 @@ from loadtest.bench import (
 )
 from loadtest.bench_stats import RequestRecord, Summary, format_summary, summarize
 from loadtest.render import BenchRequest, Workload
+
+if TYPE_CHECKING:
+    from kvroute.tokenizer import Tokenizer
 
 KVROUTE = "kvroute"
 PEERS = ("smg", "vllm-router")
@@ -366,9 +371,10 @@ def run_entry(
     with Fleet(entry, config, log_dir) as fleet:
         model = args.served_model_name or config.model
         capacity_blocks = worker_capacity_blocks(fleet.workers[0].grpc_port)
-        overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
         before = fleet.counters()
-        make_sender = partial(HttpSender, Target(fleet.url, model, None, args.ignore_eos, args.timeout))
+        make_sender = partial(
+            HttpSender, Target(fleet.url, model, None, args.ignore_eos, args.timeout, args.exact_length)
+        )
         records, duration = asyncio.run(
             run_requests(
                 workload, make_sender, arrivals, progress=not args.no_progress, live_history=args.history == "live"
@@ -376,6 +382,7 @@ def run_entry(
         )
         time.sleep(0.2)  # the last request's counters are updated as its stream ends
         workers = counter_delta(before, fleet.counters())
+        overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
     summary = summarize(records, duration, slo_from(args))
     return RunResult(entry, records, summary, workers, overhead, capacity_blocks)
 
@@ -498,7 +505,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if not args.no_predict:
         for result in results.values():
             if result.entry.router == KVROUTE and result.records:
-                result.prediction = predict(workload, result, args.workers, args.tokenizer, config.worker_args)
+                result.prediction = predict(workload, result, config, args.tokenizer, args.history == "live")
     print(format_table(results))
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})")
@@ -535,44 +542,81 @@ def _log_dir(keep: Path | None) -> Iterator[Path]:
 
 
 def predict(
-    workload: Workload, run: RunResult, workers: int, tokenizer_spec: str, worker_args: tuple[str, ...] = ()
+    workload: Workload, run: RunResult, config: FleetConfig, tokenizer_spec: str, live_history: bool = True
 ) -> dict[str, Any]:
     """The replay's prediction for one kvroute run: the prompts exactly as the workers received them
-    (rendered, templated, tokenized), in the order and at the times the bench sent them in that run, over
-    `workers` replicas of the run's cache size and the sim workers' cost model (`worker_args`). No known
-    answers: the model's own answer is never the logged one, so a later turn cannot reuse it."""
+    (rendered, with the run's own answers in closed-loop chats, templated, tokenized), in the order and at
+    the times the bench sent them in that run, over replicas named as the live workers (so the replay's hash
+    ring is the gateway's) with the live model's block hashes, the run's cache size and the sim workers'
+    cost model (`config.worker_args`). Each request's answer is the text the fleet streamed, tokenized in
+    place after its prompt: its worker holds that KV when it finishes, as a worker caches the blocks its
+    decoded tokens fill, and a next turn that carries the answer back (closed loop) reuses it. The stream
+    has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
+    model's text does not, the replay over-predicts that turn's reuse."""
+    from gateway.auth import OPEN_TENANT, cache_salt
+    from kvroute.model_source import resolve_model
+    from loadtest.bench import with_answers
     from loadtest.render import token_ids, vocabulary
     from loadtest.replay import ReplayConfig, replay
     from loadtest.traces import Trace, TraceRequest
 
     tokenizer = vocabulary(tokenizer_spec).tokenizer
+    answers = {r.index: r.output_text for r in run.records if r.ok}
     requests = []
     for record in sorted(run.records, key=lambda r: r.sent_s):
         request = workload.requests[record.index]
+        if live_history:
+            request = with_answers(request, workload.requests, answers)
         ids = tuple(token_ids(request, tokenizer))
         requests.append(
             TraceRequest(
                 record.sent_s * 1e3,
                 len(ids),
-                request.max_tokens,
+                max(record.output_tokens, 1) if record.ok else request.max_tokens,
                 token_ids=ids,
+                output_token_ids=decoded_ids(request, ids, answers.get(record.index), record.output_tokens, tokenizer),
                 session_id=request.session,
-                cache_salt=request.cache_salt,
+                cache_salt=cache_salt(OPEN_TENANT, request.cache_salt),
             )
         )
     trace = Trace(f"live:{workload.name}", "tokens", DEFAULT_BLOCK_SIZE, tuple(requests))
-    config = ReplayConfig(
-        replicas=workers, policies=(run.entry.policy,), capacity_blocks=run.capacity_blocks, **sim_costs(worker_args)
+    names = tuple(run.workers["per_worker_requests"])
+    replay_config = ReplayConfig(
+        replicas=config.workers,
+        policies=(run.entry.policy,),
+        capacity_blocks=run.capacity_blocks,
+        replica_names=names,
+        model_id=resolve_model(config.model).model_id,
+        **sim_costs(config.worker_args),
     )
-    replayed = replay(trace, config)
+    replayed = replay(trace, replay_config)
     result = replayed.policies[run.entry.policy]
     return {
         "prefill_tokens": result.prefill_tokens,
         "ideal_prefill_tokens": replayed.ideal_prefill_tokens,
         "hit_rate": round(result.hit_rate, 6),
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
-        "per_worker_requests": result.per_replica_requests,
+        "per_worker_requests": dict(zip(names, result.per_replica_requests, strict=False)),
+        "reasons": result.reasons,
     }
+
+
+def decoded_ids(
+    request: BenchRequest, prompt_ids: tuple[int, ...], answer: str | None, output_tokens: int, tokenizer: Tokenizer
+) -> tuple[int, ...]:
+    """The ids of `answer` as they follow the prompt when the conversation is tokenized with it (chat: as the
+    assistant message; completion: appended), at most `output_tokens`; () for no answer, or when the prompt
+    does not tokenize the same with the answer after it."""
+    if not answer:
+        return ()
+    if request.messages is not None:
+        messages = [*request.messages, {"role": "assistant", "content": answer}]
+        full = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+    else:
+        full = tokenizer.encode((request.prompt or "") + answer)
+    if tuple(full[: len(prompt_ids)]) != prompt_ids:
+        return ()
+    return tuple(full[len(prompt_ids) : len(prompt_ids) + output_tokens])
 
 
 def sim_costs(worker_args: tuple[str, ...]) -> dict[str, float]:

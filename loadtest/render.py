@@ -13,8 +13,13 @@ Sources (`--workload`):
                it only after that one finished, as a user would.
   chat         multi-turn chat sessions as `/v1/chat/completions` messages: one 1,000-token system
                prompt shared by every session, 100-token questions, 300-token answers, 8 turns. Each
-               turn resends the whole conversation with the logged answers (the model's own answer is
-               discarded), so every router sees the same prompts.
+               turn resends the whole conversation. Its assistant messages are the logged answers; the
+               bench replaces them with the answers the fleet streamed (closed-loop sessions, its
+               default), so a turn carries the tokens its session's worker decoded last turn. Every turn
+               (the first too: the user types the question) is sent `think_s` after the session's
+               previous answer finished or its schedule allows, whichever is later: exponential with
+               mean `think_ms`, drawn from the seed, so every router gets the same pauses. The
+               schedule (`arrival_s`) starts sessions 250 ms apart on average, turns 10 s apart.
   trace:FILE   a Mooncake trace: one fixed block of text per hash id (seeded by the id, so equal ids give
                equal text), `block_tokens` words each (512 as in Mooncake; fewer scales the whole trace
                down, output lengths too, so a CPU fleet can serve it); the last block of a prompt is the
@@ -26,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -38,6 +42,7 @@ from kvroute.model_source import resolve_model, smollm2_gguf_path
 from kvroute.tokenizer import Tokenizer
 from loadtest.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest, read_mooncake
 from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
+from worker.sim_words import single_token_words
 
 TRACE_PREFIX = "trace:"
 SYNTHETIC_PREFIX = "synthetic:"
@@ -48,8 +53,8 @@ CHAT_ANSWER_TOKENS = 300
 CHAT_TURNS = 8
 CHAT_DEFAULT_REQUESTS = 256
 CHAT_MEAN_GAP_MS = 250.0  # between session starts
-CHAT_THINK_MS = 10_000.0  # the replay's clock between a session's turns (the bench waits for the answer instead)
-_WORD = re.compile(r"Ġ[a-z]{3,12}")  # byte-level BPE writes the leading space as "Ġ"
+CHAT_ANSWER_MS = 10_000.0  # the schedule's gap between a session's turns (the bench waits for the answer instead)
+CHAT_THINK_MS = 5_000.0  # mean think time before each turn (see the module docstring)
 
 
 class RenderError(ValueError):
@@ -68,6 +73,7 @@ class BenchRequest:
     session: str | None = None
     after: int | None = None  # index of the request this one follows (its session's previous turn)
     cache_salt: str = ""
+    think_s: float = 0.0  # the pause before sending, after the previous turn finished or the schedule allows
 
     @property
     def endpoint(self) -> str:
@@ -84,13 +90,12 @@ class Workload:
 
 
 class Vocabulary:
-    """Token id -> a word that is one token of the tokenizer with its leading space."""
+    """Token id -> a word that is one token of the tokenizer with its leading space (worker.sim_words: the
+    words `sim` workers answer in)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        candidates = sorted(w[1:] for w in tokenizer.backend.get_vocab() if _WORD.fullmatch(w))
-        encoded = tokenizer.backend.encode_batch([" " + w for w in candidates], add_special_tokens=False)
-        self.words = [" " + w for w, e in zip(candidates, encoded, strict=True) if len(e.ids) == 1]
+        self.words = [word.text for word in single_token_words(tokenizer)]
         if len(self.words) < 1000:
             raise RenderError(f"the tokenizer has only {len(self.words)} single-token words; need 1,000 or more")
 
@@ -124,16 +129,20 @@ def render(
     model: str = "smollm2",
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    think_ms: float = CHAT_THINK_MS,
 ) -> Workload:
-    """Render workload `name` (see the module docstring); the first `requests` of it when given."""
+    """Render workload `name` (see the module docstring); the first `requests` of it when given. `think_ms`
+    is `chat`'s mean think time before a turn (0: none)."""
     if requests is not None and requests < 1:
         raise RenderError(f"requests must be >= 1, got {requests}")
+    if not (think_ms >= 0 and math.isfinite(think_ms)):
+        raise RenderError(f"think time must be >= 0 ms, got {think_ms}")
     vocab = vocabulary(model)
     if name.startswith(TRACE_PREFIX):
         return render_mooncake(name.removeprefix(TRACE_PREFIX), vocab, requests, block_tokens)
     name = name.removeprefix(SYNTHETIC_PREFIX)
     if name == CHAT:
-        return render_chat(vocab, requests or CHAT_DEFAULT_REQUESTS, seed)
+        return render_chat(vocab, requests or CHAT_DEFAULT_REQUESTS, seed, think_ms=think_ms)
     try:
         trace = generate(name, requests, seed=seed, block_size=block_size)
     except WorkloadError as exc:
@@ -167,9 +176,12 @@ def render_token_trace(trace: Trace, vocab: Vocabulary) -> Workload:
     return Workload(trace.name, tuple(out), trace)
 
 
-def render_chat(vocab: Vocabulary, n: int, seed: int, turns: int = CHAT_TURNS) -> Workload:
+def render_chat(
+    vocab: Vocabulary, n: int, seed: int, turns: int = CHAT_TURNS, think_ms: float = CHAT_THINK_MS
+) -> Workload:
     """`n` chat turns in sessions of `turns` (see the module docstring), with the token-id trace the replay
-    simulates for them (the logged answer is the one the replay's cache keeps)."""
+    simulates for them (the logged answer is the one the replay's cache keeps). The token ids do not depend
+    on `think_ms`."""
     rng = random.Random(seed)
 
     def ids(count: int) -> list[int]:
@@ -183,16 +195,17 @@ def render_chat(vocab: Vocabulary, n: int, seed: int, turns: int = CHAT_TURNS) -
         messages: list[dict[str, str]] = [{"role": "system", "content": vocab.text(system)}]
         for turn in range(min(turns, n - len(turns_out))):
             question, answer = ids(CHAT_QUESTION_TOKENS), ids(CHAT_ANSWER_TOKENS)
+            think_s = think_ms * rng.expovariate(1.0) / 1e3
             messages = [*messages, {"role": "user", "content": vocab.text(question)}]
             prompt = history + question
             name = f"chat-{session}"
             token_request = TraceRequest(
                 at, len(prompt), len(answer), token_ids=tuple(prompt), output_token_ids=tuple(answer), session_id=name
             )
-            turns_out.append(_Turn(at, session, turn, tuple(messages), token_request))
+            turns_out.append(_Turn(at, session, turn, tuple(messages), token_request, round(think_s, 6)))
             messages = [*messages, {"role": "assistant", "content": vocab.text(answer)}]
             history = prompt + answer
-            at = round(at + CHAT_THINK_MS + rng.expovariate(1 / CHAT_THINK_MS), 3)
+            at = round(at + CHAT_ANSWER_MS, 3)
         start_ms += rng.expovariate(1 / CHAT_MEAN_GAP_MS)
     turns_out.sort(key=lambda t: (t.at_ms, t.session, t.turn))
     index = {(t.session, t.turn): i for i, t in enumerate(turns_out)}
@@ -204,6 +217,7 @@ def render_chat(vocab: Vocabulary, n: int, seed: int, turns: int = CHAT_TURNS) -
             messages=t.messages,
             session=t.token_request.session_id,
             after=index.get((t.session, t.turn - 1)),
+            think_s=t.think_s,
         )
         for i, t in enumerate(turns_out)
     )
@@ -218,6 +232,7 @@ class _Turn:
     turn: int
     messages: tuple[dict[str, str], ...]
     token_request: TraceRequest
+    think_s: float
 
 
 def render_mooncake(path: str, vocab: Vocabulary, requests: int | None, block_tokens: int) -> Workload:

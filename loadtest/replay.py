@@ -65,11 +65,21 @@ class ReplayConfig:
     min_in_flight: int = 3
     seed: int = 0
     progress: bool = False
+    # The replicas' names (default replica-0, replica-1, ...): a live fleet's worker ids put the replay's
+    # hash ring where the gateway's is, so a session's key has the same owner in both.
+    replica_names: tuple[str, ...] | None = None
+    # The model id block hashes are computed with: a live fleet's (e.g. "sim-v1") gives the gateway's very
+    # hashes, hence its ring keys; a salt is the trace request's, as the gateway would compute it.
+    model_id: str = REPLAY_MODEL_ID
 
     def __post_init__(self) -> None:
         for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight"):
             if getattr(self, name) < 1:
                 raise ReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.replica_names is not None and (
+            len(self.replica_names) != self.replicas or len(set(self.replica_names)) != self.replicas
+        ):
+            raise ReplayError(f"replica_names must be {self.replicas} distinct names, got {list(self.replica_names)}")
         for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -186,7 +196,7 @@ class _Prepared:
     session: str
 
 
-def _prepare(trace: Trace) -> list[_Prepared]:
+def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
     out = []
     for i, req in enumerate(trace.requests):
         if trace.kind == "mooncake":
@@ -197,10 +207,10 @@ def _prepare(trace: Trace) -> list[_Prepared]:
             session = str(keys[min(1, len(keys) - 1)])
         else:
             keys = block_hashes(
-                req.token_ids, model_id=REPLAY_MODEL_ID, cache_salt=req.cache_salt, block_size=trace.block_size
+                req.token_ids, model_id=model_id, cache_salt=req.cache_salt, block_size=trace.block_size
             )
             usable = (req.input_length - 1) // trace.block_size
-            finish_keys = keys + _answer_hashes(req, keys, trace.block_size)
+            finish_keys = keys + _answer_hashes(req, keys, trace.block_size, model_id)
             kv_tokens = req.input_length + max(req.output_length - 1, 0)
             session = req.session_id if req.session_id is not None else f"request-{i}"
         route = RouteRequest(f"req-{i}", keys, req.input_length, req.session_id)
@@ -212,7 +222,7 @@ def _prepare(trace: Trace) -> list[_Prepared]:
     return out
 
 
-def _answer_hashes(req: TraceRequest, prompt_keys: list, block_size: int) -> list:
+def _answer_hashes(req: TraceRequest, prompt_keys: list, block_size: int, model_id: str) -> list:
     if not req.output_token_ids:
         return []
     # Only the answer's first output_length - 1 tokens get KV (the last sampled token is never fed back).
@@ -220,7 +230,7 @@ def _answer_hashes(req: TraceRequest, prompt_keys: list, block_size: int) -> lis
     parent = prompt_keys[-1] if prompt_keys else None
     tail = kv_tokens[len(prompt_keys) * block_size :]
     if parent is None:
-        return block_hashes(tail, model_id=REPLAY_MODEL_ID, cache_salt=req.cache_salt, block_size=block_size)
+        return block_hashes(tail, model_id=model_id, cache_salt=req.cache_salt, block_size=block_size)
     return extend_block_hashes(parent, tail, block_size)
 
 
@@ -306,7 +316,8 @@ class Simulation:
         self.tick = tick
         n = config.replicas
         width = len(str(n - 1))
-        self.replicas = [_Replica(f"replica-{i:0{width}d}", config.capacity_blocks, trace.block_size) for i in range(n)]
+        names = config.replica_names or tuple(f"replica-{i:0{width}d}" for i in range(n))
+        self.replicas = [_Replica(name, config.capacity_blocks, trace.block_size) for name in names]
         names = tuple(r.name for r in self.replicas)
         self.fleet = FleetView.empty(names)
         self.feed_index = shared or gateways == 1
@@ -424,7 +435,7 @@ class Simulation:
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay `trace` once per policy (and, with G > 1 gateways, once more with one gateway), and once
     with the bounded oracle (one gateway) whether or not it is among the policies; it is the last result."""
-    prepared = _prepare(trace)
+    prepared = _prepare(trace, config.model_id)
     _check_fits(trace, prepared, config)
     policies = [p for p in config.policies if p != ORACLE]
     runs = len(policies) * (2 if config.gateways > 1 else 1) + 1
@@ -458,7 +469,7 @@ def _run(
 
 def simulate(trace: Trace, policy: str, config: ReplayConfig) -> Simulation:
     """Run one policy through one gateway (the shared view) and return the finished simulation."""
-    prepared = _prepare(trace)
+    prepared = _prepare(trace, config.model_id)
     _check_fits(trace, prepared, config)
     sim = Simulation(trace, prepared, policy, 1, True, config, lambda: None)
     sim.run()

@@ -10,7 +10,15 @@ from pathlib import Path
 
 from kvroute.cli import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
-from loadtest.replay import ORACLE, REPLAY_POLICIES, ReplayConfig, ReplayError, ReplayResult, replay
+from loadtest.replay import (
+    ORACLE,
+    REPLAY_MODEL_ID,
+    REPLAY_POLICIES,
+    ReplayConfig,
+    ReplayError,
+    ReplayResult,
+    replay,
+)
 from loadtest.traces import Trace, TraceError, read_mooncake
 from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
 
@@ -65,6 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ReplayConfig.min_in_flight,
         help=f"no replica counts as overloaded below this many in flight (default {ReplayConfig.min_in_flight})",
     )
+    parser.add_argument(
+        "--replica-names",
+        default=None,
+        metavar="A,B,...",
+        help="name the replicas as a live fleet's worker ids (its gateway's hash ring; default replica-0, ...)",
+    )
+    parser.add_argument(
+        "--model-id",
+        default=REPLAY_MODEL_ID,
+        help=f"model id of the block hashes: a live fleet's (e.g. sim-v1) for its gateway's keys (default "
+        f"{REPLAY_MODEL_ID}; token-id traces only)",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG comparing the policies")
 
@@ -89,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             min_in_flight=args.min_in_flight,
             seed=args.seed,
             progress=len(trace.requests) >= 2000,
+            replica_names=None if args.replica_names is None else tuple(args.replica_names.split(",")),
+            model_id=args.model_id,
         )
         result = replay(trace, config)
     except ReplayError as exc:

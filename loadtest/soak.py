@@ -235,7 +235,9 @@ def run_soak(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             fleet.start()
             model = args.served_model_name or args.model
-            targets = [Target(url, model, None, args.ignore_eos, args.timeout) for url in fleet.gateway_urls]
+            targets = [
+                Target(url, model, None, args.ignore_eos, args.timeout, args.exact_length) for url in fleet.gateway_urls
+            ]
             senders: list[FailoverSender] = []
 
             def make_sender() -> FailoverSender:
@@ -244,7 +246,13 @@ def run_soak(args: argparse.Namespace) -> int:
 
             async def soak() -> tuple[list[RequestRecord], float]:
                 faults = asyncio.create_task(fleet.faults(args.duration, fault_log))
-                result = await run_requests(workload, make_sender, arrivals, progress=not args.no_progress)
+                result = await run_requests(
+                    workload,
+                    make_sender,
+                    arrivals,
+                    progress=not args.no_progress,
+                    live_history=args.history == "live",
+                )
                 await faults
                 return result
 

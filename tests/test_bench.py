@@ -20,6 +20,7 @@ from loadtest.render import (
     CHAT_ANSWER_TOKENS,
     CHAT_QUESTION_TOKENS,
     CHAT_SYSTEM_TOKENS,
+    CHAT_THINK_MS,
     BenchRequest,
     RenderError,
     dump_jsonl,
@@ -157,6 +158,44 @@ def test_chat_sessions_share_the_system_prompt_and_grow_turn_by_turn(tokenizer):
     assert [t.input_length for t in trace if t.session_id == "chat-0"][:3] == [1100, 1500, 1900]
 
 
+def test_chat_think_times_are_seeded_exponential_and_leave_the_tokens_alone():
+    requests = render("chat", 256, seed=3).requests
+    thinks = np.asarray([r.think_s for r in requests])
+    assert thinks.min() > 0 and thinks.mean() == pytest.approx(CHAT_THINK_MS / 1e3, rel=0.2)
+    assert [r.think_s for r in render("chat", 256, seed=3).requests] == thinks.tolist()
+    quick = render("chat", 256, seed=3, think_ms=0).requests
+    assert {r.think_s for r in quick} == {0.0}
+    assert [r.messages for r in quick] == [r.messages for r in requests]
+    with pytest.raises(RenderError, match="think time"):
+        render("chat", 8, think_ms=-1)
+
+
+def test_sim_answers_are_single_token_words_that_round_trip_through_the_chat_template(tokenizer):
+    """A sim worker's answer, detokenized and sent back as the next turn's assistant message, tokenizes to the
+    ids it decoded: the prompt, then exactly those ids, so the blocks they filled on its worker are a hit."""
+    from worker.config import EngineConfig
+    from worker.sim_runner import SimRunner
+    from worker.sim_words import single_token_words
+
+    first = render("chat", 1, seed=4, think_ms=0).requests[0]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(list(first.messages)))
+
+    def answer(seed: int) -> list[int]:
+        runner = SimRunner(EngineConfig(model="sim", seed=seed), tokenizer=tokenizer)
+        context = list(prompt)
+        for _ in range(CHAT_ANSWER_TOKENS):
+            context.append(runner.next_token(context[-1], len(context)))
+        return context[len(prompt) :]
+
+    ids = answer(seed=0)
+    assert ids == answer(seed=0) != answer(seed=1)
+    assert set(ids) <= {w.token_id for w in single_token_words(tokenizer)} and len(set(ids)) > 250
+    text = tokenizer.decode(ids)
+    messages = [*first.messages, {"role": "assistant", "content": text}, {"role": "user", "content": " next"}]
+    again = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert again[: len(prompt) + len(ids)] == prompt + ids
+
+
 def test_synthetic_conversations_follow_their_previous_turn_and_others_do_not():
     multiturn = render("multiturn", 12).requests
     assert multiturn[0].endpoint == "/v1/completions"
@@ -264,13 +303,14 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
 
 def test_a_short_compare_run_reports_every_router_alike(tmp_path):
     """Two fresh fleets of 2 sim workers (kv_aware, then smg's cache_aware over the workers' HTTP ports), the
-    same 5 chat turns; figures from the workers' own counters. Most of its time is the workers' start (torch
-    import, tokenizer), so it sends few requests and few overhead probes."""
+    same 5 closed-loop chat turns with think times; figures from the workers' own counters. Most of its time is
+    the workers' start (torch import, tokenizer), so it sends few requests and few overhead probes."""
     out = tmp_path / "compare.json"
     argv = [
         sys.executable, "-m", "kvroute.cli", "bench", "--compare", "kv_aware,smg:cache_aware",
         "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "5", "--concurrency", "2",
-        "--probes", "6", "--worker-arg=--sim-decode-ms-per-step=1", "--no-progress", "--json", str(out),
+        "--probes", "6", "--worker-arg=--sim-decode-ms-per-step=1", "--think-ms", "100", "--no-progress",
+        "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
     report = json.loads(out.read_text())
@@ -287,8 +327,25 @@ def test_a_short_compare_run_reports_every_router_alike(tmp_path):
         assert run["prompt_tokens"] > 5 * 1100 and 0 < run["prefill_tokens"] < run["prompt_tokens"]
         assert 0 < run["cached_token_share"] < 1 and run["goodput"] == 1.0
         assert set(run["router_overhead_ms"]) >= {"p50", "p99"}
-    assert runs["kv_aware"]["replay_prediction"]["prefill_tokens"] > 0
+    # Closed loop: each turn carries the answer its worker streamed (sim answers depend on the context and the
+    # seed only, so both fleets get the same prompts) and that worker cached it as it decoded, so a session
+    # kept on one worker prefills only the new question: exactly the ideal, as the replay predicts.
+    prediction = runs["kv_aware"]["replay_prediction"]
+    assert runs["kv_aware"]["prompt_tokens"] == runs["smg:cache_aware"]["prompt_tokens"]
+    ideal = prediction["ideal_prefill_tokens"]
+    assert ideal < 1200 + 4 * 150  # the first turn, then ~110 new tokens a turn
+    assert runs["kv_aware"]["prefill_tokens"] == prediction["prefill_tokens"] == ideal
+    assert runs["smg:cache_aware"]["prefill_tokens"] == ideal
     assert "replay_prediction" not in runs["smg:cache_aware"]
+    # Each turn went out its think time after the previous one finished.
+    think = {r.index: r.think_s for r in render("chat", 5, think_ms=100).requests}
+    after = {r.index: r.after for r in render("chat", 5, think_ms=100).requests}
+    for run in runs.values():
+        sent = {r["index"]: r for r in run["per_request"]}
+        for index, previous in after.items():
+            if previous is not None:
+                finish = sent[previous]["sent_ms"] + sent[previous]["e2e_ms"]
+                assert sent[index]["sent_ms"] >= finish + think[index] * 1e3 - 0.01
     assert "kv_aware" in done.stdout and "smg:cache_aware" in done.stdout  # the side-by-side table
 
 

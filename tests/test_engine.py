@@ -16,6 +16,7 @@ from worker.engine import LLMEngine, RequestOutput
 from worker.model.tiny import tiny_config
 from worker.model_runner import kv_bytes_per_block
 from worker.sampler import Sampler, truncate
+from worker.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -207,7 +208,25 @@ def test_stop_tokens_eos_and_max_tokens() -> None:
     assert stopped.token_ids == free_run[: free_run.index(stop_at) + 1] and stopped.finish_reason == "stop"
     capped = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert capped.token_ids == free_run[:3] and capped.finish_reason == "length"
-    assert engine.scheduler.eos_token_ids == frozenset(engine.tokenizer.eos_token_ids)
+
+
+def test_min_tokens_holds_back_stop_tokens_and_eos() -> None:
+    engine = make_engine()
+    prompt = random_prompts([12])[0]
+    free_run = engine.generate([prompt], GREEDY)[0].token_ids
+    stop_at = free_run[1]
+    held = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop_at,), min_tokens=6)
+    out = engine.generate([prompt], held)[0]
+    assert stop_at not in out.token_ids[:6] and len(out.token_ids) > 6, "no stop token before min_tokens"
+    assert out.finish_reason == "length" or out.token_ids.index(stop_at) == len(out.token_ids) - 1
+    eos = next(iter(engine.eos_token_ids))
+    params = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(5,))
+    seq = Sequence("r", [1, 2], params, hasher=None, eos_token_ids=frozenset({eos}))  # type: ignore[arg-type]
+    assert seq.suppressed_token_ids() == tuple(sorted({5, eos})), "stop ids and EOS, until min_tokens"
+    seq.token_ids += [7, 7, 7]
+    assert seq.suppressed_token_ids() == ()
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
 
 
 def test_sampling_is_seeded_batched_and_logprobs_are_the_models() -> None:

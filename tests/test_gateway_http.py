@@ -95,6 +95,8 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("zero max_tokens", C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
     ("huge max_tokens", C, {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens", None),
     ("max_tokens over the limit", C, {"prompt": "hi", "max_tokens": 257}, 400, "max_tokens", None),
+    ("min_tokens over max_tokens", C, {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
+    ("negative min_tokens", C, {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens", None),
     ("negative max_completion_tokens", CHAT_URL, {"messages": CHAT, "max_completion_tokens": -5}, 400,
      "max_completion_tokens", None),
     ("negative temperature", C, {"prompt": "hi", "temperature": -0.5}, 400, "temperature", None),

@@ -105,6 +105,28 @@ def test_request_larger_than_a_replica_is_an_error():
         replay(mooncake((0, 1024, 2, [1, 2])), ReplayConfig(replicas=1, capacity_blocks=2))
 
 
+def test_replicas_take_the_live_fleets_names_and_model_id():
+    """With a live fleet's worker ids and model id the replay's hash ring and block hashes are the gateway's;
+    they move where `prefix` places sessions (its ring owner), so a prediction for a live run needs them."""
+    trace = generate("multiturn", 120)
+    names = ("w0", "w1", "w2", "w3")
+    live = ReplayConfig(replicas=4, policies=("prefix",), replica_names=names, model_id="sim-v1")
+    sim = simulate(trace, "prefix", live)
+    assert [r.name for r in sim.replicas] == list(names)
+    placements = {
+        (names_, model): tuple(
+            simulate(trace, "prefix", ReplayConfig(replicas=4, replica_names=names_, model_id=model)).replica_of
+        )
+        for names_ in (None, names)
+        for model in ("replay", "sim-v1")
+    }
+    assert placements[(names, "sim-v1")] == tuple(sim.replica_of)  # deterministic
+    assert len(set(placements.values())) == 4
+    for bad in (("w0", "w1"), ("w0", "w0", "w1", "w2")):
+        with pytest.raises(ReplayError, match="4 distinct names"):
+            ReplayConfig(replicas=4, replica_names=bad)
+
+
 def test_shared_view_matches_one_gateway_and_own_views_lose(real_trace):
     trace = Trace("head", "mooncake", 512, real_trace.requests[:3000])
     base = dict(replicas=8, policies=("kv_aware",), capacity_blocks=10_000, gateways=8)
@@ -153,6 +175,7 @@ def test_mooncake_reader_gzip_and_line_numbered_errors(tmp_path):
         (["synthetic:support", "--requests", "-5"], "requests must be >= 1"),
         (["synthetic:support", "--capacity-blocks", "100"], "more than --capacity-blocks 100"),
         (["trace.jsonl", "--block-size", "16"], "--block-size applies to synthetic traces only"),
+        (["synthetic:support", "--replica-names", "w0,w1"], "replica_names must be 4 distinct names"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(args, message, capsys):

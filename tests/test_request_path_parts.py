@@ -64,6 +64,14 @@ def test_choice_text_is_right_across_multi_byte_characters(tokenizer_smollm2: To
     assert choice.stopped and out == "naïve 🎉 café — 日本語 "
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer_smollm2: Tokenizer) -> None:
+    ids = tokenizer_smollm2.encode("END one END two")
+    first_end = len(tokenizer_smollm2.encode("END"))
+    choice = ChoiceText(tokenizer_smollm2, ["END"], min_tokens=first_end + 1)
+    out = "".join(choice.add([t]) for t in ids)
+    assert choice.stopped and out == "END one ", "the first END came before min_tokens; the second stops"
+
+
 # -- breakers and retries ------------------------------------------------------------------------------------------
 
 

@@ -229,3 +229,14 @@ def test_the_sampler_runs_on_cuda_with_seeded_rows() -> None:
         assert len(out.top_logprobs[7].token_ids) == 20
         runs.append(out.token_ids)
     assert runs[0][1] == runs[1][1], "the seeded row draws the same token from a fresh generator"
+
+
+def test_suppressed_tokens_are_never_picked_and_logprobs_stay_raw() -> None:
+    rows = logits(3)
+    best = rows.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=1, top_k=1), SamplingParams()]
+    suppressed = [(best[0],), (best[1],), ()]
+    out = Sampler(0)(rows, params, [None] * 3, suppressed)
+    assert out.token_ids[0] != best[0] and out.token_ids[1] != best[1], "argmax and top-k=1 skip the banned token"
+    raw = torch.log_softmax(rows[0], dim=-1)[out.token_ids[0]].item()
+    assert out.logprobs[0] == pytest.approx(raw, abs=1e-4), "the logprob is the model's, before suppression"

@@ -92,7 +92,7 @@ class LLMEngine:
             "%s: dtype %s (%s); attention %s", self.model_id, self.dtype, self.dtype_reason, self.attention_backend
         )
         self.kv_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_manager, self.eos_token_ids)
+        self.scheduler = Scheduler(config, self.kv_manager)
         self._pending: list[RequestOutput] = []  # abort notices, handed out by the next step
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -122,7 +122,7 @@ class LLMEngine:
         self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN
         self.eos_token_ids = frozenset()  # sim outputs run to max_tokens, like the replay's output lengths
-        self.runner = SimRunner(self.config, vocab_size=self.vocab_size)
+        self.runner = SimRunner(self.config, tokenizer=self.tokenizer)
 
     def warm_up(self) -> None:
         """Build kernels and JIT code now, before a worker reports SERVING, not in its first request's TTFT.
@@ -139,7 +139,8 @@ class LLMEngine:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         self.validate_request(prompt_token_ids, params)
         hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, hasher, cache_salt))
+        seq = Sequence(request_id, list(prompt_token_ids), params, hasher, cache_salt, self.eos_token_ids)
+        self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -139,7 +139,12 @@ class ModelRunner:
         sampling = batch.sampling
         if not sampling:  # only prefill chunks: the step filled the cache
             return SamplerOutput([], [])
-        return self.sampler(logits, [s.seq.params for s in sampling], [s.seq.generator(self.device) for s in sampling])
+        return self.sampler(
+            logits,
+            [s.seq.params for s in sampling],
+            [s.seq.generator(self.device) for s in sampling],
+            [s.seq.suppressed_token_ids() for s in sampling],
+        )
 
     @torch.inference_mode()
     def warm_up(self) -> None:

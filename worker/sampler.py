@@ -64,11 +64,16 @@ class Sampler:
         return self.generators[device]
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        suppressed: list[tuple[int, ...]] | None = None,
     ) -> SamplerOutput:
-        """`generators[i]` is row i's own generator (on the logits' device), or None to use the sampler's."""
+        """`generators[i]` is row i's own generator (on the logits' device), or None to use the sampler's;
+        `suppressed[i]` the tokens row i must not pick (min_tokens), None for none anywhere."""
         # logits: [N, vocab], one row per sampling sequence
-        sampled = self.sample(logits, params, generators)
+        sampled = self.sample(logits, params, generators, suppressed)
         logprobs = [0.0] * len(params)
         tops: list[TopLogprobs | None] = [None] * len(params) if any(p.top_logprobs for p in params) else []
         if sampled.logprob_rows:
@@ -81,11 +86,16 @@ class Sampler:
         return SamplerOutput(sampled.token_ids.tolist(), logprobs, tops)
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        suppressed: list[tuple[int, ...]] | None = None,
     ) -> SampledTensors:
         """The tensor half of `__call__`: everything on the logits' device, nothing read back."""
         device = logits.device
-        logits = logits.float()
+        raw = logits.float()
+        logits = suppress(raw, suppressed) if suppressed and any(suppressed) else raw
         token_ids = torch.empty(len(params), dtype=torch.int64, device=device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if greedy_rows:
@@ -105,11 +115,20 @@ class Sampler:
             empty = logits.new_empty((0,))
             return SampledTensors(token_ids, [], empty, empty.long(), empty)
         # log_softmax without materialising it: logit - logsumexp, for the chosen and the top tokens only
-        rows = take_rows(logits, want)
+        rows = take_rows(raw, want)
         lse = rows.logsumexp(dim=-1, keepdim=True)
         chosen = rows.gather(1, take_rows(token_ids, want)[:, None]) - lse
         top_values, top_ids = rows.topk(max(params[i].top_logprobs for i in want), dim=-1)
         return SampledTensors(token_ids, want, chosen.squeeze(1), top_ids, top_values - lse)
+
+
+def suppress(logits: torch.Tensor, suppressed: list[tuple[int, ...]]) -> torch.Tensor:
+    """A copy of `logits` where row i's `suppressed[i]` tokens are -inf, so neither argmax nor a draw picks them."""
+    rows = [i for i, ids in enumerate(suppressed) for _ in ids]
+    cols = [t for ids in suppressed for t in ids]
+    masked = logits.clone()
+    masked[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return masked
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

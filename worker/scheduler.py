@@ -53,13 +53,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.watermark_blocks = int(config.watermark * kv_manager.num_blocks)
-        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, Sequence] = {}
@@ -171,7 +170,7 @@ class Scheduler:
             num_full = seq.num_computed_tokens // self.block_size
             self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full])
             if samples:
-                reason = seq.check_stop(self.eos_token_ids)
+                reason = seq.check_stop()
                 if reason is not None:
                     self.running.remove(seq)
                     self._finish(seq, reason)

@@ -31,6 +31,7 @@ class Sequence:
     params: SamplingParams
     hasher: BlockHasher
     cache_salt: str = ""
+    eos_token_ids: frozenset[int] = frozenset()  # the model's; they stop the sequence unless params.ignore_eos
     token_ids: list[int] = field(init=False)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per output token, with top_logprobs
@@ -86,10 +87,22 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
 
-    def check_stop(self, eos_token_ids: frozenset[int]) -> str | None:
+    def stopping_token_ids(self) -> frozenset[int]:
+        """The tokens that end this sequence when sampled: its stop_token_ids, and the model's EOS unless
+        params.ignore_eos."""
+        stops = frozenset(self.params.stop_token_ids)
+        return stops if self.params.ignore_eos else stops | self.eos_token_ids
+
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """The tokens the sampler must not pick at the next position: every stopping token while the output is
+        shorter than params.min_tokens (vLLM's min_tokens), else none."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return ()
+        return tuple(sorted(self.stopping_token_ids()))
+
+    def check_stop(self) -> str | None:
         """The finish reason after the last appended token, or None to continue."""
-        last = self.token_ids[-1]
-        if last in self.params.stop_token_ids or (last in eos_token_ids and not self.params.ignore_eos):
+        if self.token_ids[-1] in self.stopping_token_ids():
             return "stop"
         if self.num_output_tokens >= self.params.max_tokens:
             return "length"

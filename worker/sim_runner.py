@@ -2,20 +2,27 @@
 
 It drives the real scheduler and block manager and spends wall-clock time by the replay's cost model:
 `prefill_us_per_token` for every token computed by a prefill chunk (cached prefix tokens cost nothing, as
-they are never scheduled) plus `decode_ms_per_step` for a step that decodes. Its tokens are deterministic:
-a hash of the sequence's last token and position, so equal contexts give equal outputs.
+they are never scheduled) plus `decode_ms_per_step` for a step that decodes.
+
+Its tokens are deterministic: a hash of the sequence's last token, its position and the engine's seed picks
+one of the tokenizer's single-token words (worker.sim_words), so equal contexts give equal outputs on every
+worker of a fleet, and the detokenized answer re-tokenizes to the same ids. A chat client that sends the
+answer back in its next turn therefore sends the tokens whose KV the worker cached as it decoded them, as
+with a real model whose output round-trips.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
+from kvroute.tokenizer import Tokenizer
 from worker.config import EngineConfig
 from worker.sampler import SamplerOutput
 from worker.scheduler import SchedulerOutput
+from worker.sim_words import single_token_words
 
-SIM_VOCAB_SIZE = 32000
 SIM_MAX_MODEL_LEN = 32768
 # A notional Llama-3-8B's KV block (bf16): 2 * 32 layers * 16 tokens * 8 kv heads * 128 dims * 2 bytes = 2 MiB,
 # scaled by the block size, so `kv_cache_memory_gb` means the same for sim and real workers.
@@ -34,11 +41,19 @@ class SimCostModel:
 
 
 class SimRunner:
+    """`tokenizer` is the engine's (sim workers use SmolLM2's); without one the sim model's own is loaded."""
+
     def __init__(
-        self, config: EngineConfig, cost: SimCostModel | None = None, vocab_size: int = SIM_VOCAB_SIZE
+        self, config: EngineConfig, cost: SimCostModel | None = None, tokenizer: Tokenizer | None = None
     ) -> None:
         self.cost = cost or SimCostModel(config.sim_prefill_us_per_token, config.sim_decode_ms_per_step)
-        self.vocab_size = vocab_size
+        self.seed = config.seed
+        if tokenizer is None:
+            from kvroute.model_source import resolve_model
+            from worker.model import load_tokenizer
+
+            tokenizer = load_tokenizer(resolve_model(config.model))
+        self.output_ids = _word_ids(tokenizer)
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
         else:
@@ -59,5 +74,13 @@ class SimRunner:
         return SamplerOutput(token_ids, [0.0] * len(token_ids))
 
     def next_token(self, last_token: int, position: int) -> int:
-        """A fixed pseudo-random function of the context's last token and length (Knuth's multiplier)."""
-        return (last_token * 2654435761 + position * 40503 + 12345) % self.vocab_size
+        """A fixed pseudo-random function of the context's last token and length and the seed (Knuth's
+        multiplicative hash), mapped onto the single-token words."""
+        mixed = (last_token * 2654435761 + position * 40503 + self.seed * 2246822519 + 12345) % 2**32
+        return self.output_ids[(mixed * 2654435761 >> 7) % len(self.output_ids)]
+
+
+@functools.lru_cache(maxsize=4)
+def _word_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The token ids of the tokenizer's single-token words (engines in one process share the tokenizer)."""
+    return tuple(word.token_id for word in single_token_words(tokenizer))
