@@ -74,7 +74,7 @@ class ServesRequests(Protocol):
 
     async def generate(self, request: GatewayRequest) -> Generation: ...
 
-    def ready(self) -> bool: ...
+    def routable_workers(self) -> int: ...
 
 
 def build_app(
@@ -189,9 +189,11 @@ class OpenAIServer:
         return Response(b'{"status":"ok"}', media_type=JSON)
 
     async def ready(self, request: Request) -> Response:
-        if self.request_path.ready():
-            return Response(b'{"status":"ready"}', media_type=JSON)
-        return Response(b'{"status":"no routable worker"}', status_code=503, media_type=JSON)
+        """200 with at least one routable worker, else 503; the body counts them (`kvroute up` waits for all)."""
+        workers = self.request_path.routable_workers()
+        if workers:
+            return Response(orjson.dumps({"status": "ready", "workers": workers}), media_type=JSON)
+        return Response(b'{"status":"no routable worker","workers":0}', status_code=503, media_type=JSON)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

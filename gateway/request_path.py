@@ -121,13 +121,17 @@ class RequestPath:
 
     # -- health and shutdown ------------------------------------------------------------------------------
 
+    def routable_workers(self) -> int:
+        """How many workers can take a request now: in the fleet and not behind an open breaker; 0 while
+        draining."""
+        if self.draining:
+            return 0
+        blocked = self.breakers.blocked()
+        return sum(r not in blocked for r in self.fleet.view().replicas)
+
     def ready(self) -> bool:
         """At least one worker can take a request now (and the gateway is not draining)."""
-        if self.draining:
-            return False
-        replicas = self.fleet.view().replicas
-        blocked = self.breakers.blocked()
-        return any(r not in blocked for r in replicas)
+        return self.routable_workers() > 0
 
     def members(self) -> list[WorkerMember]:
         return self.fleet.members()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shlex
 import signal
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{http_port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not stopping and not (_ready(url) and all(_serving(a) for a in addresses)):
+        while not stopping and not (_routable(url) == len(addresses) and all(_serving(a) for a in addresses)):
             dead = fleet.exited()
             if dead is not None:
                 print(f"kvroute up: {dead}", file=sys.stderr)
@@ -177,12 +178,13 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _ready(url: str) -> bool:
+def _routable(url: str) -> int:
+    """How many workers the gateway can route to now (its /ready body), 0 when it does not answer."""
     try:
         with urllib.request.urlopen(f"{url}/ready", timeout=1.0) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+            return int(json.loads(response.read())["workers"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return 0
 
 
 def _serving(address: str) -> bool:

@@ -54,8 +54,8 @@ def serve(kind: str, port: int) -> None:
         async def generate(self, request):
             return Instant()
 
-        def ready(self) -> bool:
-            return True
+        def routable_workers(self) -> int:
+            return 1
 
     if kind == "bare":
 

@@ -464,7 +464,7 @@ def test_models_health_ready_metrics_openapi(client: httpx.Client) -> None:
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [SERVED_MODEL]
     assert client.get(f"/v1/models/{SERVED_MODEL}").json()["id"] == SERVED_MODEL
     assert client.get("/health").json() == {"status": "ok"}
-    assert client.get("/ready").status_code == 200
+    assert client.get("/ready").status_code == 200 and client.get("/ready").json()["workers"] >= 1
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and "kvroute:gateway_requests_total" in metrics.text
     refused = next(
