@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{http_port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not stopping and not (_routable(url) == len(addresses) and all(_serving(a) for a in addresses)):
+        while not stopping and not (_routable(url) >= len(addresses) and all(_serving(a) for a in addresses)):
             dead = fleet.exited()
             if dead is not None:
                 print(f"kvroute up: {dead}", file=sys.stderr)
