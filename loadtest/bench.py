@@ -180,14 +180,20 @@ async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequ
     record.output_text = "".join(pieces)
     if not done:
         return _failed(record, "incomplete_stream", "the stream ended without data: [DONE]")
-    if record.ttft_s is None and record.output_tokens == 0:
-        return _failed(record, "empty_stream", "no content in the stream")
-    return record
+    return _ended(record)
 
 
 def _content(chunk: dict) -> str:
     """The chunk's text (completions) or delta content (chat); the bench asks for one choice."""
     return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+
+
+def _ended(record: RequestRecord) -> RequestRecord:
+    """The record of a stream that ended properly: with neither text nor output tokens it is `empty_stream`;
+    with output tokens but no text (the model ended its turn at once) it completed, with no TTFT."""
+    if record.ttft_s is None and record.output_tokens == 0:
+        return _failed(record, "empty_stream", "no content in the stream")
+    return record
 
 
 def _failed(record: RequestRecord, status: str, message: str) -> RequestRecord:
@@ -279,9 +285,7 @@ class GrpcSender:
             return _failed(record, f"grpc_{exc.code().name.lower()}", exc.details() or "")
         record.e2e_s = time.perf_counter() - start
         record.output_text = "".join(pieces)
-        if record.ttft_s is None and record.output_tokens == 0:
-            return _failed(record, "empty_stream", "no text in the stream")
-        return record
+        return _ended(record)
 
     async def close(self) -> None:
         await self._channel.close()
