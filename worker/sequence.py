@@ -9,6 +9,7 @@ prefix, a decode and a recompute after preemption are all the same thing: comput
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -87,9 +88,10 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
 
+    @functools.cached_property
     def stopping_token_ids(self) -> frozenset[int]:
         """The tokens that end this sequence when sampled: its stop_token_ids, and the model's EOS unless
-        params.ignore_eos."""
+        params.ignore_eos (fixed for its life, so built once, not at every token)."""
         stops = frozenset(self.params.stop_token_ids)
         return stops if self.params.ignore_eos else stops | self.eos_token_ids
 
@@ -98,11 +100,11 @@ class Sequence:
         shorter than params.min_tokens (vLLM's min_tokens), else none."""
         if self.num_output_tokens >= self.params.min_tokens:
             return ()
-        return tuple(sorted(self.stopping_token_ids()))
+        return tuple(sorted(self.stopping_token_ids))
 
     def check_stop(self) -> str | None:
         """The finish reason after the last appended token, or None to continue."""
-        if self.token_ids[-1] in self.stopping_token_ids():
+        if self.token_ids[-1] in self.stopping_token_ids:
             return "stop"
         if self.num_output_tokens >= self.params.max_tokens:
             return "length"
