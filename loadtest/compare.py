@@ -52,7 +52,7 @@ from loadtest.bench import (
     workload_from,
 )
 from loadtest.bench_stats import RequestRecord, Summary, format_summary, summarize
-from loadtest.render import BenchRequest, Workload
+from loadtest.render import BenchRequest, Workload, token_ids
 
 if TYPE_CHECKING:
     from kvroute.tokenizer import Tokenizer
@@ -556,7 +556,7 @@ def predict(
     from gateway.auth import OPEN_TENANT, cache_salt
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
-    from loadtest.render import token_ids, vocabulary
+    from loadtest.render import vocabulary
     from loadtest.replay import ReplayConfig, replay
     from loadtest.traces import Trace, TraceRequest
 
@@ -609,11 +609,7 @@ def decoded_ids(
     does not tokenize the same with the answer after it."""
     if not answer:
         return ()
-    if request.messages is not None:
-        messages = [*request.messages, {"role": "assistant", "content": answer}]
-        full = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
-    else:
-        full = tokenizer.encode((request.prompt or "") + answer)
+    full = token_ids(request, tokenizer, answer)
     if tuple(full[: len(prompt_ids)]) != prompt_ids:
         return ()
     return tuple(full[len(prompt_ids) : len(prompt_ids) + output_tokens])

@@ -280,11 +280,15 @@ def _word_boundary(text: str, words: int) -> int:
     return len(text) if following < 0 else following
 
 
-def token_ids(request: BenchRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids as a server with this tokenizer sees them (the chat template applied)."""
-    if request.messages is not None:
-        return tokenizer.encode(tokenizer.apply_chat_template(list(request.messages)))
-    return tokenizer.encode(request.prompt or "")
+def token_ids(request: BenchRequest, tokenizer: Tokenizer, answer: str | None = None) -> list[int]:
+    """The prompt's token ids as a kvroute gateway with this tokenizer computes them (`encode_chat` for
+    messages, `encode` with special tokens for a prompt). With `answer`: the conversation with that answer
+    after the prompt (chat: as the assistant message, no generation prompt; completion: appended)."""
+    if request.messages is None:
+        return tokenizer.encode((request.prompt or "") + (answer or ""), add_special_tokens=True)
+    if answer is None:
+        return tokenizer.encode_chat(list(request.messages))
+    return tokenizer.encode_chat([*request.messages, {"role": "assistant", "content": answer}], False)
 
 
 def dump_jsonl(workload: Workload, path: Path) -> None:
