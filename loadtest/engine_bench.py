@@ -8,20 +8,22 @@ AVX2-only CPU: KVROUTE_CPU_HIDE_FLAGS=avx512f,avx512bw,avx512vl,avx512_bf16,amx_
 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2. The report names the CPU, the dtype and attention path
 taken, and why.
 
-Measures (medians of `--repeats` runs where affordable; the prefill runs of the engines and transformers take
-turns, so that a shared machine's load falls on all alike):
+Measures (medians of `--repeats` runs; in prefill, decode_b1 and throughput the engines and transformers take
+turns, run by run, so that a shared machine's load, and on a VM its host's memory bandwidth and L3 share,
+falls on all alike):
   prefix_ttft   TTFT of a 3,300-token prompt whose first 2,900 tokens are cached vs the same prompt uncached;
   throughput    32 concurrent ~200-token prompts x 64 output tokens: kvroute vs transformers' batched generate
-                (left-padded, greedy), output tokens/s end to end (one run each: it is the long one);
+                (left-padded, greedy), output tokens/s end to end, fresh prompts every run;
   decode_b1     single-stream decode tokens/s (after the first token);
   prefill       prompt tokens/s at 1,000 and 3,000 tokens: kvroute fp32, kvroute bf16, transformers fp32;
   bf16_quality  kvroute bf16 against kvroute fp32 over a few hundred positions of real text: top-1 agreement
                 and mean KL(fp32 || bf16).
 kvroute's headline figures (`prefix_ttft`, `throughput.kvroute_tok_s`, `decode_b1.kvroute_tok_s`) are for the
 engine's `--dtype` (default auto, what `kvroute worker` serves), named in `dtype` with `dtype_reason` (auto:
-bfloat16 where the CPU has bf16 instructions, else float32); each section repeats them for float32 under `*_fp32`
-keys (the same engine, measured once, when it is float32). Transformers runs in float32. Text comes from the
-docstrings of the Python standard library, so the benchmark needs no download.
+bfloat16 where the CPU has bf16 instructions, else float32 with bfloat16 weight copies for decode steps); each
+section repeats them for plain float32 under `*_fp32` keys (the same engine, measured once, when it is plain
+float32). Transformers runs in float32. Text comes from the docstrings of the Python standard
+library, so the benchmark needs no download.
 """
 
 from __future__ import annotations
@@ -229,11 +231,11 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
 
 def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_name: str = "auto") -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype_name))
-    same = engine.dtype == torch.float32  # the fp32 figures are this engine's
+    same = engine.dtype == torch.float32 and not engine.runner.bf16_decode_weights  # plain float32 already
     fp32 = engine if same else LLMEngine(EngineConfig(model=model, dtype="float32"))
     corpus = Corpus(fp32.tokenizer.encode(real_text()))
     print(f"corpus: {len(corpus.ids)} tokens; fp32 engine {fp32.runner.num_kv_blocks} KV blocks", flush=True)
-    dtype = str(engine.dtype).removeprefix("torch.")
+    dtype = str(engine.dtype).removeprefix("torch.") + ("+bf16 decode" if engine.runner.bf16_decode_weights else "")
     report: dict = {
         "model": fp32.model_id,
         "cpu": cpu_description(),
@@ -273,30 +275,45 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
         report["prefix_ttft_fp32"] = report["prefix_ttft"] if same else prefix_ttft(fp32, corpus, repeats)
         print(f"prefix ttft: {dtype} {report['prefix_ttft']} fp32 {report['prefix_ttft_fp32']}", flush=True)
 
+    def interleaved(kvroute: Callable[[LLMEngine], float], transformers: Callable[[], float]) -> dict[str, float]:
+        """Medians of seconds for this engine, the float32 one (unless the same) and transformers, run in turn."""
+        runs = {"kvroute": lambda: kvroute(engine), "kvroute_fp32": lambda: kvroute(fp32), "transformers": transformers}
+        if same:
+            del runs["kvroute_fp32"]
+        seconds = interleaved_medians(runs, repeats)
+        seconds.setdefault("kvroute_fp32", seconds["kvroute"])
+        return seconds
+
     if "decode_b1" in sections:
         short = corpus.take(20)
-        hf_decode = (OUTPUT_TOKENS - 1) / (
-            median_time(lambda: hf_generate_seconds(hf, [short], OUTPUT_TOKENS), repeats)
-            - median_time(lambda: hf_generate_seconds(hf, [short], 1), repeats)
+        seconds = interleaved(
+            lambda e: 1 / kvroute_decode(e, short),
+            lambda: (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
+            / (OUTPUT_TOKENS - 1),
         )
-        ours, ours_fp32 = both(lambda e: statistics.median(kvroute_decode(e, short) for _ in range(repeats)))
-        report["decode_b1"] = {"kvroute_tok_s": ours, "kvroute_fp32_tok_s": ours_fp32, "transformers_tok_s": hf_decode}
-        print(f"decode b1: {report['decode_b1']}", flush=True)
+        decode = {f"{name}_tok_s": 1 / s for name, s in seconds.items()}
+        decode["ratio"] = decode["kvroute_tok_s"] / decode["transformers_tok_s"]
+        decode["ratio_fp32"] = decode["kvroute_fp32_tok_s"] / decode["transformers_tok_s"]
+        report["decode_b1"] = decode
+        print(f"decode b1: {decode}", flush=True)
 
     if "throughput" in sections:
-        prompts = [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
-        hf_tok_s = THROUGHPUT_REQUESTS * OUTPUT_TOKENS / hf_generate_seconds(hf, prompts, OUTPUT_TOKENS)
-        ours, ours_fp32 = both(lambda e: kvroute_throughput(e, prompts))
-        report["throughput"] = {
-            "kvroute_tok_s": ours,
-            "kvroute_fp32_tok_s": ours_fp32,
-            "transformers_tok_s": hf_tok_s,
-            "ratio": ours / hf_tok_s,
-            "ratio_fp32": ours_fp32 / hf_tok_s,
-        }
-        print(f"throughput: {report['throughput']}", flush=True)
+        tokens = THROUGHPUT_REQUESTS * OUTPUT_TOKENS
 
-    if "bf16_quality" in sections and not same:
+        def prompts() -> list[list[int]]:  # fresh ones every run: none is cached from an earlier one
+            return [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
+
+        seconds = interleaved(
+            lambda e: tokens / kvroute_throughput(e, prompts()),
+            lambda: hf_generate_seconds(hf, prompts(), OUTPUT_TOKENS),
+        )
+        throughput = {f"{name}_tok_s": tokens / s for name, s in seconds.items()}
+        throughput["ratio"] = throughput["kvroute_tok_s"] / throughput["transformers_tok_s"]
+        throughput["ratio_fp32"] = throughput["kvroute_fp32_tok_s"] / throughput["transformers_tok_s"]
+        report["throughput"] = throughput
+        print(f"throughput: {throughput}", flush=True)
+
+    if "bf16_quality" in sections and engine.dtype == torch.bfloat16:
         report["bf16_quality"] = bf16_quality(fp32, engine, [corpus.take(200) for _ in range(3)])
     return report
 

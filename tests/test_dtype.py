@@ -15,15 +15,19 @@ import pytest
 import torch
 
 import kernels.cpu_backend as cpu_backend
+from kernels import cpu_linear
 from kernels.cpu_backend import HIDE_FLAGS_ENV, cpu_flags, native_bf16, unsupported_reason
 from proto import worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.model.packed_linear import DECODE_ROWS, Bf16DecodeLinear, bf16_decode_weights_supported
 from worker.model_runner import resolve_dtype
 from worker.service import start_worker_server
 
 HIDE_BF16 = "avx512_bf16,amx_bf16"
 NO_BF16_REASON = "auto: float32, the CPU has no native bf16 (no avx512_bf16/amx_bf16)"
+# ... on an x86 CPU with AVX2 and FMA, whose decode steps read bf16 copies of the weights (worker/model/packed_linear)
+AVX2_REASON = NO_BF16_REASON + f"; steps of <= {DECODE_ROWS} tokens read bfloat16 copies of the linear weights"
 needs_native_bf16 = pytest.mark.skipif(not native_bf16()[0], reason="this CPU has no native bf16 to hide")
 
 
@@ -39,8 +43,9 @@ def pretend_cpu(monkeypatch: pytest.MonkeyPatch, machine: str, flags: set[str]) 
         ("x86_64", {"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, "natively (avx512_bf16)"),
         ("x86_64", {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, "(avx512_bf16/amx_bf16)"),
         ("x86_64", {"avx2", "amx_bf16"}, torch.bfloat16, "natively (amx_bf16)"),
-        ("x86_64", {"avx2", "fma", "avx512f"}, torch.float32, NO_BF16_REASON),  # AVX-512 without BF16
-        ("x86_64", {"avx2", "fma"}, torch.float32, NO_BF16_REASON),  # an AVX2-only Zen 3
+        ("x86_64", {"avx2", "fma", "avx512f"}, torch.float32, AVX2_REASON),  # AVX-512 without BF16
+        ("x86_64", {"avx2", "fma"}, torch.float32, AVX2_REASON),  # an AVX2-only Zen 3
+        ("x86_64", {"sse4_2"}, torch.float32, NO_BF16_REASON),  # no AVX2: no bf16 decode weights either
         ("aarch64", {"asimd", "sve", "bf16", "svebf16"}, torch.bfloat16, "natively (bf16)"),  # Graviton 3
         ("aarch64", {"asimd", "atomics"}, torch.float32, "no native bf16 (no bf16)"),  # Graviton 2
         ("riscv64", {"rv64"}, torch.float32, "no bf16 instructions known for riscv64"),
@@ -48,8 +53,10 @@ def pretend_cpu(monkeypatch: pytest.MonkeyPatch, machine: str, flags: set[str]) 
 )
 def test_auto_picks_bfloat16_only_with_native_bf16(monkeypatch, machine, flags, dtype, reason) -> None:
     pretend_cpu(monkeypatch, machine, flags)
+    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: machine)
     choice = resolve_dtype("auto", "gguf", "cpu")
-    assert choice.dtype == dtype and reason in choice.reason
+    assert choice.dtype == dtype
+    assert choice.reason == reason if reason.startswith("auto:") else reason in choice.reason
     assert choice.reason.startswith(f"auto: {str(dtype).removeprefix('torch.')}")
 
 
@@ -84,11 +91,24 @@ def test_hiding_bf16_here_takes_the_float32_branch(monkeypatch, caplog) -> None:
     assert resolve_dtype("auto", "gguf").dtype == torch.bfloat16
     assert LLMEngine(EngineConfig(model="sim")).dtype == torch.bfloat16
     monkeypatch.setenv(HIDE_FLAGS_ENV, HIDE_BF16)
-    assert resolve_dtype("auto", "gguf") == (torch.float32, NO_BF16_REASON)
+    assert resolve_dtype("auto", "gguf") == (torch.float32, AVX2_REASON)
     with caplog.at_level(logging.INFO, logger="worker.engine"):
         engine = LLMEngine(EngineConfig(model="sim"))
-    assert engine.dtype == torch.float32 and engine.dtype_reason == NO_BF16_REASON
-    assert f"dtype torch.float32 ({NO_BF16_REASON}); attention none (sim: no model)" in caplog.text
+    assert engine.dtype == torch.float32 and engine.dtype_reason == AVX2_REASON
+    assert f"dtype torch.float32 ({AVX2_REASON}); attention none (sim: no model)" in caplog.text
+
+
+def test_auto_and_float32_engines_in_one_process_keep_their_own_weights(monkeypatch) -> None:
+    """On a CPU without native bf16, `auto` adds bf16 decode copies to its model in place; an explicit float32
+    engine in the same process (the benchmark's reference, the reference tests) must not run on them."""
+    monkeypatch.setenv(HIDE_FLAGS_ENV, HIDE_BF16)
+    if reason := bf16_decode_weights_supported():
+        pytest.skip(f"bf16 decode weights: {reason}")
+    auto = LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=16))
+    fp32 = LLMEngine(EngineConfig(model="smollm2", dtype="float32", num_kv_blocks=16))
+    assert auto.runner.bf16_decode_weights and not fp32.runner.bf16_decode_weights
+    assert auto.runner.model is not fp32.runner.model
+    assert not any(isinstance(m, Bf16DecodeLinear) for m in fp32.runner.model.modules())
 
 
 def test_attention_path_is_named_with_its_reason(monkeypatch) -> None:

@@ -1,8 +1,8 @@
 """The CPU attention backend against the plain reference on the path this machine runs (the AVX-512 BF16 kernel
 in kernels/cpu_attention.cpp for bf16 models where the CPU has it; the torch path for the float32 models that
 `--dtype auto` picks elsewhere), the backend's choice of path, and the CPU-side speed-ups of the model runner
-(packed linears, kept heap). A test that needs a CPU feature this one lacks skips with the feature's name in its
-reason (`pytest -rs` lists them)."""
+(packed linears, bf16 decode weights, kept heap). A test that needs a CPU feature this one lacks skips with the
+feature's name in its reason (`pytest -rs` lists them)."""
 
 import platform
 
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.cpu_backend as cpu_backend
+import worker.model.packed_linear as packed_linear
+from kernels import cpu_linear
 from kernels.attention import FP8_DTYPE
 from kernels.cpu_backend import HIDE_FLAGS_ENV, CpuAttentionBackend, unsupported_reason
 from kernels.reference import make_paged_batch, reference_attend, reference_write_kv
@@ -19,10 +21,21 @@ from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
 from worker.engine import LLMEngine
-from worker.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from worker.model.packed_linear import (
+    DECODE_ROWS,
+    Bf16DecodeLinear,
+    PackedLinear,
+    add_bf16_decode_weights,
+    pack_linears,
+    packing_supported,
+)
+from worker.model_runner import uses_bf16_decode_weights
 
 KERNEL_MISSING = unsupported_reason()
 needs_kernel = pytest.mark.skipif(KERNEL_MISSING is not None, reason=f"AVX-512 BF16 kernel: {KERNEL_MISSING}")
+needs_linear_kernel = pytest.mark.skipif(
+    cpu_linear.unsupported_reason() is not None, reason=f"AVX2 bf16 linear kernel: {cpu_linear.unsupported_reason()}"
+)
 # The dtype whose attention path this machine's `auto` models run: bf16 on the kernel, else float32 (torch path).
 MACHINE_DTYPE = torch.bfloat16 if KERNEL_MISSING is None else torch.float32
 # bf16 inputs, P rounded to bf16 before P.V: the error is that of bf16 itself. float32: summation order only.
@@ -165,6 +178,53 @@ def test_nothing_is_packed_when_the_hide_switch_hides_native_bf16(monkeypatch):
     assert not packing_supported()
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
     assert pack_linears(model) == 0
+
+
+@needs_linear_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 65])
+def test_bf16_linear_kernel_equals_float32_on_the_rounded_weight(rows, bias):
+    """Every micro-kernel height (1-4 rows, and groups of 4 plus a remainder) against float32 products of the
+    bf16-rounded weight, over 3 panels of 16 features and a K that is no multiple of 8."""
+    assert cpu_linear.load_kernel()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 75, generator=gen)
+    x = torch.randn(rows, 75, generator=gen)
+    b = torch.randn(48, generator=gen) if bias else None
+    expected = F.linear(x, weight.bfloat16().float(), b)
+    out = cpu_linear.bf16_linear(x, cpu_linear.pack_weight(weight), b)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_linear_kernel
+def test_bf16_decode_linear_reads_the_copy_up_to_decode_rows_only():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=True)
+    decode = Bf16DecodeLinear(linear)
+    assert decode.weight is linear.weight  # a tied lm_head stays tied
+    small = torch.randn(DECODE_ROWS, 64)  # float32 products of the bf16-rounded weight
+    torch.testing.assert_close(decode(small), F.linear(small, linear.weight.bfloat16().float(), linear.bias))
+    large = torch.randn(DECODE_ROWS + 1, 64)
+    assert torch.equal(decode(large), F.linear(large, linear.weight, linear.bias))
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 40), nn.Linear(64, 32).to(torch.bfloat16))
+    assert add_bf16_decode_weights(model) == 1  # 40 outputs are not whole panels of 16; bf16 runs natively
+    assert isinstance(model[0], Bf16DecodeLinear)
+
+
+def test_bf16_decode_weights_only_for_auto_float32_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(cpu_backend, "_proc_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(HIDE_FLAGS_ENV, raising=False)
+    auto = EngineConfig(model="smollm2")
+    assert uses_bf16_decode_weights(auto, torch.float32)
+    assert not uses_bf16_decode_weights(EngineConfig(model="smollm2", dtype="float32"), torch.float32)
+    assert not uses_bf16_decode_weights(EngineConfig(model="tiny"), torch.float32)
+    monkeypatch.setattr(cpu_backend, "_proc_cpu_flags", lambda: frozenset({"avx2"}))  # no FMA: no kernel
+    assert packed_linear.bf16_decode_weights_supported() == "the CPU lacks fma"
+    assert not uses_bf16_decode_weights(auto, torch.float32)
+    monkeypatch.setattr(cpu_backend, "_proc_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512_bf16"}))
+    assert packed_linear.bf16_decode_weights_supported() == "the CPU multiplies bf16 natively"
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="glibc's mallopt")

@@ -99,10 +99,11 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     def _init_model(self, source: ModelSource) -> None:
-        from worker.model_runner import ModelRunner, resolve_dtype
+        from worker.model_runner import ModelRunner, resolve_dtype, uses_bf16_decode_weights
 
         self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
-        model, model_config = _load_model(source, self.dtype, self.config.device)
+        decode_copies = uses_bf16_decode_weights(self.config, self.dtype)
+        model, model_config = _load_model(source, self.dtype, self.config.device, decode_copies)
         self.tokenizer: Tokenizer = _load_tokenizer(source)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
@@ -279,12 +280,19 @@ class LLMEngine:
 
 
 # Weights and tokenizers are read-only once loaded, so engines in one process (tests, the benchmark's fp32 and
-# bf16 engines) share them instead of loading a model again; each engine still has its own KV cache.
+# bf16 engines) share them instead of loading a model again; each engine still has its own KV cache. The layout
+# (worker.model_runner.lay_out_weights) changes the model's modules, so it is part of the key: an explicit float32
+# engine never runs on an `auto` engine's bf16 decode copies.
 @functools.lru_cache(maxsize=4)
-def _load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, LlamaConfig]:
+def _load_model(
+    source: ModelSource, dtype: torch.dtype, device: str, bf16_decode_copies: bool
+) -> tuple[LlamaForCausalLM, LlamaConfig]:
     from worker.model import load_model
+    from worker.model_runner import lay_out_weights
 
-    return load_model(source, dtype, device)
+    model, config = load_model(source, dtype, device)
+    lay_out_weights(model, device, bf16_decode_copies)
+    return model, config
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,7 +23,13 @@ from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
 from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
-from worker.model.packed_linear import pack_linears
+from worker.model.packed_linear import (
+    DECODE_ROWS,
+    Bf16DecodeLinear,
+    add_bf16_decode_weights,
+    bf16_decode_weights_supported,
+    pack_linears,
+)
 from worker.sampler import Sampler, SamplerOutput
 from worker.scheduler import SchedulerOutput
 
@@ -78,7 +84,36 @@ def resolve_dtype(name: str, model_kind: str, device: str | torch.device = "cpu"
     native, flags = native_bf16()
     if native:
         return DtypeChoice(torch.bfloat16, f"auto: bfloat16, the CPU multiplies it natively ({flags})")
-    return DtypeChoice(torch.float32, f"auto: float32, the CPU has no native bf16 ({flags})")
+    reason = f"auto: float32, the CPU has no native bf16 ({flags})"
+    if bf16_decode_weights_supported() is None:
+        reason += f"; steps of <= {DECODE_ROWS} tokens read bfloat16 copies of the linear weights"
+    return DtypeChoice(torch.float32, reason)
+
+
+def uses_bf16_decode_weights(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """Whether the runner gives the float32 linears bfloat16 copies for decode-sized steps
+    (worker/model/packed_linear.py): where `auto` took float32 on a CPU without native bf16 that has AVX2 and FMA.
+    Decode there is bound by reading the weights; prefills keep the float32 weights. Not for an explicit float32
+    (the reference checks run it) nor for the tiny test model (see resolve_dtype)."""
+    return (
+        config.dtype == "auto"
+        and config.model != "tiny"
+        and dtype == torch.float32
+        and torch.device(config.device).type == "cpu"
+        and bf16_decode_weights_supported() is None
+    )
+
+
+def lay_out_weights(model: LlamaForCausalLM, device: str | torch.device, bf16_decode_copies: bool) -> None:
+    """Put a freshly loaded model's weights in this CPU's layout, in place (worker/model/packed_linear.py): oneDNN
+    packing where the CPU multiplies bf16 natively, and with `bf16_decode_copies` (`uses_bf16_decode_weights`)
+    bfloat16 copies for decode steps. Nothing on other devices. The model's modules change, so a model laid out
+    one way must not serve an engine that expects another."""
+    if torch.device(device).type != "cpu":
+        return
+    pack_linears(model)
+    if bf16_decode_copies:
+        add_bf16_decode_weights(model)
 
 
 def describe_attention(backend: AttentionBackend, dtype: torch.dtype, head_dim: int) -> str:
@@ -107,11 +142,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse the heap instead of faulting in fresh pages every layer
-            pack_linears(model)  # weights in oneDNN's layout: see worker/model/packed_linear.py
         self.model = model
         self.model_config = model_config
         self.block_size = config.block_size
         self.dtype = next(model.parameters()).dtype
+        self.bf16_decode_weights = any(isinstance(m, Bf16DecodeLinear) for m in model.modules())
         self.kv_cache_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_path = describe_attention(self.backend, self.dtype, model_config.head_dim)

@@ -35,6 +35,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the same math in one fused op: half the time of the six below at T = 1
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as HF does, so bf16 matches it.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -127,9 +129,10 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, n_heads, head_dim]
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, n_kv_heads, head_dim]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate as one tensor of n_heads + n_kv_heads heads: half the small ops of a decode step's RoPE.
+        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, n_heads | n_kv_heads, head_dim]
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
