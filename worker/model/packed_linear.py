@@ -15,8 +15,9 @@ CPUs without native bf16 (AVX2 only) run float32 models, whose decode steps are 
 `add_bf16_decode_weights` gives each linear a bfloat16 copy, packed in panels, that steps of at most DECODE_ROWS
 rows read through kernels/cpu_bf16_linear.cpp (AVX2 + FMA, widened to float32 in registers), while larger steps
 keep float32 MKL. SmolLM2's 121 matrices (layers and lm_head), MKL's float32 against the kernel, medians of 9
-interleaved, 2 threads, the AVX2 emulation of docs/worker.md: 1 row 22.0 / 12.5 ms (1.76x), 2 rows 3.16x, 8 rows
-2.43x, 16 rows 1.78x, 32 rows 1.42x, 64 rows 0.99x, 96 rows 0.85x. Widening the whole weight to float32 for MKL
+interleaved, 2 threads, the AVX2 emulation of docs/worker.md (`python -m loadtest.linear_bench`, two runs): 1 row
+1.66-1.76x (12.5 against 22.0 ms), 2 rows 2.96-3.16x, 8 rows 2.38-2.43x, 16 rows 1.69-1.78x, 32 rows 1.11-1.42x,
+64 rows 0.80-0.99x, 96 rows 0.85-0.88x. Widening the whole weight to float32 for MKL
 on every step (storing bf16 only) cost 20-30% at 32 to 256 rows, so prefills keep the float32 weight: the model
 takes 1.5x its float32 memory.
 """
@@ -83,8 +84,8 @@ def pack_linears(model: nn.Module) -> int:
     return len(targets)
 
 
-# Steps of at most this many rows read the bfloat16 copy: the kernel beats float32 MKL up to 32 rows and ties at 64.
-DECODE_ROWS = 64
+# Steps of at most this many rows read the bfloat16 copy: the kernel beats float32 MKL up to 32 rows, not at 64.
+DECODE_ROWS = 32
 
 
 class Bf16DecodeLinear(nn.Module):
