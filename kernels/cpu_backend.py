@@ -89,36 +89,39 @@ def native_bf16() -> tuple[bool, str]:
     return (True, "/".join(found)) if found else (False, "no " + "/".join(wanted))
 
 
-def unsupported_reason() -> str | None:
-    """Why this machine cannot run the kernel, or None when it can."""
+def missing_x86_flags(required: tuple[str, ...]) -> str | None:
+    """Why this machine cannot run an x86 kernel that needs `required` (cpu_flags), or None when it can."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the CPU is {platform.machine()}, not x86_64"
-    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    return None
+    missing = [flag for flag in required if flag not in cpu_flags()]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def build_extension(name: str, source: Path, cflags: list[str]) -> str | None:
+    """Compile (or load the cached build of) a C++ op library with torch's cpp_extension, which registers its ops;
+    None when it loaded, else why it did not build (the first compiler error line)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=name, sources=[str(source)], extra_cflags=cflags, is_python_module=False, verbose=False)
+        return None
+    except (RuntimeError, OSError, ImportError) as exc:
+        errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
+        return f"it did not build: {errors[0].strip()}"
+
+
+def unsupported_reason() -> str | None:
+    """Why this machine cannot run the kernel, or None when it can."""
+    return missing_x86_flags(REQUIRED_FLAGS)
 
 
 @functools.cache
 def load_kernel() -> bool:
     """Compile (or load the cached build of) the kernel and register torch.ops.kvroute_cpu; False, with a
     warning, when it cannot run here."""
-    reason = unsupported_reason()
+    reason = unsupported_reason() or build_extension("kvroute_cpu_attention", SOURCE, COMPILE_FLAGS)
     if reason is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            load(
-                name="kvroute_cpu_attention",
-                sources=[str(SOURCE)],
-                extra_cflags=COMPILE_FLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
-            return True
-        except (RuntimeError, OSError, ImportError) as exc:
-            errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
-            reason = f"it did not build: {errors[0].strip()}"
+        return True
     log.warning("CPU attention kernel unavailable, using the torch path: %s", reason)
     return False
 

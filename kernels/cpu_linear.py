@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import platform
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_backend import cpu_flags
+from kernels.cpu_backend import build_extension, missing_x86_flags
 
 log = logging.getLogger(__name__)
 
@@ -25,32 +24,16 @@ COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 def unsupported_reason() -> str | None:
     """Why this machine cannot run the kernel, or None when it can."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the CPU is {platform.machine()}, not x86_64"
-    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags()]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
+    return missing_x86_flags(REQUIRED_FLAGS)
 
 
 @functools.cache
 def load_kernel() -> bool:
     """Compile (or load the cached build of) the kernel and register torch.ops.kvroute_cpu_linear; False, with a
     warning, when it cannot run here."""
-    reason = unsupported_reason()
+    reason = unsupported_reason() or build_extension("kvroute_cpu_bf16_linear", SOURCE, COMPILE_FLAGS)
     if reason is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            load(
-                name="kvroute_cpu_bf16_linear",
-                sources=[str(SOURCE)],
-                extra_cflags=COMPILE_FLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
-            return True
-        except (RuntimeError, OSError, ImportError) as exc:
-            errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
-            reason = f"it did not build: {errors[0].strip()}"
+        return True
     log.warning("bf16 linear kernel unavailable: %s", reason)
     return False
 

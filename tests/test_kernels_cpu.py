@@ -214,7 +214,6 @@ def test_bf16_decode_linear_reads_the_copy_up_to_decode_rows_only():
 def test_bf16_decode_weights_only_for_auto_float32_without_native_bf16(monkeypatch):
     monkeypatch.setattr(cpu_backend, "_proc_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: "x86_64")
     monkeypatch.delenv(HIDE_FLAGS_ENV, raising=False)
     auto = EngineConfig(model="smollm2")
     assert uses_bf16_decode_weights(auto, torch.float32)
