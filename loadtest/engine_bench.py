@@ -249,23 +249,33 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
     print(f"cpu: {report['cpu']}\ndtype: {engine.dtype_reason}; attention: {engine.attention_backend}", flush=True)
     hf = load_transformers(fp32) if {"prefill", "decode_b1", "throughput"} & set(sections) else None
 
-    def both(measure: Callable[[LLMEngine], float]) -> tuple[float, float]:
-        ours = measure(engine)
-        return ours, ours if same else measure(fp32)
+    def interleaved(
+        kvroute: Callable[[LLMEngine], float], transformers: Callable[[], float], work: float, transformers_key: str
+    ) -> dict[str, float]:
+        """Rates (`work` per median second) of this engine, the float32 one (unless the same) and transformers,
+        run in turn, and the engine's ratio to transformers."""
+        runs = {"kvroute": lambda: kvroute(engine), "kvroute_fp32": lambda: kvroute(fp32), "transformers": transformers}
+        if same:
+            del runs["kvroute_fp32"]
+        seconds = interleaved_medians(runs, repeats)
+        seconds.setdefault("kvroute_fp32", seconds["kvroute"])
+        row = {
+            "kvroute_tok_s": work / seconds["kvroute"],
+            "kvroute_fp32_tok_s": work / seconds["kvroute_fp32"],
+            transformers_key: work / seconds["transformers"],
+        }
+        row["ratio"] = row["kvroute_tok_s"] / row[transformers_key]
+        return row
 
     if "prefill" in sections:
         prefill: dict = {}
         for n in (1000, 3000):
-            runs = {
-                "kvroute_tok_s": lambda n=n: ttft(engine, corpus.take(n))[0],
-                "kvroute_fp32_tok_s": lambda n=n: ttft(fp32, corpus.take(n))[0],
-                "transformers_fp32_tok_s": lambda n=n: hf_prefill_seconds(hf, corpus.take(n)),
-            }
-            if same:
-                del runs["kvroute_fp32_tok_s"]
-            row = {name: n / seconds for name, seconds in interleaved_medians(runs, repeats).items()}
-            row.setdefault("kvroute_fp32_tok_s", row["kvroute_tok_s"])
-            row["ratio"] = row["kvroute_tok_s"] / row["transformers_fp32_tok_s"]
+            row = interleaved(
+                lambda e, n=n: ttft(e, corpus.take(n))[0],
+                lambda n=n: hf_prefill_seconds(hf, corpus.take(n)),
+                n,
+                "transformers_fp32_tok_s",
+            )
             prefill[str(n)] = row
             print(f"prefill {n}: {row}", flush=True)
         report["prefill"] = prefill
@@ -275,24 +285,15 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
         report["prefix_ttft_fp32"] = report["prefix_ttft"] if same else prefix_ttft(fp32, corpus, repeats)
         print(f"prefix ttft: {dtype} {report['prefix_ttft']} fp32 {report['prefix_ttft_fp32']}", flush=True)
 
-    def interleaved(kvroute: Callable[[LLMEngine], float], transformers: Callable[[], float]) -> dict[str, float]:
-        """Medians of seconds for this engine, the float32 one (unless the same) and transformers, run in turn."""
-        runs = {"kvroute": lambda: kvroute(engine), "kvroute_fp32": lambda: kvroute(fp32), "transformers": transformers}
-        if same:
-            del runs["kvroute_fp32"]
-        seconds = interleaved_medians(runs, repeats)
-        seconds.setdefault("kvroute_fp32", seconds["kvroute"])
-        return seconds
-
     if "decode_b1" in sections:
         short = corpus.take(20)
-        seconds = interleaved(
+        decode = interleaved(
             lambda e: 1 / kvroute_decode(e, short),
             lambda: (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
             / (OUTPUT_TOKENS - 1),
+            1,
+            "transformers_tok_s",
         )
-        decode = {f"{name}_tok_s": 1 / s for name, s in seconds.items()}
-        decode["ratio"] = decode["kvroute_tok_s"] / decode["transformers_tok_s"]
         decode["ratio_fp32"] = decode["kvroute_fp32_tok_s"] / decode["transformers_tok_s"]
         report["decode_b1"] = decode
         print(f"decode b1: {decode}", flush=True)
@@ -303,12 +304,12 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
         def prompts() -> list[list[int]]:  # fresh ones every run: none is cached from an earlier one
             return [corpus.take(THROUGHPUT_PROMPT + i % 16) for i in range(THROUGHPUT_REQUESTS)]
 
-        seconds = interleaved(
+        throughput = interleaved(
             lambda e: tokens / kvroute_throughput(e, prompts()),
             lambda: hf_generate_seconds(hf, prompts(), OUTPUT_TOKENS),
+            tokens,
+            "transformers_tok_s",
         )
-        throughput = {f"{name}_tok_s": tokens / s for name, s in seconds.items()}
-        throughput["ratio"] = throughput["kvroute_tok_s"] / throughput["transformers_tok_s"]
         throughput["ratio_fp32"] = throughput["kvroute_fp32_tok_s"] / throughput["transformers_tok_s"]
         report["throughput"] = throughput
         print(f"throughput: {throughput}", flush=True)
