@@ -1,12 +1,18 @@
-"""The engine's attention backend on CPUs with AVX-512 BF16: bfloat16 models run every step through the C++
-kernel in cpu_attention.cpp; float32 models, and CPUs without the instructions, run the torch path it extends.
+"""The engine's attention backend on CPUs, with two C++ kernels over the torch path they extend:
+- bfloat16 models on CPUs with AVX-512 BF16 run every step through cpu_attention.cpp;
+- float32 models on x86 CPUs with AVX2 and FMA but no AVX-512 (where `auto` picks float32 for want of native bf16)
+  run prefills, extends and single decodes through cpu_attention_fp32.cpp; batched decodes over a float32 cache
+  stay on the torch path, faster there (a decode's GQA rows fill 3 of the kernel's 8 lanes);
+- everything else (ARM, older x86, float32 on AVX-512 CPUs, where SDPA's AVX-512 code is faster) runs torch's.
 
 With SmolLM2's shapes on 2 threads (`python -m loadtest.cpu_kernel_bench`) the kernel is 5x faster than the
 torch path for a 3,000-token prefill (12.4 vs 68 ms a layer) and for 400 new tokens over a 2,900-token cached
 prefix (3.5 vs 17.5 ms), 2-2.5x for decodes (32 sequences over 1,000 tokens: 1.3 vs 2.6 ms) and 20x for
-decodes over an FP8 cache (1.1 vs 22.5 ms).
+decodes over an FP8 cache (1.1 vs 22.5 ms). The float32 kernel, on an AVX2 CPU (`--fp32`, emulated), is 1.3-1.4x
+faster for a 1,000-token prefill, 1.15-1.3x for 2,048, 0.95-1.15x for 952 new tokens over 2,048 cached, 2x for one
+decode and 0.85-0.93x for 32 (which therefore keep the torch path).
 
-The kernel is compiled on first use with torch's cpp_extension (about 10 s; cached under TORCH_EXTENSIONS_DIR,
+Each kernel is compiled on first use with torch's cpp_extension (about 10 s; cached under TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions, and rebuilt when the source changes). `make setup` builds it, so the
 first request does not wait. If the compiler or the CPU is missing, the torch path runs and a warning says why.
 """
@@ -29,6 +35,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+FP32_SOURCE = Path(__file__).with_name("cpu_attention_fp32.cpp")
+FP32_REQUIRED_FLAGS = ("avx2", "fma")
+FP32_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 HEAD_DIMS = (32, 64, 128)
 # Comma-separated flags to treat as absent: runs (and measures) on this machine the branch a CPU without them
 # takes, e.g. KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 for an AVX2-only CPU's dtype and attention path.
@@ -111,19 +120,43 @@ def build_extension(name: str, source: Path, cflags: list[str]) -> str | None:
 
 
 def unsupported_reason() -> str | None:
-    """Why this machine cannot run the kernel, or None when it can."""
+    """Why this machine cannot run the bf16 kernel, or None when it can."""
     return missing_x86_flags(REQUIRED_FLAGS)
+
+
+def fp32_unsupported_reason() -> str | None:
+    """Why this machine cannot run the AVX2 float32 kernel, or None when it can."""
+    return missing_x86_flags(FP32_REQUIRED_FLAGS)
+
+
+def fp32_kernel_skipped_reason() -> str | None:
+    """Why float32 models do not take the float32 kernel here, or None when they do. Only CPUs without AVX-512
+    take it: there SDPA's float32 code is AVX2 too, while with AVX-512 it is 1.3-1.8x faster than the kernel on
+    prefills (`cpu_kernel_bench --fp32` on this project's Xeon, unemulated)."""
+    if (reason := fp32_unsupported_reason()) is not None:
+        return reason
+    return "SDPA's AVX-512 code is faster than the AVX2 kernel" if "avx512f" in cpu_flags() else None
+
+
+def _load(what: str, name: str, source: Path, cflags: list[str], reason: str | None) -> bool:
+    reason = reason or build_extension(name, source, cflags)
+    if reason is None:
+        return True
+    log.warning("CPU %s attention kernel unavailable, using the torch path: %s", what, reason)
+    return False
 
 
 @functools.cache
 def load_kernel() -> bool:
-    """Compile (or load the cached build of) the kernel and register torch.ops.kvroute_cpu; False, with a
+    """Compile (or load the cached build of) the bf16 kernel and register torch.ops.kvroute_cpu; False, with a
     warning, when it cannot run here."""
-    reason = unsupported_reason() or build_extension("kvroute_cpu_attention", SOURCE, COMPILE_FLAGS)
-    if reason is None:
-        return True
-    log.warning("CPU attention kernel unavailable, using the torch path: %s", reason)
-    return False
+    return _load("bf16", "kvroute_cpu_attention", SOURCE, COMPILE_FLAGS, unsupported_reason())
+
+
+@functools.cache
+def load_fp32_kernel() -> bool:
+    """The same for the float32 kernel (torch.ops.kvroute_cpu_fp32)."""
+    return _load("float32", "kvroute_cpu_attention_fp32", FP32_SOURCE, FP32_COMPILE_FLAGS, fp32_unsupported_reason())
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -131,16 +164,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.luts: dict[float, torch.Tensor] = {}
-        self.unsupported = unsupported_reason()  # read once: the hide switch holds for this backend's life
+        self.luts: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+        # Read once: the hide switch holds for this backend's life.
+        self.unsupported = unsupported_reason()
+        self.fp32_skipped = fp32_kernel_skipped_reason()
 
     def describe(self, dtype: torch.dtype, head_dim: int) -> str:
         """Which path `attend` takes for a model of this dtype and head size, and why, in one line for the
         startup log and GetInfo. Builds the kernel when the model will use it, as warm-up would."""
-        if dtype != torch.bfloat16:
-            return f"cpu: torch path (a {str(dtype).removeprefix('torch.')} model; the C++ kernel runs bfloat16)"
+        if dtype not in (torch.bfloat16, torch.float32):
+            return f"cpu: torch path (a {str(dtype).removeprefix('torch.')} model; the C++ kernels run bf16/float32)"
         if head_dim not in HEAD_DIMS:
-            return f"cpu: torch path (head_dim {head_dim}; the C++ kernel runs {'/'.join(map(str, HEAD_DIMS))})"
+            return f"cpu: torch path (head_dim {head_dim}; the C++ kernels run {'/'.join(map(str, HEAD_DIMS))})"
+        if dtype == torch.float32:
+            if self.fp32_skipped is not None:
+                return f"cpu: torch path (a float32 model; {self.fp32_skipped})"
+            if not load_fp32_kernel():
+                return "cpu: torch path (the C++ float32 kernel did not build; see the warning)"
+            return "cpu: C++ AVX2 float32 paged attention kernel (batched decodes: torch path)"
         if self.unsupported is not None:
             return f"cpu: torch path ({self.unsupported})"
         if not load_kernel():
@@ -157,11 +198,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        if not self.runs_kernel(q, k_cache):
+        if self.runs_kernel(q, k_cache):
+            op = torch.ops.kvroute_cpu.paged_attention
+        elif self.runs_fp32_kernel(q, k_cache, meta):
+            op = torch.ops.kvroute_cpu_fp32.paged_attention
+        else:
             return super().attend(q, k_cache, v_cache, meta, softmax_scale, k_scale, v_scale)
         out = torch.empty_like(q)
         fp8 = k_cache.dtype == FP8_DTYPE
-        torch.ops.kvroute_cpu.paged_attention(
+        op(
             q.contiguous(),
             k_cache.view(torch.uint8) if fp8 else k_cache,
             v_cache.view(torch.uint8) if fp8 else v_cache,
@@ -169,8 +214,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             meta.query_start_loc,
             meta.seq_lens,
             softmax_scale,
-            self.fp8_lut(k_scale) if fp8 else None,
-            self.fp8_lut(v_scale) if fp8 else None,
+            self.fp8_lut(k_scale, q.dtype) if fp8 else None,
+            self.fp8_lut(v_scale, q.dtype) if fp8 else None,
             out,
         )
         return out
@@ -187,14 +232,31 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and load_kernel()
         )
 
-    def fp8_lut(self, scale: float) -> torch.Tensor:
-        """bfloat16 [256]: the dequantised value of each FP8 byte under `scale` (the kernel reads FP8 through it)."""
-        if scale not in self.luts:
+    def runs_fp32_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata | None = None) -> bool:
+        """The float32 kernel's case: float32 on an x86 CPU with AVX2 and FMA but no AVX-512, a supported head size,
+        a kernel that loads (compiled on the first call that needs it), and not a step of several decodes over a
+        float32 cache (one token per sequence: the torch path is faster there; with `meta` None, any step)."""
+        batched_decodes = meta is not None and q.shape[0] == meta.seq_lens.shape[0] > 1
+        return (
+            q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, FP8_DTYPE)
+            and not (batched_decodes and k_cache.dtype == torch.float32)
+            and q.shape[-1] in HEAD_DIMS
+            and self.fp32_skipped is None
+            and load_fp32_kernel()
+        )
+
+    def fp8_lut(self, scale: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """[256] in `dtype` (the model's): the dequantised value of each FP8 byte under `scale` (the kernels read
+        FP8 through it)."""
+        if (scale, dtype) not in self.luts:
             codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
-            self.luts[scale] = (codes.float() * scale).to(torch.bfloat16)
-        return self.luts[scale]
+            self.luts[scale, dtype] = (codes.float() * scale).to(dtype)
+        return self.luts[scale, dtype]
 
 
 if __name__ == "__main__":  # `make setup` builds the kernel here, so that no request waits for the compiler
     logging.basicConfig(format="%(message)s")
-    print(f"CPU attention kernel: {'ready' if load_kernel() else 'unavailable, the torch path will run'}")
+    for what, loader in (("bf16", load_kernel), ("float32", load_fp32_kernel)):
+        print(f"CPU {what} attention kernel: {'ready' if loader() else 'unavailable, the torch path will run'}")

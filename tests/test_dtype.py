@@ -24,6 +24,15 @@ from worker.model_runner import resolve_dtype
 from worker.service import start_worker_server
 
 HIDE_BF16 = "avx512_bf16,amx_bf16"
+
+
+def float32_attention_path() -> str:
+    """What a float32 model's attention says on this CPU: the AVX2 float32 kernel where no AVX-512 makes SDPA
+    faster, the torch path elsewhere."""
+    skipped = cpu_backend.fp32_kernel_skipped_reason()
+    if skipped is None:
+        return "cpu: C++ AVX2 float32 paged attention kernel (batched decodes: torch path)"
+    return f"cpu: torch path (a float32 model; {skipped})"
 NO_BF16_REASON = "auto: float32, the CPU has no native bf16 (no avx512_bf16/amx_bf16)"
 # ... on an x86 CPU with AVX2 and FMA, whose decode steps read bf16 copies of the weights (worker/model/packed_linear)
 AVX2_REASON = NO_BF16_REASON + f"; steps of <= {DECODE_ROWS} tokens read bfloat16 copies of the linear weights"
@@ -112,7 +121,7 @@ def test_auto_and_float32_engines_in_one_process_keep_their_own_weights(monkeypa
 def test_attention_path_is_named_with_its_reason(monkeypatch) -> None:
     fields = dict(model="tiny", num_kv_blocks=16)
     fp32 = LLMEngine(EngineConfig(**fields, dtype="float32"))
-    assert fp32.attention_backend == "cpu: torch path (a float32 model; the C++ kernel runs bfloat16)"
+    assert fp32.attention_backend == float32_attention_path()
     assert LLMEngine(EngineConfig(**fields, attention_backend="torch")).attention_backend == "torch"
     if platform_is_x86():
         monkeypatch.setenv(HIDE_FLAGS_ENV, HIDE_BF16)
@@ -150,4 +159,4 @@ def test_get_info_says_which_dtype_and_attention_path_and_why() -> None:
 
     info = asyncio.run(main())
     assert info.dtype == "float32" and info.dtype_reason == "auto: float32, the tiny test model's own dtype"
-    assert info.attention_backend == "cpu: torch path (a float32 model; the C++ kernel runs bfloat16)"
+    assert info.attention_backend == float32_attention_path()

@@ -229,3 +229,162 @@ def test_bf16_decode_weights_only_for_auto_float32_without_native_bf16(monkeypat
 @pytest.mark.skipif(platform.system() != "Linux", reason="glibc's mallopt")
 def test_keep_freed_memory_on_linux():
     assert keep_freed_memory()
+
+
+# ---- the AVX2 float32 kernel (kernels/cpu_attention_fp32.cpp) ----------------------------------------------------
+
+FP32_KERNEL_MISSING = cpu_backend.fp32_unsupported_reason()
+needs_fp32_kernel = pytest.mark.skipif(
+    FP32_KERNEL_MISSING is not None, reason=f"AVX2 float32 kernel: {FP32_KERNEL_MISSING}"
+)
+
+
+def run_fp32_kernel(batch) -> torch.Tensor:
+    """The float32 kernel itself, whichever path the backend would pick on this CPU."""
+    assert cpu_backend.load_fp32_kernel()
+    backend = CpuAttentionBackend()
+    fp8 = batch.k_cache.dtype == FP8_DTYPE
+    out = torch.empty_like(batch.q)
+    torch.ops.kvroute_cpu_fp32.paged_attention(
+        batch.q,
+        batch.k_cache.view(torch.uint8) if fp8 else batch.k_cache,
+        batch.v_cache.view(torch.uint8) if fp8 else batch.v_cache,
+        batch.meta.block_tables,
+        batch.meta.query_start_loc,
+        batch.meta.seq_lens,
+        batch.q.shape[-1] ** -0.5,
+        backend.fp8_lut(batch.k_scale, torch.float32) if fp8 else None,
+        backend.fp8_lut(batch.v_scale, torch.float32) if fp8 else None,
+        out,
+    )
+    return out
+
+
+def assert_fp32_kernel_matches_reference(batch) -> None:
+    torch.testing.assert_close(run_fp32_kernel(batch), reference(batch), **TOLERANCES[torch.float32])
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("cache_dtype", [None, FP8_DTYPE], ids=["float32", "fp8"])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_fp32_kernel_matches_reference_on_mixed_step(group, head_dim, block_size, cache_dtype):
+    batch = written_batch(*MIXED, 2 * group, 2, head_dim, block_size, cache_dtype, seed=group, dtype=torch.float32)
+    assert_fp32_kernel_matches_reference(batch)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize(
+    "query_lens, seq_lens",
+    [
+        ([130], [130]),  # a prefill over several query tiles (16) and key tiles (64), ending mid-tile
+        ([70], [200]),  # an extend whose prefix ends mid key tile
+        ([33, 1], [97, 65]),  # an extend and a decode
+        ([1, 1, 1], [3, 300, 64]),  # decodes only, one exactly a key tile long
+        ([64], [128]),  # everything on tile boundaries
+        ([3, 2, 1], [131, 66, 1]),  # tiles that end short of a whole 4-key step
+    ],
+)
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_fp32_kernel_tiles_and_boundaries(query_lens, seq_lens, group):
+    batch = written_batch(query_lens, seq_lens, 3 * group, 3, 64, 16, seed=len(query_lens), dtype=torch.float32)
+    assert_fp32_kernel_matches_reference(batch)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("cache_dtype", [None, FP8_DTYPE], ids=["float32", "fp8"])
+def test_fp32_kernel_is_finite_over_a_cache_full_of_nan(cache_dtype):
+    """The partial last block of each sequence holds NaN past seq_len: the kernel must never read it."""
+    batch = written_batch([5, 3, 1], [21, 3, 40], 6, 2, 64, 16, cache_dtype, dtype=torch.float32)
+    for cache in (batch.k_cache, batch.v_cache):
+        raw = cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+        nan = 0x7F if cache.dtype == FP8_DTYPE else float("nan")  # 0x7f is e4m3's NaN
+        for i, seq_len in enumerate(batch.meta.seq_lens_cpu):
+            last_block = batch.meta.block_tables[i, (seq_len - 1) // 16]
+            raw[last_block, seq_len % 16 or 16 :] = nan
+    out = run_fp32_kernel(batch)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+@needs_fp32_kernel
+def test_fp32_kernel_softmax_survives_large_and_underflowing_scores():
+    """Scores 100x the usual spread: most probabilities underflow, and the running max moves by a lot."""
+    batch = written_batch([40, 1], [150, 90], 6, 2, 64, 8, seed=3, dtype=torch.float32)
+    batch.q.mul_(100.0)
+    assert_fp32_kernel_matches_reference(batch)
+
+
+def avx2_only_cpu(monkeypatch, flags=frozenset({"avx2", "fma"})) -> None:
+    monkeypatch.setattr(cpu_backend, "_proc_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(HIDE_FLAGS_ENV, raising=False)
+
+
+@needs_fp32_kernel
+def test_float32_models_take_the_fp32_kernel_on_avx2_cpus_without_avx512(monkeypatch):
+    avx2_only_cpu(monkeypatch)
+    backend = CpuAttentionBackend()
+    batch = written_batch(*MIXED, 9, 3, 64, 16, dtype=torch.float32)
+    assert backend.runs_fp32_kernel(batch.q, batch.k_cache)
+    assert not backend.runs_kernel(batch.q, batch.k_cache)
+    assert not backend.runs_fp32_kernel(batch.q[..., :48], batch.k_cache)  # head sizes it was not built for
+    described = backend.describe(torch.float32, 64)
+    assert described == "cpu: C++ AVX2 float32 paged attention kernel (batched decodes: torch path)"
+    assert (
+        backend.describe(torch.bfloat16, 64)
+        == "cpu: torch path (the CPU lacks avx512f, avx512bw, avx512vl, avx512_bf16)"
+    )
+    out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5)
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "machine, flags, reason",
+    [
+        ("x86_64", {"avx2", "fma", "avx512f"}, "SDPA's AVX-512 code is faster than the AVX2 kernel"),
+        ("x86_64", {"avx2"}, "the CPU lacks fma"),
+        ("aarch64", {"asimd"}, "the CPU is aarch64, not x86_64"),
+    ],
+)
+def test_float32_models_keep_the_torch_path_elsewhere(monkeypatch, machine, flags, reason):
+    avx2_only_cpu(monkeypatch, frozenset(flags))
+    monkeypatch.setattr(cpu_backend.platform, "machine", lambda: machine)
+    backend = CpuAttentionBackend()
+    batch = written_batch(*MIXED, 6, 2, 64, 16, dtype=torch.float32)
+    assert not backend.runs_fp32_kernel(batch.q, batch.k_cache)
+    assert backend.describe(torch.float32, 64) == f"cpu: torch path (a float32 model; {reason})"
+    assert_matches_reference(batch)
+
+
+def test_float32_models_fall_back_to_torch_when_the_fp32_kernel_does_not_build(monkeypatch):
+    avx2_only_cpu(monkeypatch)
+    monkeypatch.setattr(cpu_backend, "load_fp32_kernel", lambda: False)
+    backend = CpuAttentionBackend()
+    batch = written_batch(*MIXED, 6, 2, 64, 16, dtype=torch.float32)
+    assert not backend.runs_fp32_kernel(batch.q, batch.k_cache)
+    assert (
+        backend.describe(torch.float32, 64) == "cpu: torch path (the C++ float32 kernel did not build; see the warning)"
+    )
+    out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5)
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize(
+    "query_lens, seq_lens, cache_dtype, kernel",
+    [
+        ([1, 1, 1], [30, 7, 64], None, False),  # batched decodes over a float32 cache: the torch path is faster
+        ([1, 1, 1], [30, 7, 64], FP8_DTYPE, True),  # over FP8 the torch path dequantises whole blocks: kernel
+        ([1], [30], None, True),  # one decode
+        ([5, 1], [40, 9], None, True),  # a step with an extend in it
+    ],
+)
+def test_fp32_kernel_leaves_batched_float32_decodes_to_torch(monkeypatch, query_lens, seq_lens, cache_dtype, kernel):
+    avx2_only_cpu(monkeypatch)
+    backend = CpuAttentionBackend()
+    batch = written_batch(query_lens, seq_lens, 6, 2, 64, 16, cache_dtype, dtype=torch.float32)
+    assert backend.runs_fp32_kernel(batch.q, batch.k_cache, batch.meta) == kernel
+    out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5, batch.k_scale, batch.v_scale)
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
