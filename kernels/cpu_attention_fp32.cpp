@@ -11,16 +11,16 @@
 //     broadcast straight from the cache, so K and V are read in place through the block tables (no pack pass;
 //     FP8 caches are dequantised per tile through a 256-entry table). The softmax's row max, sum and the rescale
 //     of O are plain element-wise vector ops, no horizontal reduction;
-//   - the exponential is a degree-5 polynomial (relative error 2e-7) on inputs clamped at -126 (base 2), whose
-//     results are zeroed below it: masked scores and the first tile's -inf max cost no more than any other.
+//   - the exponential is a degree-5 polynomial (relative error 2e-7) on inputs clamped at -127 (base 2), where
+//     its result is 0: masked scores and the first tile's -inf max cost no more than any other.
 //
-// Why: the torch path gathers K/V out of the cache (index_select) and runs SDPA's float32 flash kernel, ~75
+// Why: the torch path gathers K/V out of the cache (index_select) and runs SDPA's float32 flash kernel, ~75-115
 // GFLOP/s of useful work on SmolLM2's shapes under AVX2 (it computes its last 512-key block in full). Measured
 // under the AVX2 emulation on 2 threads, the two paths taking turns (`python -m loadtest.cpu_kernel_bench --fp32`),
-// ms a layer: a 1,000-token prefill 14.7 against 20.5, 2,048 tokens 51 against 66, 952 new tokens over 2,048
-// cached 64 against 74 (~90 GFLOP/s, about a third of the FMA peak: loads and the softmax take the rest), one
-// decode over 250 tokens 0.07 against 0.16 (no gather, no SDPA call overhead); 32 such decodes are at par (2.1
-// against 1.9: a decode's 3 rows fill 3 of 8 lanes). With AVX-512 SDPA is faster: cpu_backend.py keeps it there.
+// ms a layer: a 1,000-token prefill 8.6 against 14.7, 2,048 tokens 36 against 48, 952 new tokens over 2,048
+// cached 41 against 49 (~134 GFLOP/s, near MKL sgemm's ~160 on these 2 cores: the softmax takes most of the
+// rest), one decode over 250 tokens 0.04 against 0.08 (no gather, no SDPA call overhead); 32 such decodes are at
+// par (a decode's 3 rows fill 3 of 8 lanes). With AVX-512 SDPA is faster: cpu_backend.py keeps it there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,10 +39,11 @@ namespace {
 constexpr int kKeyTile = 64;
 constexpr int kQueryTile = 16;
 constexpr int kKeyStep = 4;  // keys per S^T micro-kernel call; also dims per O^T call
-constexpr int kVecs = 2;     // row vectors per micro-kernel call; see qk_block
+constexpr int kVecs = 3;     // row vectors per micro-kernel call; see qk_block
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kMaskedScore = -1e30f;
-constexpr float kExpFloor = -126.0f;  // 2^n for n >= -126 is a normal float built from its exponent bits
+// exp2_ps's input floor: its 2^n, built from exponent bits, is a normal float for n >= -126 and 0 at n = -127.
+constexpr float kExpFloor = -127.0f;
 
 struct Seq {
   int q_start;
@@ -65,11 +66,11 @@ struct Step {
   std::vector<Seq> seqs;
 };
 
-// 2^x, 0 for x < -126 (and for -inf and NaN): 2^n * 2^f with n = round(x), f in [-0.5, 0.5].
+// 2^x, 0 for x < -126.5 (and for -inf and NaN): 2^n * 2^f with n = round(x), f in [-0.5, 0.5]. Inputs below
+// the floor, -inf and NaN (maxps returns its second operand when either is NaN) become n = -127, whose 2^n
+// bits are 0.
 inline __m256 exp2_ps(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(kExpFloor);
-  const __m256 keep = _mm256_cmp_ps(x, floor, _CMP_GE_OQ);
-  x = _mm256_max_ps(x, floor);
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
   __m256 p = _mm256_set1_ps(0.0013400442f);
@@ -79,25 +80,26 @@ inline __m256 exp2_ps(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931471825f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // s[n][M vectors of rows] = Q^T rows . k[n] for kKeyStep keys, each k[n] a cache row of D floats. M is at most
-// 2: 8 accumulators and 2 + 4 operands leave registers spare; with 3 x 4 accumulators (all 16 ymm) GCC folds
-// the Q loads into the FMAs (16 loads per 12 FMAs) and spills pv_block's accumulators on every key.
+// 3: 12 accumulators, M Q vectors and one broadcast key value take all 16 ymm. 12 independent FMA chains, not
+// 8, keep both FMA ports busy through their 4-cycle latency, with 7 loads per 12 FMAs instead of 6 per 8. Each
+// key is broadcast just before its FMAs: holding all 4 (19 registers) made GCC fold the Q loads into the FMAs.
 template <int M, int D>
 inline void qk_block(const float* qt, int stride, const float* const* k, float* s) {
   __m256 acc[M][kKeyStep];
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < kKeyStep; ++n) acc[m][n] = _mm256_setzero_ps();
-  const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
+  const float* const rows[kKeyStep] = {k[0], k[1], k[2], k[3]};
   for (int d = 0; d < D; ++d) {
     __m256 q[M];
     for (int m = 0; m < M; ++m) q[m] = _mm256_loadu_ps(qt + d * stride + m * 8);
-    const __m256 b[kKeyStep] = {_mm256_broadcast_ss(k0 + d), _mm256_broadcast_ss(k1 + d),
-                                _mm256_broadcast_ss(k2 + d), _mm256_broadcast_ss(k3 + d)};
-    for (int n = 0; n < kKeyStep; ++n)
-      for (int m = 0; m < M; ++m) acc[m][n] = _mm256_fmadd_ps(q[m], b[n], acc[m][n]);
+    for (int n = 0; n < kKeyStep; ++n) {
+      const __m256 b = _mm256_broadcast_ss(rows[n] + d);
+      for (int m = 0; m < M; ++m) acc[m][n] = _mm256_fmadd_ps(q[m], b, acc[m][n]);
+    }
   }
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < kKeyStep; ++n) _mm256_storeu_ps(s + n * stride + m * 8, acc[m][n]);
@@ -177,36 +179,48 @@ void locate_tile(const Step& step, const Seq& seq, int kv_head, int k0, int len,
 }
 
 // Online softmax over one tile for the 8 rows at lane offset c: masks keys past each row's position, moves the
-// max, rescales l and O^T, and replaces the scores by 2^(scaled score - max).
+// max, rescales l and O^T, and replaces the scores by 2^(scaled score - max). The max runs as kKeyStep partial
+// chains and the sum as 2 (the exponential's constants leave registers for no more): single chains of dependent
+// maxps and addps (4 cycles each) would take 2 x 64 x 4 cycles a tile, an eighth of its 8 rows' FMAs.
 template <int D>
 void softmax_rows(Scratch& w, int stride, int c, int k0, int padded, float score_scale) {
   const __m256 positions = _mm256_loadu_ps(w.positions.data() + c);
   // Rows are in position order, so the first row of the vector sees the fewest keys.
   const bool masks = k0 + padded - 1 > static_cast<int>(w.positions[c]);
   const __m256 masked = _mm256_set1_ps(kMaskedScore);
-  __m256 top = masked;
-  for (int j = 0; j < padded; ++j) {
-    float* s = w.s.data() + j * stride + c;
-    __m256 x = _mm256_loadu_ps(s);
-    if (masks) {
-      const __m256 beyond = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(k0 + j)), positions, _CMP_GT_OQ);
-      x = _mm256_blendv_ps(x, masked, beyond);
-      _mm256_storeu_ps(s, x);
+  float* const scores = w.s.data() + c;
+  __m256 top[kKeyStep];
+  for (int n = 0; n < kKeyStep; ++n) top[n] = masked;
+  int j = 0;  // padded is a positive multiple of kKeyStep; do-while keeps top[] and sum[] in registers
+  do {
+    for (int n = 0; n < kKeyStep; ++n) {
+      float* s = scores + (j + n) * stride;
+      __m256 x = _mm256_loadu_ps(s);
+      if (masks) {
+        const __m256 key = _mm256_set1_ps(static_cast<float>(k0 + j + n));
+        x = _mm256_blendv_ps(x, masked, _mm256_cmp_ps(key, positions, _CMP_GT_OQ));
+        _mm256_storeu_ps(s, x);
+      }
+      top[n] = _mm256_max_ps(top[n], x);
     }
-    top = _mm256_max_ps(top, x);
-  }
+  } while ((j += kKeyStep) < padded);
   const __m256 scale = _mm256_set1_ps(score_scale);
   const __m256 m_old = _mm256_loadu_ps(w.m.data() + c);
-  const __m256 m_new = _mm256_max_ps(m_old, _mm256_mul_ps(top, scale));
+  const __m256 tile_top = _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3]));
+  const __m256 m_new = _mm256_max_ps(m_old, _mm256_mul_ps(tile_top, scale));
   const __m256 alpha = exp2_ps(_mm256_sub_ps(m_old, m_new));  // 0 on the first tile (m_old = -inf)
-  __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(w.l.data() + c), alpha);
-  for (int j = 0; j < padded; ++j) {
-    float* s = w.s.data() + j * stride + c;
-    const __m256 p = exp2_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s), scale, m_new));
-    _mm256_storeu_ps(s, p);
-    sum = _mm256_add_ps(sum, p);
-  }
-  _mm256_storeu_ps(w.l.data() + c, sum);
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  j = 0;
+  do {
+    for (int n = 0; n < kKeyStep; ++n) {
+      float* s = scores + (j + n) * stride;
+      const __m256 p = exp2_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s), scale, m_new));
+      _mm256_storeu_ps(s, p);
+      sum[n % 2] = _mm256_add_ps(sum[n % 2], p);
+    }
+  } while ((j += kKeyStep) < padded);
+  const __m256 tile_sum = _mm256_add_ps(sum[0], sum[1]);
+  _mm256_storeu_ps(w.l.data() + c, _mm256_fmadd_ps(_mm256_loadu_ps(w.l.data() + c), alpha, tile_sum));
   _mm256_storeu_ps(w.m.data() + c, m_new);
   for (int d = 0; d < D; ++d) {
     float* o = w.ot.data() + d * stride + c;
@@ -222,6 +236,7 @@ void qk_rows(int vecs, Scratch& w, int stride, int padded) {
       float* s = w.s.data() + j * stride + v * 8;
       const float* const* k = w.k_rows.data() + j;
       switch (std::min(kVecs, vecs - v)) {
+        case 3: qk_block<3, D>(qt, stride, k, s); break;
         case 2: qk_block<2, D>(qt, stride, k, s); break;
         default: qk_block<1, D>(qt, stride, k, s); break;
       }
@@ -236,6 +251,7 @@ void pv_rows(int vecs, Scratch& w, int stride, int padded) {
     for (int d0 = 0; d0 < D; d0 += kKeyStep) {
       float* ot = w.ot.data() + d0 * stride + v * 8;
       switch (std::min(kVecs, vecs - v)) {
+        case 3: pv_block<3>(pt, stride, w.v_rows.data(), padded, d0, ot); break;
         case 2: pv_block<2>(pt, stride, w.v_rows.data(), padded, d0, ot); break;
         default: pv_block<1>(pt, stride, w.v_rows.data(), padded, d0, ot); break;
       }

@@ -22,7 +22,7 @@ from kernels.cpu_backend import CpuAttentionBackend, native_bf16
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
 from worker.model.config import LlamaConfig
-from worker.model.llama import LlamaForCausalLM
+from worker.model.llama import LlamaForCausalLM, OutputRows
 from worker.model.packed_linear import (
     DECODE_ROWS,
     Bf16DecodeLinear,
@@ -135,6 +135,7 @@ class StepInputs:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # int64 [N]: rows of the step's hidden states to sample from
+    sampled_only: OutputRows | None  # the sample rows for the model's last layer; None when every row samples
 
 
 class ModelRunner:
@@ -203,8 +204,11 @@ class ModelRunner:
         """float32 logits [N, vocab] at the last new token of each sequence in `batch.sampling`; with
         `every_row`, at every new token of the step instead."""
         inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
-        return self.model.compute_logits(hidden if every_row else hidden[inputs.sample_rows])
+        sampled_only = None if every_row else inputs.sampled_only
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, sampled_only)
+        if sampled_only is None and not every_row:  # every row samples (decodes): the model kept them all
+            hidden = hidden[inputs.sample_rows]
+        return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, batch: SchedulerOutput) -> StepInputs:
         """Token ids, positions and attention metadata for the step, built with a handful of tensor ops."""
@@ -219,4 +223,13 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.build(query_lens, seq_lens, [s.block_table for s in seqs], self.block_size, dev)
         positions = token_positions(query_lens, seq_lens)
-        return StepInputs(torch.tensor(token_ids, device=dev), positions.to(dev), meta, sample_rows.to(dev))
+        sample_rows = sample_rows.to(dev)
+        sampled_only = None
+        if len(sample_rows) < len(token_ids):  # a prefill's other rows: the model's last layer can skip them
+            sampling = [(seq_len, s.block_table) for seq_len, s in zip(seq_lens, seqs, strict=True) if s.samples]
+            sampled_meta = None
+            if sampling:  # each sampled row is its seq's last new token: a one-token query over the seq's context
+                lens, tables = map(list, zip(*sampling, strict=True))
+                sampled_meta = AttentionMetadata.build([1] * len(lens), lens, tables, self.block_size, dev)
+            sampled_only = OutputRows(sample_rows, sampled_meta)
+        return StepInputs(torch.tensor(token_ids, device=dev), positions.to(dev), meta, sample_rows, sampled_only)
