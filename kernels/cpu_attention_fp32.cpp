@@ -19,8 +19,9 @@
 // under the AVX2 emulation on 2 threads, the two paths taking turns (`python -m loadtest.cpu_kernel_bench --fp32`),
 // ms a layer: a 1,000-token prefill 8.6 against 14.7, 2,048 tokens 36 against 48, 952 new tokens over 2,048
 // cached 41 against 49 (~134 GFLOP/s, near MKL sgemm's ~160 on these 2 cores: the softmax takes most of the
-// rest), one decode over 250 tokens 0.04 against 0.08 (no gather, no SDPA call overhead); 32 such decodes are at
-// par (a decode's 3 rows fill 3 of 8 lanes). With AVX-512 SDPA is faster: cpu_backend.py keeps it there.
+// rest), one decode over 250 tokens 0.04 against 0.08 (no gather, no SDPA call overhead), 32 such decodes 1.0-1.1
+// against 1.25-1.35 (a decode's 3 rows fill only 3 of 8 lanes, yet no gather pays for it), and over an FP8 cache
+// 1.3-1.7 against 8.5-9.9. With AVX-512 SDPA is faster on prefills: cpu_backend.py keeps it there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

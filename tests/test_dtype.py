@@ -31,7 +31,7 @@ def float32_attention_path() -> str:
     faster, the torch path elsewhere."""
     skipped = cpu_backend.fp32_kernel_skipped_reason()
     if skipped is None:
-        return "cpu: C++ AVX2 float32 paged attention kernel (batched decodes: torch path)"
+        return "cpu: C++ AVX2 float32 paged attention kernel"
     return f"cpu: torch path (a float32 model; {skipped})"
 NO_BF16_REASON = "auto: float32, the CPU has no native bf16 (no avx512_bf16/amx_bf16)"
 # ... on an x86 CPU with AVX2 and FMA, whose decode steps read bf16 copies of the weights (worker/model/packed_linear)

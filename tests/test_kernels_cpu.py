@@ -242,22 +242,9 @@ needs_fp32_kernel = pytest.mark.skipif(
 def run_fp32_kernel(batch) -> torch.Tensor:
     """The float32 kernel itself, whichever path the backend would pick on this CPU."""
     assert cpu_backend.load_fp32_kernel()
-    backend = CpuAttentionBackend()
-    fp8 = batch.k_cache.dtype == FP8_DTYPE
-    out = torch.empty_like(batch.q)
-    torch.ops.kvroute_cpu_fp32.paged_attention(
-        batch.q,
-        batch.k_cache.view(torch.uint8) if fp8 else batch.k_cache,
-        batch.v_cache.view(torch.uint8) if fp8 else batch.v_cache,
-        batch.meta.block_tables,
-        batch.meta.query_start_loc,
-        batch.meta.seq_lens,
-        batch.q.shape[-1] ** -0.5,
-        backend.fp8_lut(batch.k_scale, torch.float32) if fp8 else None,
-        backend.fp8_lut(batch.v_scale, torch.float32) if fp8 else None,
-        out,
-    )
-    return out
+    op = torch.ops.kvroute_cpu_fp32.paged_attention
+    args = (batch.k_cache, batch.v_cache, batch.meta, batch.q.shape[-1] ** -0.5, batch.k_scale, batch.v_scale)
+    return CpuAttentionBackend().call_kernel(op, batch.q, *args)
 
 
 def assert_fp32_kernel_matches_reference(batch) -> None:
@@ -330,8 +317,7 @@ def test_float32_models_take_the_fp32_kernel_on_avx2_cpus_without_avx512(monkeyp
     assert backend.runs_fp32_kernel(batch.q, batch.k_cache)
     assert not backend.runs_kernel(batch.q, batch.k_cache)
     assert not backend.runs_fp32_kernel(batch.q[..., :48], batch.k_cache)  # head sizes it was not built for
-    described = backend.describe(torch.float32, 64)
-    assert described == "cpu: C++ AVX2 float32 paged attention kernel (batched decodes: torch path)"
+    assert backend.describe(torch.float32, 64) == "cpu: C++ AVX2 float32 paged attention kernel"
     assert (
         backend.describe(torch.bfloat16, 64)
         == "cpu: torch path (the CPU lacks avx512f, avx512bw, avx512vl, avx512_bf16)"
@@ -370,21 +356,3 @@ def test_float32_models_fall_back_to_torch_when_the_fp32_kernel_does_not_build(m
     out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5)
     torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
 
-
-@needs_fp32_kernel
-@pytest.mark.parametrize(
-    "query_lens, seq_lens, cache_dtype, kernel",
-    [
-        ([1, 1, 1], [30, 7, 64], None, False),  # batched decodes over a float32 cache: the torch path is faster
-        ([1, 1, 1], [30, 7, 64], FP8_DTYPE, True),  # over FP8 the torch path dequantises whole blocks: kernel
-        ([1], [30], None, True),  # one decode
-        ([5, 1], [40, 9], None, True),  # a step with an extend in it
-    ],
-)
-def test_fp32_kernel_leaves_batched_float32_decodes_to_torch(monkeypatch, query_lens, seq_lens, cache_dtype, kernel):
-    avx2_only_cpu(monkeypatch)
-    backend = CpuAttentionBackend()
-    batch = written_batch(query_lens, seq_lens, 6, 2, 64, 16, cache_dtype, dtype=torch.float32)
-    assert backend.runs_fp32_kernel(batch.q, batch.k_cache, batch.meta) == kernel
-    out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5, batch.k_scale, batch.v_scale)
-    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
