@@ -267,4 +267,3 @@ class CpuAttentionBackend(TorchAttentionBackend):
             codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
             self.luts[scale, dtype] = (codes.float() * scale).to(dtype)
         return self.luts[scale, dtype]
-

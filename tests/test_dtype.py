@@ -33,6 +33,8 @@ def float32_attention_path() -> str:
     if skipped is None:
         return "cpu: C++ AVX2 float32 paged attention kernel"
     return f"cpu: torch path (a float32 model; {skipped})"
+
+
 NO_BF16_REASON = "auto: float32, the CPU has no native bf16 (no avx512_bf16/amx_bf16)"
 # ... on an x86 CPU with AVX2 and FMA, whose decode steps read bf16 copies of the weights (worker/model/packed_linear)
 AVX2_REASON = NO_BF16_REASON + f"; steps of <= {DECODE_ROWS} tokens read bfloat16 copies of the linear weights"

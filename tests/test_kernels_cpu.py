@@ -355,4 +355,3 @@ def test_float32_models_fall_back_to_torch_when_the_fp32_kernel_does_not_build(m
     )
     out = backend.attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 64**-0.5)
     torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
-

@@ -51,8 +51,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with a residual stream, (norm(x + residual), x + residual), reusing both tensors' memory."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual stream, (norm(x + residual), x + residual). The fused path computes in place
+        and returns x and residual themselves, so callers pass tensors that nothing else reads."""
         if residual is not None and cpu_fused_ops.available(x):
             cpu_fused_ops.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
