@@ -36,8 +36,10 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 FP32_SOURCE = Path(__file__).with_name("cpu_attention_fp32.cpp")
-FP32_REQUIRED_FLAGS = ("avx2", "fma")
-FP32_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# The AVX2 + FMA kernels' instructions and build: the float32 attention kernel here, the bf16 linear kernel
+# (cpu_linear.py) and the fused float32 ops (cpu_fused_ops.py).
+AVX2_REQUIRED_FLAGS = ("avx2", "fma")
+AVX2_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 HEAD_DIMS = (32, 64, 128)
 # Comma-separated flags to treat as absent: runs (and measures) on this machine the branch a CPU without them
 # takes, e.g. KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 for an AVX2-only CPU's dtype and attention path.
@@ -106,17 +108,22 @@ def missing_x86_flags(required: tuple[str, ...]) -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def build_extension(name: str, source: Path, cflags: list[str]) -> str | None:
+def load_extension(what: str, name: str, source: Path, cflags: list[str], required: tuple[str, ...]) -> bool:
     """Compile (or load the cached build of) a C++ op library with torch's cpp_extension, which registers its ops;
-    None when it loaded, else why it did not build (the first compiler error line)."""
-    try:
-        from torch.utils.cpp_extension import load
+    False, with a warning naming `what` and why (the flags of `required` this CPU lacks, or the first compiler
+    error line), when it cannot run here."""
+    reason = missing_x86_flags(required)
+    if reason is None:
+        try:
+            from torch.utils.cpp_extension import load
 
-        load(name=name, sources=[str(source)], extra_cflags=cflags, is_python_module=False, verbose=False)
-        return None
-    except (RuntimeError, OSError, ImportError) as exc:
-        errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
-        return f"it did not build: {errors[0].strip()}"
+            load(name=name, sources=[str(source)], extra_cflags=cflags, is_python_module=False, verbose=False)
+            return True
+        except (RuntimeError, OSError, ImportError) as exc:
+            errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
+            reason = f"it did not build: {errors[0].strip()}"
+    log.warning("%s unavailable, torch runs instead: %s", what, reason)
+    return False
 
 
 def unsupported_reason() -> str | None:
@@ -126,7 +133,7 @@ def unsupported_reason() -> str | None:
 
 def fp32_unsupported_reason() -> str | None:
     """Why this machine cannot run the AVX2 float32 kernel, or None when it can."""
-    return missing_x86_flags(FP32_REQUIRED_FLAGS)
+    return missing_x86_flags(AVX2_REQUIRED_FLAGS)
 
 
 def fp32_kernel_skipped_reason() -> str | None:
@@ -139,25 +146,23 @@ def fp32_kernel_skipped_reason() -> str | None:
     return "SDPA's AVX-512 code is faster than the AVX2 kernel" if "avx512f" in cpu_flags() else None
 
 
-def _load(what: str, name: str, source: Path, cflags: list[str], reason: str | None) -> bool:
-    reason = reason or build_extension(name, source, cflags)
-    if reason is None:
-        return True
-    log.warning("CPU %s attention kernel unavailable, using the torch path: %s", what, reason)
-    return False
-
-
 @functools.cache
 def load_kernel() -> bool:
     """Compile (or load the cached build of) the bf16 kernel and register torch.ops.kvroute_cpu; False, with a
     warning, when it cannot run here."""
-    return _load("bf16", "kvroute_cpu_attention", SOURCE, COMPILE_FLAGS, unsupported_reason())
+    return load_extension("CPU bf16 attention kernel", "kvroute_cpu_attention", SOURCE, COMPILE_FLAGS, REQUIRED_FLAGS)
 
 
 @functools.cache
 def load_fp32_kernel() -> bool:
     """The same for the float32 kernel (torch.ops.kvroute_cpu_fp32)."""
-    return _load("float32", "kvroute_cpu_attention_fp32", FP32_SOURCE, FP32_COMPILE_FLAGS, fp32_unsupported_reason())
+    return load_extension(
+        "CPU float32 attention kernel",
+        "kvroute_cpu_attention_fp32",
+        FP32_SOURCE,
+        AVX2_COMPILE_FLAGS,
+        AVX2_REQUIRED_FLAGS,
+    )
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -8,34 +8,27 @@ under TORCH_EXTENSIONS_DIR.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_backend import build_extension, missing_x86_flags
-
-log = logging.getLogger(__name__)
+from kernels.cpu_backend import AVX2_COMPILE_FLAGS, AVX2_REQUIRED_FLAGS, load_extension, missing_x86_flags
 
 SOURCE = Path(__file__).with_name("cpu_bf16_linear.cpp")
-REQUIRED_FLAGS = ("avx2", "fma")
-COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
 def unsupported_reason() -> str | None:
     """Why this machine cannot run the kernel, or None when it can."""
-    return missing_x86_flags(REQUIRED_FLAGS)
+    return missing_x86_flags(AVX2_REQUIRED_FLAGS)
 
 
 @functools.cache
 def load_kernel() -> bool:
     """Compile (or load the cached build of) the kernel and register torch.ops.kvroute_cpu_linear; False, with a
     warning, when it cannot run here."""
-    reason = unsupported_reason() or build_extension("kvroute_cpu_bf16_linear", SOURCE, COMPILE_FLAGS)
-    if reason is None:
-        return True
-    log.warning("bf16 linear kernel unavailable: %s", reason)
-    return False
+    return load_extension(
+        "AVX2 bf16 linear kernel", "kvroute_cpu_bf16_linear", SOURCE, AVX2_COMPILE_FLAGS, AVX2_REQUIRED_FLAGS
+    )
 
 
 # A panel's 16 features in the order the kernel's widening shuffles expect (kernels/cpu_bf16_linear.cpp).

@@ -44,6 +44,14 @@ TOLERANCES = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float32: dict(at
 # A mixed step: a fresh prefill, decodes, an extend whose prefix ends mid-block, a chunk whose prefix ends on
 # a block boundary, a one-token prefill and a decode over a long context.
 MIXED = ([5, 1, 7, 1, 16, 1, 1], [5, 9, 20, 33, 48, 1, 70])
+# Steps that cross the kernels' query tiles (16) and key tiles (64), or end on their boundaries.
+TILE_CASES = [
+    ([130], [130]),  # a prefill over several query tiles (16) and key tiles (64), ending mid-tile
+    ([70], [200]),  # an extend whose prefix ends mid key tile
+    ([33, 1], [97, 65]),  # an extend and a decode
+    ([1, 1, 1], [3, 300, 64]),  # decodes only, one exactly a key tile long
+    ([64], [128]),  # everything on tile boundaries
+]
 
 
 def written_batch(
@@ -88,16 +96,7 @@ def test_backend_matches_reference_on_mixed_step(group, head_dim, block_size, ca
     assert_matches_reference(batch)
 
 
-@pytest.mark.parametrize(
-    "query_lens, seq_lens",
-    [
-        ([130], [130]),  # a prefill over several query tiles (16) and key tiles (64), ending mid-tile
-        ([70], [200]),  # an extend whose prefix ends mid key tile
-        ([33, 1], [97, 65]),  # an extend and a decode
-        ([1, 1, 1], [3, 300, 64]),  # decodes only, one exactly a key tile long
-        ([64], [128]),  # everything on tile boundaries
-    ],
-)
+@pytest.mark.parametrize("query_lens, seq_lens", TILE_CASES)
 def test_backend_tiles_and_boundaries(query_lens, seq_lens):
     assert_matches_reference(written_batch(query_lens, seq_lens, 9, 3, 64, 16, seed=len(query_lens)))
 
@@ -264,14 +263,7 @@ def test_fp32_kernel_matches_reference_on_mixed_step(group, head_dim, block_size
 @needs_fp32_kernel
 @pytest.mark.parametrize(
     "query_lens, seq_lens",
-    [
-        ([130], [130]),  # a prefill over several query tiles (16) and key tiles (64), ending mid-tile
-        ([70], [200]),  # an extend whose prefix ends mid key tile
-        ([33, 1], [97, 65]),  # an extend and a decode
-        ([1, 1, 1], [3, 300, 64]),  # decodes only, one exactly a key tile long
-        ([64], [128]),  # everything on tile boundaries
-        ([3, 2, 1], [131, 66, 1]),  # tiles that end short of a whole 4-key step
-    ],
+    [*TILE_CASES, ([3, 2, 1], [131, 66, 1])],  # and tiles that end short of a whole 4-key step
 )
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_fp32_kernel_tiles_and_boundaries(query_lens, seq_lens, group):
