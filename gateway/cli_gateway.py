@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument("--log-prompts", action="store_true", help="log prompt text (never logged otherwise)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9091, help="Prometheus /metrics port, apart from the API (0: off)"
+    )
+    parser.add_argument("--metrics-host", default=None, help="metrics listen address (default: --host)")
+    parser.add_argument(
+        "--metrics-tenant-labels", action="store_true", help="name tenants in metric labels (default: opaque ids)"
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -90,7 +97,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     from kvroute.model_source import resolve_model
     from kvroute.tokenizer import Tokenizer
 
-    for flag in ("http_port", "grpc_port"):
+    for flag in ("http_port", "grpc_port", "metrics_port"):
         if not 0 <= getattr(args, flag) < 65536:
             raise UserError(f"--{flag.replace('_', '-')} must be in [0, 65536), got {getattr(args, flag)}")
     if args.block_size < 1:
@@ -115,7 +122,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
     served = args.served_model_name or args.model
-    metrics = GatewayMetrics(served)
+    metrics = GatewayMetrics(served, tenant_labels=args.metrics_tenant_labels)
     fleet = _fleet_state(args, addresses, fleet_identity(source.model_id, tokenizer, args.block_size))
     request_path = RequestPath(
         fleet,
@@ -222,16 +229,20 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> None:
     """Start the fleet state and both front doors, print where they listen, and serve until a signal; then
     drain and stop."""
     from gateway import http_server
-    from gateway.tracing import setup_tracing
+    from gateway.metrics import metrics_app
+    from kvroute.tracing import flush_tracing, setup_tracing
 
-    setup_tracing()
+    setup_tracing("kvroute-gateway")
     request_path, fleet = gateway.request_path, gateway.fleet
+    metrics_host = args.host if args.metrics_host is None else args.metrics_host
+    metrics_http = (
+        HttpServer.start(metrics_app(request_path.metrics), metrics_host, args.metrics_port)
+        if args.metrics_port
+        else None
+    )
     await fleet.start()
     app = http_server.build_app(
-        request_path,
-        request_path.metrics.registry,
-        max_body_bytes=gateway.max_body_bytes,
-        default_max_tokens=gateway.default_max_tokens,
+        request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens
     )
     http = HttpServer.start(app, args.host, args.http_port)
     grpc_server = None
@@ -246,9 +257,10 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> None:
             await http.stop()
             raise UserError(str(exc)) from exc
     grpc_where = f", gRPC on {args.host}:{grpc_server.port}" if grpc_server else ""
+    metrics_where = f", metrics on http://{metrics_host}:{metrics_http.port}/metrics" if metrics_http else ""
     print(
         f"kvroute gateway: serving {request_path.served_model_name} (policy {request_path.policy.name}) "
-        f"on http://{args.host}:{http.port}/v1{grpc_where}; {len(fleet.members())} workers ready",
+        f"on http://{args.host}:{http.port}/v1{grpc_where}{metrics_where}; {len(fleet.members())} workers ready",
         flush=True,
     )
     stop = asyncio.Event()
@@ -264,6 +276,9 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> None:
     if grpc_server is not None:
         await grpc_server.stop(grace=1.0)
     await http.stop()
+    if metrics_http is not None:
+        await metrics_http.stop()
     await fleet.stop()
     await request_path.close()
+    flush_tracing()
     print("kvroute gateway: stopped", flush=True)

@@ -2,7 +2,10 @@
 
     POST /v1/completions, /v1/chat/completions ─► parse (openai_protocol) ─► GatewayRequest
         ─► RequestPath.generate ─► Generation ─► JSON body, or server-sent events ending in `data: [DONE]`
-    GET /v1/models, /v1/models/{id}, /health (alive), /ready (a routable worker), /metrics, /openapi.json
+    GET /v1/models, /v1/models/{id}, /health (alive), /ready (a routable worker), /openapi.json
+
+Prometheus metrics are not on this port: they list workers and per-app series that API clients have no
+business reading, so they are served apart (`--metrics-port`, gateway.metrics.metrics_app).
 
 Starlette rather than FastAPI: measured on this machine, FastAPI added ~75 µs to a trivial JSON request and
 ~130 µs to a validated POST over HTTP (1.5x Starlette's latency; 4-5x in the framework alone), against a
@@ -31,7 +34,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -79,15 +81,14 @@ class ServesRequests(Protocol):
 
 def build_app(
     request_path: ServesRequests,
-    metrics_registry: CollectorRegistry | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = None,
 ) -> Starlette:
-    """The HTTP app over one request path. `metrics_registry` is what GET /metrics exposes (default: the
-    process-wide registry); `max_body_bytes` bounds a request body (413 past it); `default_max_tokens` is a
-    chat request's max_tokens when the client sets none (completions default to OpenAI's 16)."""
-    server = OpenAIServer(request_path, metrics_registry or REGISTRY, max_body_bytes, default_max_tokens)
+    """The HTTP app over one request path. `max_body_bytes` bounds a request body (413 past it);
+    `default_max_tokens` is a chat request's max_tokens when the client sets none (completions default to
+    OpenAI's 16)."""
+    server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -95,7 +96,6 @@ def build_app(
         Route("/v1/models/{model:path}", server.get_model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/ready", server.ready, methods=["GET"]),
-        Route("/metrics", server.metrics, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
     ]
     return Starlette(
@@ -109,12 +109,10 @@ class OpenAIServer:
     def __init__(
         self,
         request_path: ServesRequests,
-        registry: CollectorRegistry,
         max_body_bytes: int,
         default_max_tokens: int | None,
     ) -> None:
         self.request_path = request_path
-        self.registry = registry
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.started = int(time.time())
@@ -194,9 +192,6 @@ class OpenAIServer:
         if workers:
             return Response(orjson.dumps({"status": "ready", "workers": workers}), media_type=JSON)
         return Response(b'{"status":"no routable worker","workers":0}', status_code=503, media_type=JSON)
-
-    async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: Request) -> Response:
         return Response(self._openapi, media_type=JSON)
@@ -597,7 +592,6 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": {"description": "ready"}, "503": {"description": "no routable worker"}},
                 }
             },
-            "/metrics": simple("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
         },
         "components": {"schemas": schemas["$defs"]},
     }

@@ -1,26 +1,43 @@
 """The gateway's Prometheus metrics, in the worker's naming style (`kvroute:` prefix, own registry; the
-exposition appends `_total` to counters). Served at the front door's `GET /metrics` (`render()`).
+exposition appends `_total` to counters). Served on their own port (`metrics_app`, `--metrics-port`), never
+on the API port, in the Prometheus text format 0.0.4 whatever the Accept header (in OpenMetrics this
+prometheus_client escapes ':' and a Prometheus server would store `kvroute_...`).
 
 Routing: requests by policy and reason, requests routed per worker, routing latency (template, tokenize,
 hash and pick), retries by cause, breaker state per worker, parity mismatches and membership changes (read
 from the fleet state's counters at scrape time). Requests: TTFT and E2E as the client sees them through the
 gateway, errors by type, requests in flight.
 
-The prefix doctor's live half, per app (the `x-kvroute-app` header, else the tenant): where each request's
-prompt first diverges from the same app's previous request (in tokens, at block granularity: caching works
-in blocks), and the share of prompt blocks the chosen worker already held (matched / prompt blocks, since
-start). Apps are client-named, so at most `MAX_APPS` get their own label; later ones count as "other".
+The prefix doctor's live half, per tenant and app (the `x-kvroute-app` header, else "default"): where each
+request's prompt first diverges from the same app's previous request (in tokens, at block granularity:
+caching works in blocks), and the share of prompt blocks the chosen worker already held (matched / prompt
+blocks, since start).
+
+Label values clients can influence are bounded (the rules are `label_value`'s): an app name is cut to
+`MAX_LABEL_CHARS` and every character outside [A-Za-z0-9._-] becomes "_". Apps are counted per tenant: a
+tenant's first `MAX_APPS_PER_TENANT` apps get their own series (under its own `tenant` label, so one tenant
+can never write into another's), later ones count as its "other"; `MAX_APPS` bounds all tenants together.
+The `tenant` label is an opaque id (`tenant_id`) unless the operator asks for names (`tenant_labels`,
+`--metrics-tenant-labels`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.request import Tenant
 
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
@@ -32,8 +49,24 @@ E2E_BUCKETS = (
 )
 ROUTING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 DIVERGENCE_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-MAX_APPS = 100
-OTHER_APP = "other"
+MAX_APPS = 100  # (tenant, app) series of the prefix doctor, all tenants together
+MAX_APPS_PER_TENANT = 16
+MAX_LABEL_CHARS = 64
+DEFAULT_APP = "default"  # a request without x-kvroute-app
+OTHER_APP = "other"  # a tenant's apps past its budget
+_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def label_value(text: str) -> str:
+    """`text` as a bounded, plain label value: at most MAX_LABEL_CHARS characters, each in [A-Za-z0-9._-]
+    (any other becomes "_"); an empty text is "_"."""
+    return _LABEL_UNSAFE.sub("_", text[:MAX_LABEL_CHARS]) or "_"
+
+
+def tenant_id(tenant: Tenant) -> str:
+    """An opaque, stable label for `tenant`: a digest of its cache salt (keyed by the salt secret, so names
+    cannot be confirmed by hashing guesses; equal on every gateway that shares the secret)."""
+    return "t-" + hashlib.sha256(b"kvroute-metrics-tenant\x00" + tenant.cache_salt.encode()).hexdigest()[:12]
 
 
 class _LiveCollector(Collector):
@@ -51,7 +84,7 @@ class _LiveCollector(Collector):
             labels=["worker"],
         )
         for worker, state in sorted(self._breaker_states().items()):
-            breakers.add_metric([worker], int(state))
+            breakers.add_metric([label_value(worker)], int(state))
         yield breakers
         counters = self._fleet_counters()
         if counters is None:
@@ -62,7 +95,7 @@ class _LiveCollector(Collector):
             labels=["worker"],
         )
         for worker, count in sorted(counters.parity_mismatches.items()):
-            mismatches.add_metric([worker], count)
+            mismatches.add_metric([label_value(worker)], count)
         yield mismatches
         changes = CounterMetricFamily(
             "kvroute:gateway_fleet_changes", "Fleet membership changes seen by this gateway.", labels=["change"]
@@ -73,8 +106,11 @@ class _LiveCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str) -> None:
+    """The gateway's registry. `tenant_labels`: label series with tenant names instead of opaque ids."""
+
+    def __init__(self, model_name: str, *, tenant_labels: bool = False) -> None:
         self.model_name = model_name
+        self.tenant_labels = tenant_labels
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -111,39 +147,65 @@ class GatewayMetrics:
         self.prefix_divergence = Histogram(
             "kvroute:prefix_divergence_tokens",
             "Position of the first token (at block granularity) where a prompt differs from its app's previous one.",
-            ["app"], buckets=DIVERGENCE_BUCKETS, registry=r,
+            ["tenant", "app"], buckets=DIVERGENCE_BUCKETS, registry=r,
         )  # fmt: skip
         self.prefix_hit_rate = Gauge(
             "kvroute:prefix_hit_rate", "Prompt blocks held by the chosen worker over prompt blocks, per app.",
-            ["app"], registry=r,
+            ["tenant", "app"], registry=r,
         )  # fmt: skip
-        self._previous: OrderedDict[str, Sequence[bytes]] = OrderedDict()  # app -> its last request's hashes
-        self._hits: dict[str, list[int]] = {}  # app -> [matched blocks, prompt blocks]
+        self._previous: dict[tuple[str, str], Sequence[bytes]] = {}  # (tenant, app) -> its last request's hashes
+        self._hits: dict[tuple[str, str], list[int]] = {}  # (tenant, app) -> [matched blocks, prompt blocks]
+        self._apps_per_tenant: dict[str, int] = {}  # tenant label -> apps with their own series
 
     def watch(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], dict[str, int]]) -> None:
         """Read these at every scrape (the request path calls this once with its fleet state and breakers)."""
         self.registry.register(_LiveCollector(fleet_counters, breaker_states))
 
     def render(self) -> bytes:
-        """The exposition text for `GET /metrics`."""
+        """The exposition text (Prometheus text format 0.0.4) for `GET /metrics`."""
         return generate_latest(self.registry)
 
-    def observe_prefix(self, app: str, block_hashes: Sequence[bytes], matched_blocks: int, block_size: int) -> None:
-        """The prefix doctor's live half, for one routed request of `app`."""
-        if app not in self._previous and len(self._previous) >= MAX_APPS:
-            app = OTHER_APP
-        previous = self._previous.get(app)
+    def tenant_label(self, tenant: Tenant) -> str:
+        return label_value(tenant.name) if self.tenant_labels else tenant_id(tenant)
+
+    def observe_prefix(
+        self, tenant: Tenant, app: str | None, block_hashes: Sequence[bytes], matched_blocks: int, block_size: int
+    ) -> None:
+        """The prefix doctor's live half, for one routed request of `tenant`'s `app` (the client's
+        x-kvroute-app, unchecked: this bounds it)."""
+        key = self._series(self.tenant_label(tenant), label_value(app) if app else DEFAULT_APP)
+        previous = self._previous.get(key)
         if previous is not None:
             depth = 0
             for mine, theirs in zip(block_hashes, previous, strict=False):
                 if mine != theirs:
                     break
                 depth += 1
-            self.prefix_divergence.labels(app).observe(depth * block_size)
-        self._previous[app] = block_hashes
-        self._previous.move_to_end(app)
-        totals = self._hits.setdefault(app, [0, 0])
+            self.prefix_divergence.labels(*key).observe(depth * block_size)
+        self._previous[key] = block_hashes
+        totals = self._hits.setdefault(key, [0, 0])
         totals[0] += matched_blocks
         totals[1] += len(block_hashes)
         if totals[1]:
-            self.prefix_hit_rate.labels(app).set(totals[0] / totals[1])
+            self.prefix_hit_rate.labels(*key).set(totals[0] / totals[1])
+
+    def _series(self, tenant: str, app: str) -> tuple[str, str]:
+        """(tenant, app), or (tenant, OTHER_APP) once the tenant's or every tenant's app budget is spent."""
+        key = (tenant, app)
+        if key in self._previous:
+            return key
+        apps = self._apps_per_tenant.get(tenant, 0)
+        if apps >= MAX_APPS_PER_TENANT or sum(self._apps_per_tenant.values()) >= MAX_APPS:
+            return (tenant, OTHER_APP)
+        self._apps_per_tenant[tenant] = apps + 1
+        return key
+
+
+def metrics_app(metrics: GatewayMetrics) -> Starlette:
+    """The metrics port's app: `GET /metrics`, the registry in the text format 0.0.4 whatever the Accept
+    header asks for; nothing else."""
+
+    async def serve_metrics(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    return Starlette(routes=[Route("/metrics", serve_metrics, methods=["GET"])])

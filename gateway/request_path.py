@@ -45,7 +45,7 @@ from gateway.errors import (
 )
 from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, label_value
 from gateway.request import Chunk, GatewayRequest, Generation, RouteInfo, Tenant, TokenLogprob, Usage
 from gateway.retry import CircuitBreakers, RetryPolicy
 from gateway.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
@@ -185,7 +185,7 @@ class RequestPath:
         prompt_ids = self._prompt_token_ids(request, salt)
         self.concurrency.acquire(tenant)
         request_id = uuid.uuid4().hex
-        span = tracing.start_request_span(request_id, request.kind, request.trace_context)
+        span = tracing.start_request_span(request_id, request, self.served_model_name)
         try:
             hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
             forward = _Forward(request_id, prompt_ids, salt, hashes, request.params, request.max_tokens_defaulted, span)
@@ -203,7 +203,7 @@ class RequestPath:
         now = time.perf_counter()
         self.metrics.time_to_first_token.observe(now - arrival)
         self.metrics.requests.labels(route.policy, route.reason).inc()
-        self.metrics.observe_prefix(request.app or tenant.name, hashes, route.matched_blocks, self.block_size)
+        self.metrics.observe_prefix(tenant, request.app, hashes, route.matched_blocks, self.block_size)
         tracing.record_route(span, route)
         if logger.isEnabledFor(logging.INFO):
             prompt = f" prompt={self.tokenizer.decode(prompt_ids)!r}" if self.log_prompts else ""
@@ -391,7 +391,7 @@ class RequestPath:
         )
         self.fleet.on_dispatch(member.worker_id)
         self.breakers.on_dispatch(member.worker_id)
-        self.metrics.routed.labels(member.worker_id).inc()
+        self.metrics.routed.labels(label_value(member.worker_id)).inc()
         return _WorkerStream(choice, member.worker_id, self.clients.stub(member.address).Generate(message))
 
     def _end_dispatch(self, worker_id: str) -> None:
@@ -460,6 +460,7 @@ class _StreamingGeneration(Generation):
         self._want_logprobs = request.params.logprobs
         self._span = span
         self._arrival = arrival
+        self._finish_reasons: list[str] = []
         self._closed = False
         self._iterator: AsyncIterator[Chunk] | None = None
 
@@ -558,6 +559,7 @@ class _StreamingGeneration(Generation):
             # On the worker's first message and its last: exact even when a stop string cancels it mid-way.
             self.usage.cached_tokens = response.usage.cached_tokens
         if finish_reason is not None:
+            self._finish_reasons.append(finish_reason)
             self._path.metrics.request_success.labels(finish_reason).inc()
         if not text and not token_ids and finish_reason is None:
             return None
@@ -606,13 +608,7 @@ class _StreamingGeneration(Generation):
         path = self._path
         if finished and error is None:
             path.metrics.e2e_request_latency.observe(time.perf_counter() - self._arrival)
-        self._span.set_attributes(
-            {
-                "kvroute.prompt_tokens": self.usage.prompt_tokens,
-                "kvroute.completion_tokens": self.usage.completion_tokens,
-                "kvroute.cached_tokens": self.usage.cached_tokens,
-            }
-        )
+        tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
         self._span.end()
         path._generation_closed(self._tenant)
 

@@ -4,52 +4,64 @@ The request's span continues the client's W3C trace context when one came (`trac
 metadata), carries the routing decision as attributes (`kvroute.route.*`), and its context is sent to the
 worker in `GenerateRequest.trace_context`, where the worker's `kvroute.worker.generate` span continues it.
 
-Spans are exported over OTLP/gRPC only when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; otherwise no exporter runs and spans cost next to nothing
-(the API's non-recording spans still pass a client's trace context on to the worker).
+The span carries the GenAI semantic-convention attributes (`gen_ai.operation.name`, `gen_ai.request.*`,
+`gen_ai.usage.*`, `gen_ai.response.finish_reasons`). Exporting is set up by `kvroute.tracing.setup_tracing`
+(only when the standard OTLP endpoint variables are set).
 """
 
 from __future__ import annotations
 
-import logging
-import os
+from collections.abc import Sequence
 
 from opentelemetry import propagate, trace
 
-from gateway.request import RouteInfo
+from gateway.request import GatewayRequest, RouteInfo, Usage
+from kvroute.tracing import GEN_AI_PROVIDER
 
-logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.gateway")
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+# GatewayRequest.kind -> gen_ai.operation.name
+_OPERATIONS = {"chat": "chat", "completion": "text_completion", "tokens": "text_completion"}
 
 
-def setup_tracing(service_name: str = "kvroute-gateway") -> bool:
-    """Install an OTLP exporter if the environment names an endpoint; returns whether one was installed.
-    Call once per process, before serving."""
-    endpoint = next((os.environ[v] for v in _ENDPOINT_VARIABLES if os.environ.get(v)), None)
-    if endpoint is None:
-        return False
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service_name)})
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(provider)
-    logger.info("tracing: exporting spans over OTLP to %s", endpoint)
-    return True
-
-
-def start_request_span(request_id: str, kind: str, client_context: dict[str, str]) -> trace.Span:
-    """The gateway span of one request, continuing the client's trace context if it sent one."""
-    parent = propagate.extract(client_context) if client_context else None
+def start_request_span(request_id: str, request: GatewayRequest, model: str) -> trace.Span:
+    """The gateway span of one request, continuing the client's trace context if it sent one. `model`: the
+    served model name the request asked for."""
+    parent = propagate.extract(request.trace_context) if request.trace_context else None
+    params = request.params
+    attributes: dict[str, str | int | float] = {
+        "kvroute.request_id": request_id,
+        "kvroute.kind": request.kind,
+        "gen_ai.operation.name": _OPERATIONS.get(request.kind, request.kind),
+        "gen_ai.provider.name": GEN_AI_PROVIDER,
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+    }
+    if request.n > 1:
+        attributes["gen_ai.request.choice.count"] = request.n
+    if params.seed is not None:
+        attributes["gen_ai.request.seed"] = params.seed
     return tracer.start_span(
-        "kvroute.gateway.generate",
-        context=parent,
-        kind=trace.SpanKind.SERVER,
-        attributes={"kvroute.request_id": request_id, "kvroute.kind": kind},
+        "kvroute.gateway.generate", context=parent, kind=trace.SpanKind.SERVER, attributes=attributes
+    )
+
+
+def record_usage(span: trace.Span, request_id: str, usage: Usage, finish_reasons: Sequence[str]) -> None:
+    """The request's outcome on its span, in the GenAI conventions' names (and kvroute's, kept for dashboards)."""
+    if not span.is_recording():
+        return
+    span.set_attributes(
+        {
+            "gen_ai.response.id": request_id,
+            "gen_ai.usage.input_tokens": usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": usage.completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": usage.cached_tokens,
+            "gen_ai.response.finish_reasons": list(finish_reasons),
+            "kvroute.prompt_tokens": usage.prompt_tokens,
+            "kvroute.completion_tokens": usage.completion_tokens,
+            "kvroute.cached_tokens": usage.cached_tokens,
+        }
     )
 
 

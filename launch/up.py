@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICY_NAMES, default="kv_aware")
     parser.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI HTTP port")
     parser.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port (0: off)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9091, help="the gateway's Prometheus /metrics port (0: off)"
+    )
     parser.add_argument("--redis", default=None, help="fleet state in Redis at this URL (default: embedded)")
     parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (workers stay on loopback)")
     parser.add_argument("--worker-args", default="", help='extra `kvroute worker` flags, e.g. "--num-kv-blocks 512"')
@@ -114,7 +117,7 @@ def kvroute_argv(*args: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
-    for flag in ("http_port", "grpc_port"):
+    for flag in ("http_port", "grpc_port", "metrics_port"):
         if not 0 <= getattr(args, flag) < 65536:
             raise UserError(f"--{flag.replace('_', '-')} must be in [0, 65536), got {getattr(args, flag)}")
     http_port = args.http_port or free_port(args.host)
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
             "gateway",
             kvroute_argv(
                 "gateway", "--model", args.model, "--host", args.host, "--http-port", str(http_port),
-                "--grpc-port", str(args.grpc_port), "--workers", ",".join(addresses), "--policy", args.policy,
+                "--grpc-port", str(args.grpc_port), "--metrics-port", str(args.metrics_port),
+                "--workers", ",".join(addresses), "--policy", args.policy,
                 "--log-level", "warning", *redis, *shlex.split(args.gateway_args),
             ),
         )  # fmt: skip
@@ -159,9 +163,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.25)
         if not stopping:
             grpc_where = f", gRPC 127.0.0.1:{args.grpc_port}" if args.grpc_port else ""
+            metrics_where = f", metrics on port {args.metrics_port}" if args.metrics_port else ""
             print(
                 f"kvroute up: {args.workers} {args.model} workers ({', '.join(addresses)}) behind {url}/v1"
-                f"{grpc_where}, policy {args.policy}; Ctrl-C stops them all",
+                f"{grpc_where}{metrics_where}, policy {args.policy}; Ctrl-C stops them all",
                 flush=True,
             )
         while not stopping:

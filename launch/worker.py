@@ -88,7 +88,7 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
         GatewayMetrics(args.model), block_size=block_size,
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
-    app = http_server.build_app(request_path, request_path.metrics.registry, default_max_tokens=limits.max_tokens)
+    app = http_server.build_app(request_path, default_max_tokens=limits.max_tokens)
     host = args.http_host or args.host
     http = HttpServer.start(app, host, args.http_port)
     print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)

@@ -166,6 +166,7 @@ class Fleet:
         self.workers: list[WorkerProcess] = []
         self.router: subprocess.Popen | None = None
         self.router_port = free_port()
+        self.router_metrics_port = free_port()  # our gateway's /metrics, apart from its API port
         self._logs: dict[int, Path] = {}
 
     @property
@@ -212,7 +213,7 @@ class Fleet:
         first requests are not all routed over the first worker to answer."""
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
-            text = httpx.get(self.url + "/metrics", timeout=5.0).text
+            text = httpx.get(f"http://127.0.0.1:{self.router_metrics_port}/metrics", timeout=5.0).text
             joins = sum(
                 sample.value
                 for family in text_string_to_metric_families(text)
@@ -230,7 +231,8 @@ class Fleet:
             return [
                 sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.config.model,
                 "--host", "127.0.0.1", "--http-port", port, "--grpc-port", "0",
-                "--workers", addresses, "--policy", self.entry.policy, *self.config.gateway_args,
+                "--metrics-port", str(self.router_metrics_port), "--workers", addresses, "--policy", self.entry.policy,
+                *self.config.gateway_args,
             ]  # fmt: skip
         binary = peer_binary(self.entry.router)
         assert binary is not None, "run_compare skips a peer that is not installed"

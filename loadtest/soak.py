@@ -94,6 +94,7 @@ class SoakFleet:
     worker_metrics: list[str] = field(default_factory=list)
     gateways: list[Process] = field(default_factory=list)
     gateway_urls: list[str] = field(default_factory=list)
+    gateway_metrics: list[str] = field(default_factory=list)  # each gateway's /metrics (on its metrics port)
     retries_seen: float = 0.0  # gateway retries counted before a gateway restart reset its counters
 
     def start(self) -> None:
@@ -115,14 +116,15 @@ class SoakFleet:
             self.worker_metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
         addresses = ",".join(f"127.0.0.1:{p}" for p in grpc_ports)
         for j in range(GATEWAYS):
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
             argv = [
                 sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.args.model, "--host", "127.0.0.1",
-                "--http-port", str(port), "--grpc-port", "0", "--redis", self.redis.url, "--workers", addresses,
-                *self.args.gateway_arg,
+                "--http-port", str(port), "--grpc-port", "0", "--metrics-port", str(metrics_port),
+                "--redis", self.redis.url, "--workers", addresses, *self.args.gateway_arg,
             ]  # fmt: skip
             self.gateways.append(Process(f"gateway g{j}", argv, self.log_dir / f"gateway-{j}.log"))
             self.gateway_urls.append(f"http://127.0.0.1:{port}")
+            self.gateway_metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
         for process in [*self.workers, *self.gateways]:
             process.start()
         for process, url in zip(self.workers, self.worker_metrics, strict=True):
@@ -159,7 +161,7 @@ class SoakFleet:
         await asyncio.to_thread(self.redis.restart)
         note("Redis back (empty)")
         await at(0.70)
-        self.retries_seen += await asyncio.to_thread(gateway_retries, self.gateway_urls[1])
+        self.retries_seen += await asyncio.to_thread(gateway_retries, self.gateway_metrics[1])
         note("SIGTERM gateway g1 (drain)")
         await asyncio.to_thread(self.gateways[1].signal, signal.SIGTERM)
         self.gateways[1].start()
@@ -167,9 +169,10 @@ class SoakFleet:
         note("gateway g1 back")
 
 
-def gateway_retries(url: str) -> float:
+def gateway_retries(metrics_url: str) -> float:
+    """The gateway's `kvroute:gateway_retries_total` read at `metrics_url` (0 when it does not answer)."""
     try:
-        text = httpx.get(url + "/metrics", timeout=5.0).text
+        text = httpx.get(metrics_url, timeout=5.0).text
     except httpx.HTTPError:
         return 0.0
     return sum(
@@ -258,7 +261,7 @@ def run_soak(args: argparse.Namespace) -> int:
 
             records, duration = asyncio.run(soak())
             idle = wait_idle(fleet)
-            retries = fleet.retries_seen + sum(gateway_retries(url) for url in fleet.gateway_urls)
+            retries = fleet.retries_seen + sum(gateway_retries(url) for url in fleet.gateway_metrics)
         finally:
             fleet.stop()
     summary = summarize(records, duration)

@@ -31,7 +31,7 @@ from gateway.embedded_fleet import EmbeddedFleetState
 from gateway.grpc_server import GatewayGrpcServer, start_grpc_server
 from gateway.http_server import build_app
 from gateway.limits import Limits
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, metrics_app
 from gateway.request_path import RequestPath, fleet_identity
 from gateway.router import make_policy
 from kvroute.model_source import resolve_model
@@ -85,6 +85,7 @@ class GatewayStack:
         self.workers: list[WorkerServer] = []
         self.request_path: RequestPath
         self.http: HttpServer
+        self.metrics_http: HttpServer  # the gateway's /metrics, apart from the API port
         self.grpc: GatewayGrpcServer
         self.dead_http: HttpServer | None = None
         self.dead_grpc: GatewayGrpcServer | None = None
@@ -113,6 +114,10 @@ class GatewayStack:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_http.port}/metrics"
 
     @property
     def dead_http_url(self) -> str:
@@ -166,6 +171,7 @@ class GatewayStack:
         tokenizer = await loop.run_in_executor(None, Tokenizer.for_model, source)
         addresses = [f"127.0.0.1:{w.port}" for w in self.workers]
         self.request_path, self.http, self.grpc = await self._gateway(addresses, source.model_id, tokenizer)
+        self.metrics_http = HttpServer.start(metrics_app(self.request_path.metrics), "127.0.0.1", 0)
         if o.dead_fleet:
             dead_address = f"127.0.0.1:{unused_port()}"
             _, self.dead_http, self.dead_grpc = await self._gateway([dead_address], source.model_id, tokenizer)
@@ -181,10 +187,7 @@ class GatewayStack:
             fleet, make_policy(o.policy), tokenizer, model_id, SERVED_MODEL, Authenticator(o.api_keys), o.limits,
             metrics,
         )  # fmt: skip
-        app = build_app(
-            request_path, metrics.registry, max_body_bytes=o.limits.max_body_bytes,
-            default_max_tokens=o.limits.max_tokens,
-        )  # fmt: skip
+        app = build_app(request_path, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens)
         http = HttpServer.start(app, "127.0.0.1", 0)
         grpc_server = await start_grpc_server(
             request_path, "127.0.0.1", 0, default_max_tokens=o.limits.max_tokens, health_interval_s=0.1
@@ -193,6 +196,8 @@ class GatewayStack:
         return request_path, http, grpc_server
 
     async def _stop(self) -> None:
+        if hasattr(self, "metrics_http"):
+            await self.metrics_http.stop()
         for http, grpc_server, fleet, request_path in reversed(self._closers):
             await grpc_server.stop(grace=0)
             await http.stop()

@@ -459,13 +459,14 @@ def test_client_disconnect_while_waiting_cancels_the_worker_request(stack: Gatew
 # -- the rest of the API -----------------------------------------------------------------------------------------
 
 
-def test_models_health_ready_metrics_openapi(client: httpx.Client) -> None:
+def test_models_health_ready_metrics_openapi(client: httpx.Client, stack: GatewayStack) -> None:
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [SERVED_MODEL]
     assert client.get(f"/v1/models/{SERVED_MODEL}").json()["id"] == SERVED_MODEL
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").status_code == 200 and client.get("/ready").json()["workers"] >= 1
-    metrics = client.get("/metrics")
+    assert client.get("/metrics").status_code == 404, "metrics are served apart from the API"
+    metrics = httpx.get(stack.metrics_url)
     assert metrics.status_code == 200 and "kvroute:gateway_requests_total" in metrics.text
     refused = next(
         line for line in metrics.text.splitlines() if line.startswith("kvroute:gateway_request_errors_total")
@@ -473,6 +474,7 @@ def test_models_health_ready_metrics_openapi(client: httpx.Client) -> None:
     assert float(refused.rsplit(" ", 1)[1]) > 0, "refusals at the front door are counted too"
     doc = client.get("/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
+    assert "/metrics" not in doc["paths"]
     schemas = doc["components"]["schemas"]
     assert {"prompt", "max_tokens", "stream_options", "cache_salt"} <= set(schemas["CompletionRequest"]["properties"])
     assert "messages" in schemas["ChatCompletionRequest"]["required"]

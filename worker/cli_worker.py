@@ -169,7 +169,18 @@ async def start_server(engine: LLMEngine, args: argparse.Namespace) -> WorkerSer
 
 
 async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
-    """Serve until a signal (drain: 0), a second signal during the drain (130) or the engine's death (1)."""
+    """Serve until a signal (drain: 0), a second signal during the drain (130) or the engine's death (1).
+    Spans are exported over OTLP when the standard OTEL_EXPORTER_OTLP_ENDPOINT variables are set."""
+    from kvroute.tracing import flush_tracing, setup_tracing
+
+    setup_tracing("kvroute-worker")
+    try:
+        return await _serve(engine, args)
+    finally:
+        flush_tracing()
+
+
+async def _serve(engine: LLMEngine, args: argparse.Namespace) -> int:
     server = await start_server(engine, args)
     metrics = ""
     if server.metrics.address is not None:

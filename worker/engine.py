@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +29,7 @@ from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model_runner import StepRunner
 from worker.scheduler import Scheduler
-from worker.sequence import Sequence
+from worker.sequence import RequestTimings, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache (at the last admission)
+    timings: RequestTimings | None = None  # on a request's finished output only (its phases, for metrics and spans)
 
 
 @dataclass
@@ -97,6 +100,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Called on the engine's thread after every step that ran the model, with the tokens it computed.
+        self.on_step: Callable[[int], None] | None = None
 
     def _init_model(self, source: ModelSource) -> None:
         from worker.model_runner import ModelRunner, resolve_dtype, uses_bf16_decode_weights
@@ -171,10 +176,28 @@ class LLMEngine:
         """One scheduler step: outputs for every request that got a token (or was aborted since)."""
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            seq.timings.preemptions += 1
         if not batch.seqs:
             return outputs
+        scheduled_at = time.monotonic()
+        for item in batch.seqs:
+            timings = item.seq.timings
+            if timings.first_scheduled is None:
+                timings.first_scheduled = scheduled_at
+            if item.num_new_tokens == 1 and item.seq.num_output_tokens:
+                timings.decode_steps += 1
+            else:
+                timings.prefill_steps += 1
         sampled = self.runner.run(batch)
         advanced = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
+        sampled_at = time.monotonic()
+        for seq in advanced:
+            if seq.timings.first_token is None:
+                seq.timings.first_token = sampled_at
+            seq.timings.last_token = sampled_at
+        if self.on_step is not None:
+            self.on_step(batch.num_tokens)
         if sampled.top_logprobs:  # one entry per sampled row, in the order `advanced` has them
             for seq, top in zip(advanced, sampled.top_logprobs, strict=True):
                 if top is not None:
@@ -197,6 +220,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens,
+            timings=seq.timings if seq.is_finished else None,
         )
 
     def generate(

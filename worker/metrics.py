@@ -5,23 +5,29 @@ Occupancy gauges and cumulative counters are read from the engine's latest `Engi
 observed by a `RequestTimer` that the gRPC service drives as it streams a request.
 
 Every worker has its own `CollectorRegistry`, so several workers (tests, one-machine fleets) can live in
-one process. Names contain ':' as vLLM's do; the exposition appends `_total` to counters.
+one process. Names contain ':' as vLLM's do; the exposition appends `_total` to counters. The server answers
+in the Prometheus text format 0.0.4 whatever the scraper's Accept header asks (as vLLM's does): in
+OpenMetrics this prometheus_client escapes ':' to '_', and a Prometheus server (which asks for OpenMetrics)
+would store every `vllm:` series as `vllm_`. docs/worker.md lists the series served.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer, generate_latest
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from worker.engine import EngineStats
+    from worker.sequence import RequestTimings
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that quantiles compare across engines.
 TTFT_BUCKETS = (
@@ -36,6 +42,20 @@ E2E_BUCKETS = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
     *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
+REQUEST_LATENCY_BUCKETS = E2E_BUCKETS  # vLLM's queue, prefill, decode and inference times share them
+
+
+def buckets_1_2_5(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets, for token counts)."""
+    out: list[float] = []
+    magnitude = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * magnitude
+            if value > limit:
+                return tuple(out)
+            out.append(float(value))
+        magnitude *= 10
 
 
 class EngineStatsCollector(Collector):
@@ -73,12 +93,29 @@ class EngineStatsCollector(Collector):
 
 
 class WorkerMetrics:
-    """One worker's metrics in its own registry; `serve(port)` exposes them at http://host:port/metrics."""
+    """One worker's metrics in its own registry; `serve(port)` exposes them at http://host:port/metrics.
 
-    def __init__(self, model_name: str, stats_source: Callable[[], EngineStats | None]) -> None:
+    `max_model_len` and `max_num_batched_tokens` size the token-count histograms; `cache_config` becomes the
+    labels of `vllm:cache_config_info` (block_size, cache_dtype, ..., as strings)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        stats_source: Callable[[], EngineStats | None],
+        *,
+        max_model_len: int = 2048,
+        max_num_batched_tokens: int = 2048,
+        cache_config: dict[str, str] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(model_name, stats_source))
+        if cache_config:
+            info = Gauge(
+                "vllm:cache_config_info", "Information of the LLMEngine's CacheConfig.", sorted(cache_config),
+                registry=self.registry,
+            )  # fmt: skip
+            info.labels(**cache_config).set(1)
         self.time_to_first_token = self._histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
@@ -93,6 +130,36 @@ class WorkerMetrics:
         self.e2e_request_latency = self._histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS
         )
+        self.queue_time = self._histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = self._histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = self._histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.inference_time = self._histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_max_tokens = self._histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.iteration_tokens = self._histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            buckets_1_2_5(max_num_batched_tokens),
+        )  # fmt: skip
         self.request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -122,8 +189,9 @@ class WorkerMetrics:
         return RequestTimer(self)
 
     def serve(self, port: int, host: str) -> int:
-        """Serve /metrics on host:port from a daemon thread; returns the bound port (pass 0 for a free one)."""
-        self._http_server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics on host:port from a daemon thread, in the text format 0.0.4 whatever the Accept
+        header; returns the bound port (pass 0 for a free one). Raises OSError when it cannot listen."""
+        self._http_server = serve_text_format(self.registry, host, port)
         return self._http_server.server_port
 
     @property
@@ -168,9 +236,58 @@ class RequestTimer:
         self.last_token_time = now
         self.num_tokens += num_new
 
-    def on_finished(self, finish_reason: str) -> None:
+    def on_finished(
+        self, finish_reason: str, timings: RequestTimings | None = None, prompt_tokens: int = 0, max_tokens: int = 0
+    ) -> None:
+        """The request ended. `timings` (the engine's, on its finished output) add the phase histograms and
+        the token counts; a request that ended before the engine finished it (a cancel) has none."""
         now = self.clock()
-        self.metrics.e2e_request_latency.observe(now - self.arrival)
+        m = self.metrics
+        m.e2e_request_latency.observe(now - self.arrival)
         if self.first_token_time is not None and self.num_tokens > 1:
-            self.metrics.time_per_output_token.observe((now - self.first_token_time) / (self.num_tokens - 1))
-        self.metrics.request_success.labels(self.metrics.model_name, finish_reason).inc()
+            m.time_per_output_token.observe((now - self.first_token_time) / (self.num_tokens - 1))
+        m.request_success.labels(m.model_name, finish_reason).inc()
+        if timings is None:
+            return
+        m.request_prompt_tokens.observe(prompt_tokens)
+        m.request_generation_tokens.observe(self.num_tokens)
+        m.request_max_tokens.observe(max_tokens)
+        if timings.first_scheduled is not None:
+            m.queue_time.observe(timings.first_scheduled - timings.arrival)
+            if timings.first_token is not None and timings.last_token is not None:
+                m.prefill_time.observe(timings.first_token - timings.first_scheduled)
+                m.decode_time.observe(timings.last_token - timings.first_token)
+                m.inference_time.observe(timings.last_token - timings.first_scheduled)
+
+
+class _Exposition:
+    """A WSGI app: the registry in the Prometheus text format 0.0.4 at any GET path."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ["REQUEST_METHOD"] not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        body = generate_latest(self.registry)
+        start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))])
+        return [b"" if environ["REQUEST_METHOD"] == "HEAD" else body]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log."""
+
+
+def serve_text_format(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
+    """A thread-per-request HTTP server of `registry` (text format 0.0.4) on host:port, serving from a daemon
+    thread; `.shutdown()` and `.server_close()` stop it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(host, port, _Exposition(registry), Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,25 @@ import torch
 from kvroute.hashing import BlockHash, BlockHasher
 from kvroute.sampling import SamplingParams
 from worker.sampler import TopLogprobs
+
+
+@dataclass
+class RequestTimings:
+    """When a request reached each phase of its life in the engine (time.monotonic() seconds), and how many
+    engine steps each phase took. The engine stamps them once per step; readers (metrics, spans) take them
+    from the request's last RequestOutput.
+
+    Phases as vLLM defines them: queued = arrival .. first scheduled, prefill = first scheduled .. first
+    token, decode = first token .. last token. A prefill step computes prompt tokens (or recomputes them
+    after a preemption); a decode step computes one generated token."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +61,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_emitted: int = 0  # output tokens already handed to the caller
+    timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.sampling import InvalidRequest, SamplingParams
 from kvroute.sampling_proto import sampling_from_proto
 from proto import worker_pb2, worker_pb2_grpc
+from worker import tracing
 from worker.async_engine import (
     DEFAULT_MAX_STREAMS,
     DEFAULT_MAX_WAITING,
@@ -51,7 +52,6 @@ from worker.engine import EngineStats, LLMEngine, RequestOutput
 from worker.metrics import RequestTimer, WorkerMetrics
 
 logger = logging.getLogger(__name__)
-tracer = trace.get_tracer("kvroute.worker")
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
 MAX_KV_EVENTS_PER_REPLY = 4096
@@ -219,16 +219,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
         request_id = request.request_id or uuid.uuid4().hex
-        span = tracer.start_span(
-            "kvroute.worker.generate",
-            context=propagate.extract(dict(request.trace_context)),
-            kind=trace.SpanKind.SERVER,
-            attributes={"kvroute.request_id": request_id, "kvroute.prompt_tokens": len(request.prompt_token_ids)},
+        span = tracing.start_generate_span(
+            request_id, dict(request.trace_context), self.info.model_id, len(request.prompt_token_ids)
         )
         timer = self.metrics.start_request()
         try:
             params = sampling_from_proto(request.sampling)
             self.engine.check_admission(request_id, request.prompt_token_ids, params)  # before any hashing
+            tracing.record_params(span, params)
             if request.block_hashes:
                 span.set_attribute("kvroute.block_hash_parity", self._check_block_hashes(request))
             async with aclosing(self._stream(request_id, request, params, timer, span)) as responses:
@@ -261,19 +259,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     timer.on_tokens(len(output.new_token_ids))
                     if output.finished:
                         finished = True
-                        timer.on_finished(output.finish_reason or "abort")
-                        span.set_attributes(
-                            {
-                                "kvroute.cached_tokens": output.cached_tokens,
-                                "kvroute.completion_tokens": completion_tokens,
-                                "kvroute.finish_reason": output.finish_reason or "abort",
-                            }
-                        )
+                        reason = output.finish_reason or "abort"
+                        timer.on_finished(reason, output.timings, output.prompt_tokens, params.max_tokens)
+                        tracing.record_finished(span, reason, completion_tokens, output.cached_tokens, output.timings)
                     yield response_from_output(output, completion_tokens, first)
                     first = False
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
                 timer.on_finished("abort")
+                tracing.record_finished(span, "abort", completion_tokens, 0, None)
             raise
 
     def _check_block_hashes(self, request: worker_pb2.GenerateRequest) -> bool:
@@ -393,7 +387,20 @@ async def start_worker_server(
     run the server; raises OSError naming the address it cannot listen on."""
     await asyncio.get_running_loop().run_in_executor(None, engine.warm_up)
     async_engine = AsyncEngine(engine, max_streams=max_concurrent_streams, max_waiting=max_waiting)
-    metrics = WorkerMetrics(engine.model_id, lambda: async_engine.latest_stats)
+    config = engine.config
+    metrics = WorkerMetrics(
+        engine.model_id,
+        lambda: async_engine.latest_stats,
+        max_model_len=engine.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        cache_config={
+            "block_size": str(config.block_size),
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "num_gpu_blocks": str(engine.stats().num_blocks_total),
+        },
+    )
+    engine.on_step = metrics.iteration_tokens.observe
     metrics_host = host if metrics_host is None else metrics_host
     bound_metrics_port = None
     if metrics_port is not None:
