@@ -7,8 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from launch.worker import free_port
 
@@ -50,10 +53,11 @@ def alive(pid: int) -> bool:
 
 
 def test_kvroute_up_serves_and_ctrl_c_stops_every_child() -> None:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     up = subprocess.Popen(
         [sys.executable, "-m", "kvroute.cli", "up", "--workers", "2", "--model", "sim", "--http-port", str(port),
-         "--grpc-port", "0", "--worker-args", "--num-kv-blocks 64 --max-model-len 512 --http-port 0"],
+         "--grpc-port", "0", "--metrics-port", str(metrics_port),
+         "--worker-args", "--num-kv-blocks 64 --max-model-len 512 --http-port 0"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -79,6 +83,11 @@ def test_kvroute_up_serves_and_ctrl_c_stops_every_child() -> None:
             with urllib.request.urlopen(request, timeout=30) as response:
                 assert worker_ids is None or response.headers["x-kvroute-worker"] in worker_ids
                 assert json.loads(response.read())["usage"]["completion_tokens"] == 3
+        # The gateway's metrics on their own port, not on the API's.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            assert b"kvroute:gateway_requests_total{" in response.read()
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
         up.send_signal(signal.SIGINT)  # Ctrl-C
         assert up.wait(timeout=60) == 0
         assert not [pid for pid in children if alive(pid)]

@@ -68,6 +68,25 @@ def test_metrics_endpoint_has_vllm_names_with_sane_values() -> None:
     ttft_sum = m[("vllm:time_to_first_token_seconds_sum", ())]
     e2e_sum = m[("vllm:e2e_request_latency_seconds_sum", ())]
     assert 0 < ttft_sum < e2e_sum < 10
+    # The phases vLLM reports, from the engine's own timestamps: queue + prefill + decode = inference + queue.
+    phases = [m[(f"vllm:request_{p}_time_seconds_sum", ())] for p in ("queue", "prefill", "decode", "inference")]
+    assert all(
+        m[(f"vllm:request_{p}_time_seconds_count", ())] == 3 for p in ("queue", "prefill", "decode", "inference")
+    )
+    assert phases[1] + phases[2] == pytest.approx(phases[3]) and phases[3] < e2e_sum
+    assert m[("vllm:request_prompt_tokens_sum", ())] == 3 * len(prompt)
+    assert m[("vllm:request_generation_tokens_sum", ())] == 3 * max_tokens
+    assert m[("vllm:request_params_max_tokens_sum", ())] == 3 * max_tokens
+    # Every token the steps computed: the first prompt whole, the others past their 2 cached blocks, the decodes.
+    computed = len(prompt) + 2 * (len(prompt) - 32) + 3 * (max_tokens - 1)
+    assert m[("vllm:iteration_tokens_total_sum", ())] == computed
+    info = next(labels for (name, labels) in m if name == "vllm:cache_config_info")
+    assert dict(info) == {
+        "block_size": "16",
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "True",
+        "num_gpu_blocks": "64",
+    }
 
 
 class FakeClock:
