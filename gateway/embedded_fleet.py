@@ -116,6 +116,7 @@ class WorkerPoller:
         self._wake = asyncio.Event()
         self._halted = False
         self._conflict: str | None = None  # the id conflict last logged (logged once, not every poll)
+        self._refused_logged = False
 
     async def run(self) -> None:
         """Poll until cancelled or halted."""
@@ -291,6 +292,15 @@ class WorkerPoller:
 
     def _on_failure(self, exc: grpc.aio.AioRpcError | TimeoutError) -> None:
         now = asyncio.get_running_loop().time()
+        refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        if refused and not self._refused_logged:  # a wrong token is a setup error, not an outage: say so once
+            self._refused_logged = True
+            logger.error(
+                "fleet: the worker at %s refuses this gateway's worker token (%s); check --worker-token-file / "
+                "$KVROUTE_WORKER_TOKEN_FILE against the worker's --auth-token-file",
+                self.address,
+                exc.details(),
+            )
         if self._failing_since is None:
             self._failing_since = now
             if self.worker_id is not None:

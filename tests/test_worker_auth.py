@@ -114,7 +114,9 @@ def test_every_worker_method_refuses_a_call_without_the_token_and_health_stays_o
     asyncio.run(main())
 
 
-def test_a_gateway_fleet_without_the_token_admits_no_worker_and_one_with_it_does() -> None:
+def test_a_gateway_fleet_without_the_token_admits_no_worker_and_one_with_it_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async def main() -> None:
         engine = sim_engine()
         async with worker(engine, auth_token=TOKEN) as (server, _):
@@ -127,7 +129,10 @@ def test_a_gateway_fleet_without_the_token_admits_no_worker_and_one_with_it_does
                 finally:
                     await fleet.stop()
 
-    asyncio.run(main())
+    with caplog.at_level("ERROR", logger="gateway.embedded_fleet"):
+        asyncio.run(main())
+    refusals = [r.getMessage() for r in caplog.records if "refuses this gateway's worker token" in r.getMessage()]
+    assert len(refusals) == 2 and "missing worker token" in refusals[0] and "invalid worker token" in refusals[1]
 
 
 def gateway_args(*flags: str) -> Any:
@@ -348,6 +353,13 @@ def test_kvroute_worker_and_gateway_processes_share_their_secrets_through_files_
                     generate_request([5] * 40), metadata=(("authorization", f"Bearer {api_key}"),), timeout=10
                 )
                 assert [r for r in stream][-1].usage.prompt_tokens == 40
+                with pytest.raises(grpc.RpcError) as as_worker:  # nor as a gateway's client on its Worker service
+                    list(
+                        worker_pb2_grpc.WorkerStub(channel).Generate(
+                            generate_request([5] * 40), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10
+                        )
+                    )
+                assert as_worker.value.code() == UNAUTHENTICATED
             with grpc.insecure_channel(f"127.0.0.1:{worker_port}") as channel:
                 with pytest.raises(grpc.RpcError) as direct:
                     worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
