@@ -179,13 +179,11 @@ def worker_info(engine: LLMEngine, identity: WorkerIdentity) -> worker_pb2.Worke
 
 
 def kv_events_to_proto(since: KVEventsSince, identity: WorkerIdentity) -> worker_pb2.KVEventBatch:
+    """Events from the log; a snapshot goes over the wire in pages (`snapshot_page_to_proto`), never whole."""
+    assert since.snapshot is None, "a whole snapshot is never sent: page it"
     batch = worker_pb2.KVEventBatch(
         latest_seq=since.latest_seq, worker_id=identity.worker_id, incarnation=identity.incarnation
     )
-    if since.snapshot is not None:
-        batch.is_snapshot = True
-        batch.snapshot_seq = since.latest_seq
-        batch.snapshot_hashes.extend(since.snapshot)
     for event in since.events:
         batch.events.add(
             seq=event.seq,
