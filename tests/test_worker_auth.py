@@ -185,61 +185,65 @@ def fill(engine: LLMEngine, num_prompts: int) -> set[bytes]:
 
 
 def test_a_big_pools_snapshot_comes_in_bounded_pages_and_the_gateways_index_equals_the_pool() -> None:
+    """A 20,000-block pool's snapshot in pages of at most 8,192 blocks. Requests that evict and store blocks
+    between the pages change nothing of the contract: the pages' union with the events after the snapshot's seq
+    is the pool's cached set. A gateway reads every page and its index equals the pool."""
     engine = sim_engine(num_kv_blocks=20_000, max_model_len=4096)
     cached = fill(engine, 80)
     assert len(cached) == 20_000
+
+    async def churn(stub: worker_pb2_grpc.WorkerStub, first: int) -> None:
+        for k in range(first, first + 8):  # 600 tokens each: 37 blocks stored, as many evicted
+            async for _ in stub.Generate(generate_request([40_000 + k] * 600)):
+                pass
 
     async def main() -> None:
         async with worker(engine, auth_token=TOKEN, kv_snapshot_burst=20) as (server, channel):
             stub = worker_stub(channel, TOKEN)
             pages = [await stub.GetKVEvents(worker_pb2.GetKVEventsRequest(after_seq=0))]
+            assert len(pages[0].snapshot_hashes) == 8192 and pages[0].next_snapshot_cursor
             while pages[-1].next_snapshot_cursor:
+                await churn(stub, 10 * len(pages))
                 request = worker_pb2.GetKVEventsRequest(snapshot_cursor=pages[-1].next_snapshot_cursor)
                 pages.append(await stub.GetKVEvents(request))
-            assert [len(p.snapshot_hashes) for p in pages] == [8192, 8192, 20_000 - 2 * 8192]
+            assert len(pages) == 3 and all(len(p.snapshot_hashes) <= 8192 for p in pages)
             assert all(p.is_snapshot and p.snapshot_seq == pages[0].snapshot_seq for p in pages)
-            assert {h for p in pages for h in p.snapshot_hashes} == cached
+            assert pages[-1].latest_seq > pages[0].snapshot_seq, "the cache changed between the pages"
+            rebuilt = {h for p in pages for h in p.snapshot_hashes}
+            after = await stub.GetKVEvents(worker_pb2.GetKVEventsRequest(after_seq=pages[0].snapshot_seq))
+            assert not after.is_snapshot and after.events[-1].seq == after.latest_seq
+            for event in after.events:
+                if event.kind == worker_pb2.KVEvent.KIND_STORED:
+                    rebuilt |= set(event.block_hashes)
+                else:
+                    rebuilt -= set(event.block_hashes)
+            seq, pool = await server.engine.call(lambda e: e.kv_manager.pool.snapshot())
+            assert seq == after.latest_seq and rebuilt == set(pool) != cached
             bad = worker_pb2.GetKVEventsRequest(snapshot_cursor=b"\x00" * 20)
             assert await code_of(stub.GetKVEvents(bad)) == grpc.StatusCode.INVALID_ARGUMENT
 
-            # The gateway reads every page (here 1,000 blocks each), while requests change the cache between
-            # its pages, and its index ends equal to the pool.
+            # The gateway (pages of 1,000 blocks here) while requests run, then at rest: its index is the pool.
             identity = fleet_identity(engine.model_id, engine.tokenizer)
             fleet = EmbeddedFleetState(
                 [f"127.0.0.1:{server.port}"], identity, token=TOKEN, max_snapshot_blocks=1000, poll_interval=0.05
             )
-            churn = asyncio.ensure_future(
-                asyncio.gather(
-                    *(
-                        asyncio.ensure_future(_consume(stub.Generate(generate_request([40_000 + k] * 600))))
-                        for k in range(12)
-                    )
-                )
-            )
+            running = asyncio.ensure_future(churn(stub, 100))
             await fleet.start()
-            await churn
-            await stub.GetStats(worker_pb2.GetStatsRequest())
+            await running
             try:
                 deadline = time.monotonic() + 10
                 while True:
                     seq, pool = await server.engine.call(lambda e: e.kv_manager.pool.snapshot())
-                    index = fleet.view().kv_index
-                    member = fleet.members()[0].worker_id
+                    index, member = fleet.view().kv_index, fleet.members()[0].worker_id
                     if index.last_seq(member) == seq or time.monotonic() > deadline:
                         break
                     await asyncio.sleep(0.05)
-                assert index.last_seq(member) == seq
+                assert index.last_seq(member) == seq and fleet.counters.resyncs >= 1
                 assert index.num_blocks(member) == len(pool) and all(index.holds(member, h) for h in pool)
-                assert fleet.counters.resyncs >= 1
             finally:
                 await fleet.stop()
 
     asyncio.run(main())
-
-
-async def _consume(call: Any) -> None:
-    async for _ in call:
-        pass
 
 
 def test_snapshot_reads_past_the_rate_limit_are_resource_exhausted_with_a_pushback() -> None:
