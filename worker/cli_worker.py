@@ -137,6 +137,11 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     for flag, seconds in (("--drain-timeout", args.drain_timeout), ("--engine-dead-grace", args.engine_dead_grace)):
         if not seconds >= 0:
             raise UserError(f"{flag} must be >= 0 seconds, got {seconds}")
+    if not args.kv_snapshot_rate > 0:
+        raise UserError(f"--kv-snapshot-rate must be > 0 reads per second, got {args.kv_snapshot_rate}")
+    if not args.kv_snapshot_burst >= 1:
+        raise UserError(f"--kv-snapshot-burst must be >= 1, got {args.kv_snapshot_burst}")
+    auth_token(args)  # a bad token file is an error now, not after the model has loaded
     check_device(args.device)
     try:
         return LLMEngine(engine_config(args))

@@ -66,8 +66,8 @@ tracer = trace.get_tracer("kvroute.worker")
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
 MAX_KV_EVENTS_PER_REPLY = 4096
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-# A page of 8,192 blocks is about 150 KiB on the wire and well under a millisecond of the engine thread.
+HEALTH_METHOD_PREFIX = f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/"  # open to probes
+# Small enough that a page is a short hold of the engine thread and a small message (docs/gateway.md).
 KV_SNAPSHOT_PAGE_BLOCKS = 8192
 # Whole-pool snapshot reads per second, and the burst: each reader (a gateway) takes one at its start and
 # after a gap in the events, so a burst covers a rolling restart of several gateways.
@@ -194,6 +194,9 @@ def kv_events_to_proto(since: KVEventsSince, identity: WorkerIdentity) -> worker
     return batch
 
 
+_CURSOR = struct.Struct("<QQI")  # incarnation, the snapshot's seq (its first page's), the next page's block
+
+
 def snapshot_page_to_proto(
     page: KVSnapshotPage, snapshot_seq: int, identity: WorkerIdentity
 ) -> worker_pb2.KVEventBatch:
@@ -208,9 +211,6 @@ def snapshot_page_to_proto(
     if page.next_block is not None:
         batch.next_snapshot_cursor = _CURSOR.pack(identity.incarnation, snapshot_seq, page.next_block)
     return batch
-
-
-_CURSOR = struct.Struct("<QQI")  # incarnation, the snapshot's seq (its first page's), the next page's block
 
 
 # -- authentication and limits ------------------------------------------------------------------------
