@@ -391,3 +391,15 @@ def test_a_worker_refuses_to_start_with_an_unreadable_or_weak_token(
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert "kvroute worker: error: --auth-token-file: " in err and message in err, err
+
+
+def test_kvroute_up_draws_the_fleets_secrets_unless_the_environment_names_them() -> None:
+    from launch.up import fleet_environment
+
+    drawn = fleet_environment({"PATH": "/bin"})
+    assert drawn["PATH"] == "/bin" and len(drawn["KVROUTE_WORKER_TOKEN"]) >= 40
+    assert len(drawn["KVROUTE_CACHE_SALT_SECRET"]) >= 40
+    assert drawn["KVROUTE_CACHE_SALT_SECRET"] != drawn["KVROUTE_WORKER_TOKEN"]
+    assert fleet_environment({})["KVROUTE_WORKER_TOKEN"] != drawn["KVROUTE_WORKER_TOKEN"]
+    named = {"KVROUTE_WORKER_TOKEN_FILE": "/run/token", "KVROUTE_CACHE_SALT_SECRET": "shared"}
+    assert fleet_environment(named) == named  # several `up`s sharing a Redis share these
