@@ -18,6 +18,10 @@ so two tenants never share a block, every gateway of a fleet derives the same sa
 key their caches by it), and with the secret set even a client that reaches a worker directly cannot name
 another tenant's salt. A salt the client sends is mixed in under the tenant's (`cache_salt`): the result
 always starts with the tenant's salt and a NUL, which no other tenant's salt does.
+
+The secret is read from the file $KVROUTE_CACHE_SALT_SECRET_FILE names (a mounted Secret), or from
+$KVROUTE_CACHE_SALT_SECRET itself. Without it a tenant's salt is a hash of its name that anyone can compute,
+so API keys without a secret are refused unless the operator allows derived salts (`--allow-derived-salt`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from typing import Any
 
 from gateway.errors import AuthenticationError
 from gateway.request import Tenant
+from kvroute.credentials import secret_from_env
 
 API_KEYS_ENV = "KVROUTE_API_KEYS"
 SALT_SECRET_ENV = "KVROUTE_CACHE_SALT_SECRET"
+SALT_SECRET_FILE_ENV = "KVROUTE_CACHE_SALT_SECRET_FILE"
 OPEN_TENANT = Tenant(name="default", cache_salt="")
 _SALT_DOMAIN = b"kvroute-tenant-salt-v1\x00"
 
@@ -100,11 +106,30 @@ class Authenticator:
         self._keys = {digest: _Key(digest, tenants[name]) for name, digest in parsed}
 
     @classmethod
-    def from_config(cls, api_keys_file: str | None = None, environ: dict[str, str] | None = None) -> Authenticator:
+    def from_config(
+        cls,
+        api_keys_file: str | None = None,
+        environ: dict[str, str] | None = None,
+        *,
+        allow_derived_salt: bool = False,
+    ) -> Authenticator:
         """Keys from the file if given, else from $KVROUTE_API_KEYS, else none (open). The salt secret is
-        $KVROUTE_CACHE_SALT_SECRET. Raises ValueError with one line on a missing or malformed source."""
+        the file $KVROUTE_CACHE_SALT_SECRET_FILE names, or $KVROUTE_CACHE_SALT_SECRET. Raises ValueError with
+        one line on a missing or malformed source, and for keys without a secret unless `allow_derived_salt`."""
         environ = os.environ if environ is None else environ
-        secret = environ.get(SALT_SECRET_ENV, "").encode() or None
+        value = secret_from_env(SALT_SECRET_FILE_ENV, SALT_SECRET_ENV, environ)
+        secret = value.encode() if value else None
+        authenticator = cls._from_keys(api_keys_file, environ, secret)
+        if not authenticator.open and secret is None and not allow_derived_salt:
+            raise ValueError(
+                f"API keys are configured but no cache-salt secret: set ${SALT_SECRET_FILE_ENV} to a file holding "
+                f"a random secret (or ${SALT_SECRET_ENV}), the same on every gateway; without one, anyone who "
+                "reaches a worker can compute a tenant's salt from its name (--allow-derived-salt accepts that)"
+            )
+        return authenticator
+
+    @classmethod
+    def _from_keys(cls, api_keys_file: str | None, environ: dict[str, str], secret: bytes | None) -> Authenticator:
         if api_keys_file:
             path = Path(api_keys_file)
             if not path.is_file():

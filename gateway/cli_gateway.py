@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--retries", type=int, default=2, help="other workers tried when one fails before its first token"
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument(
+        "--worker-token-file",
+        default=None,
+        help="the token presented to the workers (default: $KVROUTE_WORKER_TOKEN_FILE, else $KVROUTE_WORKER_TOKEN)",
+    )
+    parser.add_argument(
+        "--allow-derived-salt",
+        action="store_true",
+        help="accept API keys without $KVROUTE_CACHE_SALT_SECRET_FILE: tenants' salts then derive from their names",
+    )
     parser.add_argument("--log-prompts", action="store_true", help="log prompt text (never logged otherwise)")
     parser.add_argument(
         "--metrics-port", type=int, default=9091, help="Prometheus /metrics port, apart from the API (0: off)"
@@ -94,6 +104,8 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.retry import RetryPolicy
     from gateway.router import make_policy
+    from gateway.worker_client import WorkerClients
+    from kvroute.credentials import worker_token
     from kvroute.model_source import resolve_model
     from kvroute.tokenizer import Tokenizer
 
@@ -117,13 +129,14 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
             tenant_max_concurrency=args.tenant_max_concurrency,
         )
         retry = RetryPolicy(retries=args.retries)
-        auth = Authenticator.from_config(args.api_keys_file)
+        auth = Authenticator.from_config(args.api_keys_file, allow_derived_salt=args.allow_derived_salt)
+        token = worker_token(args.worker_token_file, "--worker-token-file")
         policy = make_policy(args.policy, **_routing_options(args.routing_config))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
     served = args.served_model_name or args.model
     metrics = GatewayMetrics(served, tenant_labels=args.metrics_tenant_labels)
-    fleet = _fleet_state(args, addresses, fleet_identity(source.model_id, tokenizer, args.block_size))
+    fleet = _fleet_state(args, addresses, fleet_identity(source.model_id, tokenizer, args.block_size), token)
     request_path = RequestPath(
         fleet,
         policy,
@@ -135,6 +148,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         metrics,
         block_size=args.block_size,
         retry=retry,
+        clients=WorkerClients(token),
         log_prompts=args.log_prompts,
     )
     return Gateway(request_path, fleet, limits.max_body_bytes, limits.max_tokens)
@@ -152,8 +166,9 @@ def _routing_options(path: str | None) -> dict[str, Any]:
     return options
 
 
-def _fleet_state(args: argparse.Namespace, addresses: list[str], identity: Any) -> Any:
+def _fleet_state(args: argparse.Namespace, addresses: list[str], identity: Any, token: str | None) -> Any:
     from gateway.embedded_fleet import EmbeddedFleetState, validate_address
+    from kvroute.credentials import redis_password
 
     try:
         for address in addresses:
@@ -161,8 +176,10 @@ def _fleet_state(args: argparse.Namespace, addresses: list[str], identity: Any) 
         if args.redis:
             from gateway.redis_fleet import RedisFleetState
 
-            return RedisFleetState(args.redis, identity, fallback_addresses=addresses)
-        return EmbeddedFleetState(addresses, identity)
+            return RedisFleetState(
+                args.redis, identity, fallback_addresses=addresses, password=redis_password(), worker_token=token
+            )
+        return EmbeddedFleetState(addresses, identity, token=token)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
 

@@ -7,7 +7,13 @@ configured address, every `poll_interval` seconds (default 0.1):
        │ not a member yet, or a new worker_id / incarnation at this address
        └──► GetInfo ──► FleetBook.admit (join / restart: old entries dropped; parity checked)
     GetKVEvents(after_seq = last applied, max_events) ──► FleetBook.apply_events, paged until latest_seq;
-       a snapshot reply (`is_snapshot`) ──► FleetBook.resync; a sequence gap ──► a full resync from seq 0.
+       a snapshot reply (`is_snapshot`) ──► every page of it (next_snapshot_cursor) ──► FleetBook.resync;
+       a sequence gap ──► a full resync from seq 0.
+
+Every call presents the gateway's worker token (`token`, gateway.worker_client.worker_stub). A worker that
+refuses snapshot pages for now (RESOURCE_EXHAUSTED, its rate limit) is asked again after the pause it names
+(`grpc-retry-pushback-ms`), within the same poll, up to `THROTTLED_WAIT_S` in all; it is not counted as
+failing, so it stays a member meanwhile.
 
 Leaving and rejoining, as stated times:
   - a worker whose polls have failed for `unreachable_after` seconds (default 2.0) leaves the candidates:
@@ -33,10 +39,12 @@ import grpc
 
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
 from gateway.kv_index import BlockKey
+from gateway.worker_client import worker_stub
 from kvroute.grpc_options import CLIENT_OPTIONS
 from proto import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+THROTTLED_WAIT_S = 30.0  # the most one poll waits out a worker's snapshot rate limit
 
 _KINDS = {
     worker_pb2.KVEvent.KIND_STORED: "stored",
@@ -55,6 +63,7 @@ class PollOptions:
     unreachable_after: float = 2.0  # seconds of failed polls before a worker leaves the candidates
     rpc_timeout: float = 1.0  # deadline of each GetInfo / GetStats / GetKVEvents call
     max_events: int = 4096  # GetKVEvents page size
+    max_snapshot_blocks: int = 0  # blocks per snapshot page; 0: the worker's limit
 
     def __post_init__(self) -> None:
         for name in ("poll_interval", "unreachable_after", "rpc_timeout"):
@@ -62,6 +71,8 @@ class PollOptions:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {self.max_events}")
+        if self.max_snapshot_blocks < 0:
+            raise ValueError(f"max_snapshot_blocks must be >= 0, got {self.max_snapshot_blocks}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,10 @@ class _Conflict(Exception):
     """The worker at this address cannot be a member (its id is already served from another address)."""
 
 
+class _Throttled(Exception):
+    """The worker kept refusing snapshot pages (its rate limit) for THROTTLED_WAIT_S: the next poll resumes."""
+
+
 def validate_address(address: str) -> str:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -89,10 +104,11 @@ def validate_address(address: str) -> str:
 class WorkerPoller:
     """Keeps one worker's membership, load and KV entries in a FleetBook by polling it over gRPC."""
 
-    def __init__(self, address: str, book: FleetBook, options: PollOptions) -> None:
+    def __init__(self, address: str, book: FleetBook, options: PollOptions, token: str | None = None) -> None:
         self.address = validate_address(address)
         self.book = book
         self.options = options
+        self.token = token
         self.worker_id: str | None = None  # set while it is a member through this poller
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
@@ -100,6 +116,7 @@ class WorkerPoller:
         self._wake = asyncio.Event()
         self._halted = False
         self._conflict: str | None = None  # the id conflict last logged (logged once, not every poll)
+        self._refused_logged = False
 
     async def run(self) -> None:
         """Poll until cancelled or halted."""
@@ -138,7 +155,7 @@ class WorkerPoller:
             self._failing_since = None
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             self._on_failure(exc)
-        except _WorkerChanged as exc:
+        except (_WorkerChanged, _Throttled) as exc:
             logger.info("fleet: %s", exc)
         except _Conflict as exc:
             self._leave(str(exc))
@@ -149,7 +166,7 @@ class WorkerPoller:
     def _connect(self) -> worker_pb2_grpc.WorkerStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS)
-            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+            self._stub = worker_stub(self._channel, self.token)
         return self._stub
 
     async def _poll(self) -> None:
@@ -197,7 +214,11 @@ class WorkerPoller:
         while True:
             batch = await self._get_events(stub, member, self.book.last_seq(member.worker_id))
             if batch.is_snapshot:
-                self.book.resync(member.worker_id, member.incarnation, batch.snapshot_seq, batch.snapshot_hashes)
+                seq, hashes, batch = await self._read_snapshot(stub, member, batch)
+                self.book.resync(member.worker_id, member.incarnation, seq, hashes)
+                if seq >= batch.latest_seq:
+                    return
+                continue  # the events after the snapshot's seq, which its later pages may have overtaken
             events = [_Event(e.seq, _KINDS.get(e.kind, "unknown"), e.block_hashes) for e in batch.events]
             if not self.book.apply_events(member.worker_id, member.incarnation, events):
                 logger.warning("fleet: worker %s: a gap in its KV events; resyncing", member.worker_id)
@@ -213,7 +234,8 @@ class WorkerPoller:
         while True:
             batch = await self._get_events(stub, member, seq)
             if batch.is_snapshot:
-                cached, seq = dict.fromkeys(batch.snapshot_hashes), batch.snapshot_seq
+                seq, hashes, batch = await self._read_snapshot(stub, member, batch)
+                cached = dict.fromkeys(hashes)
             for event in batch.events:
                 if event.seq != seq + 1:
                     raise _WorkerChanged(f"worker {member.worker_id} sent events out of order")
@@ -229,11 +251,40 @@ class WorkerPoller:
                 break
         self.book.resync(member.worker_id, member.incarnation, seq, cached)
 
+    async def _read_snapshot(
+        self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, first: worker_pb2.KVEventBatch
+    ) -> tuple[int, list[bytes], worker_pb2.KVEventBatch]:
+        """The snapshot whose first page is `first`: its seq, the hashes of all its pages, and the last page."""
+        hashes, batch = list(first.snapshot_hashes), first
+        while batch.next_snapshot_cursor:
+            batch = await self._get_events(stub, member, first.snapshot_seq, batch.next_snapshot_cursor)
+            if not batch.is_snapshot or batch.snapshot_seq != first.snapshot_seq:
+                raise _WorkerChanged(f"worker {member.worker_id} answered a snapshot page out of order")
+            hashes.extend(batch.snapshot_hashes)
+        return first.snapshot_seq, hashes, batch
+
     async def _get_events(
-        self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, after_seq: int
+        self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, after_seq: int, cursor: bytes = b""
     ) -> worker_pb2.KVEventBatch:
-        request = worker_pb2.GetKVEventsRequest(after_seq=after_seq, max_events=self.options.max_events)
-        batch = await stub.GetKVEvents(request, timeout=self.options.rpc_timeout)
+        request = worker_pb2.GetKVEventsRequest(
+            after_seq=after_seq,
+            max_events=self.options.max_events,
+            snapshot_cursor=cursor,
+            max_snapshot_blocks=self.options.max_snapshot_blocks,
+        )
+        waited = 0.0
+        while True:
+            try:
+                batch = await stub.GetKVEvents(request, timeout=self.options.rpc_timeout)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                pause = _pushback_s(exc)
+                if waited + pause > THROTTLED_WAIT_S:
+                    raise _Throttled(f"worker {member.worker_id} refuses snapshot pages: {exc.details()}") from None
+                await asyncio.sleep(pause)
+                waited += pause
         if batch.worker_id and not self._same_worker(member, batch.worker_id, batch.incarnation):
             # Restarted between two calls: the next poll's GetStats sees the new incarnation and re-admits.
             raise _WorkerChanged(f"worker {member.worker_id} restarted (incarnation {batch.incarnation})")
@@ -241,6 +292,15 @@ class WorkerPoller:
 
     def _on_failure(self, exc: grpc.aio.AioRpcError | TimeoutError) -> None:
         now = asyncio.get_running_loop().time()
+        refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        if refused and not self._refused_logged:  # a wrong token is a setup error, not an outage: say so once
+            self._refused_logged = True
+            logger.error(
+                "fleet: the worker at %s refuses this gateway's worker token (%s); check --worker-token-file / "
+                "$KVROUTE_WORKER_TOKEN_FILE against the worker's --auth-token-file",
+                self.address,
+                exc.details(),
+            )
         if self._failing_since is None:
             self._failing_since = now
             if self.worker_id is not None:
@@ -268,6 +328,14 @@ async def stop_pollers(pollers: Sequence[WorkerPoller], tasks: Sequence[asyncio.
         poller.resume()
 
 
+def _pushback_s(exc: grpc.aio.AioRpcError) -> float:
+    """The pause a refusal asks for (`grpc-retry-pushback-ms`), 1 s when it names none."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-retry-pushback-ms" and isinstance(value, str) and value.isdigit():
+            return max(0.001, int(value) / 1000)
+    return 1.0
+
+
 def _why(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
@@ -289,12 +357,15 @@ class EmbeddedFleetState(BookkeepingFleetState):
         unreachable_after: float = 2.0,
         rpc_timeout: float = 1.0,
         max_events: int = 4096,
+        max_snapshot_blocks: int = 0,
+        token: str | None = None,
     ) -> None:
+        """`token`: the worker token every call presents (kvroute.credentials); None for workers without."""
         super().__init__(identity)
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"worker addresses must be distinct, got {list(addresses)}")
-        options = PollOptions(poll_interval, unreachable_after, rpc_timeout, max_events)
-        self.pollers = [WorkerPoller(address, self.book, options) for address in addresses]
+        options = PollOptions(poll_interval, unreachable_after, rpc_timeout, max_events, max_snapshot_blocks)
+        self.pollers = [WorkerPoller(address, self.book, options, token) for address in addresses]
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:

@@ -4,7 +4,8 @@
   finish reason and usage streamed out, with the route in the initial metadata (`x-kvroute-worker`,
   `x-kvroute-route`, `x-request-id`) and in the first reply.
 - `kvroute.v1.Worker`, so that a token-level client treats the gateway as one large worker: Generate is
-  routed like any request (the gateway's auth, limits, retries and tenant salt apply); GetInfo describes
+  routed like any request (the gateway's auth, limits, retries and tenant salt apply; it reaches the worker with
+  the gateway's own worker token, never the client's `authorization`, which is its API key); GetInfo describes
   the fleet (the gateway's model, block size and fingerprints; the smallest context among its workers).
   GetStats and GetKVEvents answer UNIMPLEMENTED: they are one engine's books (its occupancy, its event
   sequence numbers and incarnation), which a fleet does not have; summing them would give a reader numbers

@@ -64,7 +64,11 @@ class RedisFleetState(BookkeepingFleetState):
         max_events: int = 4096,
         fallback_addresses: Sequence[str] = (),
         fallback_after: float = 1.0,
+        password: str | None = None,
+        worker_token: str | None = None,
     ) -> None:
+        """`password`: Redis's, for a URL that carries none; `worker_token`: what the fallback's direct reads
+        present to the workers (kvroute.credentials)."""
         super().__init__(identity)
         if not poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval}")
@@ -74,9 +78,9 @@ class RedisFleetState(BookkeepingFleetState):
         self.max_events = max_events
         self.fallback_after = fallback_after
         self.keys = FleetKeys(key_prefix)
-        self._redis = redis_client(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._redis = redis_client(redis_url, password=password, socket_timeout=1.0, socket_connect_timeout=1.0)
         options = PollOptions(poll_interval=poll_interval)
-        self._fallback = [WorkerPoller(address, self.book, options) for address in fallback_addresses]
+        self._fallback = [WorkerPoller(address, self.book, options, worker_token) for address in fallback_addresses]
         self._fallback_tasks: list[asyncio.Task] = []
         self._beat: dict[str, tuple[int, int]] = {}  # worker id -> (incarnation, beat) last seen
         self._beat_at: dict[str, float] = {}  # worker id -> this gateway's time when its beat last moved

@@ -141,34 +141,45 @@ def unpack_hashes(packed: bytes) -> list[bytes]:
     return [packed[i : i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
 
 
-def redis_client(url: str, **options: object) -> aioredis.Redis | RedisCluster:
+def redis_client(url: str, *, password: str | None = None, **options: object) -> aioredis.Redis | RedisCluster:
     """An asyncio client for a fleet-state URL (see the module docstring); raises ValueError for a bad URL.
-    `options` go to redis-py (e.g. socket_timeout). Responses stay bytes: block hashes are binary."""
+    `password` authenticates to Redis (to a Sentinel service's master) for a URL that carries none, so that no
+    command line shows it ($KVROUTE_REDIS_PASSWORD_FILE, kvroute.credentials); a URL with a password as well is
+    refused. `options` go to redis-py (e.g. socket_timeout). Responses stay bytes: block hashes are binary."""
     scheme = url.partition("://")[0].lower()
+    if password is not None and urlsplit(url).password:
+        raise ValueError("--redis: the URL carries a password and $KVROUTE_REDIS_PASSWORD_FILE names one; use one")
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        return _sentinel_client(url, scheme, options, password)
+    if password is not None:
+        options = {**options, "password": password}
     if scheme in ("redis", "rediss", "unix"):
         return aioredis.Redis.from_url(url, **options)
     if scheme in ("redis+cluster", "rediss+cluster"):
         return RedisCluster.from_url(scheme.removesuffix("+cluster") + url[len(scheme) :], **options)
-    if scheme in ("redis+sentinel", "rediss+sentinel"):
-        parts = urlsplit(url)
-        netloc = parts.netloc.rpartition("@")[2]
-        path = [p for p in parts.path.split("/") if p]
-        if not netloc or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-            form = "redis+sentinel://host:port[,host:port...]/service[/db]"
-            raise ValueError(f"--redis: a Sentinel URL is {form}, got {url!r}")
-        sentinels = []
-        for node in netloc.split(","):
-            host, _, port = node.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--redis: Sentinel address {node!r} is not host:port")
-            sentinels.append((host.strip("[]"), int(port)))
-        auth = {"username": unquote(parts.username) if parts.username else None,
-                "password": unquote(parts.password) if parts.password else None}  # fmt: skip
-        ssl = {"ssl": True} if scheme.startswith("rediss") else {}
-        sentinel = Sentinel(sentinels, sentinel_kwargs=options, **options)
-        return sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, **auth, **ssl)
     schemes = "redis://, rediss://, unix://, redis+cluster:// or redis+sentinel://"
     raise ValueError(f"--redis: unsupported URL scheme {scheme!r} in {url!r}; use {schemes}")
+
+
+def _sentinel_client(url: str, scheme: str, options: dict[str, object], password: str | None) -> aioredis.Redis:
+    """The master of a Sentinel URL's service; `password` is the master's when the URL names none."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    path = [p for p in parts.path.split("/") if p]
+    if not netloc or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        form = "redis+sentinel://host:port[,host:port...]/service[/db]"
+        raise ValueError(f"--redis: a Sentinel URL is {form}, got {url!r}")
+    sentinels = []
+    for node in netloc.split(","):
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--redis: Sentinel address {node!r} is not host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    auth = {"username": unquote(parts.username) if parts.username else None,
+            "password": unquote(parts.password) if parts.password else password}  # fmt: skip
+    ssl = {"ssl": True} if scheme.startswith("rediss") else {}
+    sentinel = Sentinel(sentinels, sentinel_kwargs=options, **options)
+    return sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, **auth, **ssl)
 
 
 def stream_id(seq: int) -> str:

@@ -3,11 +3,15 @@
     kvroute up --workers 2 --model smollm2            # then: POST http://127.0.0.1:8000/v1/chat/completions
 
 Each worker gets a free gRPC port; the gateway routes over them (embedded fleet state, or Redis with
---redis, the workers then reporting there too). `up` prints where the gateway listens once it is ready, and
-stops every child on Ctrl-C or SIGTERM: they share one process group, which gets SIGTERM (each drains), then
-SIGKILL for any still alive after the grace period. Each child also asks the kernel for SIGTERM should `up`
-itself die without cleaning up (PR_SET_PDEATHSIG), so no worker outlives it. A child that exits on its own
-stops the fleet (exit status 1).
+--redis, the workers then reporting there too). The fleet's shared secrets, the worker token and the
+tenants' cache-salt secret, are drawn at random for each `up` and handed to the children in their
+environment (never on a command line), unless this environment already names them
+(KVROUTE_WORKER_TOKEN[_FILE], KVROUTE_CACHE_SALT_SECRET[_FILE]): set those when several `up`s share a Redis.
+
+`up` prints where the gateway listens once it is ready, and stops every child on Ctrl-C or SIGTERM: they
+share one process group, which gets SIGTERM (each drains), then SIGKILL for any still alive after the grace
+period. Each child also asks the kernel for SIGTERM should `up` itself die without cleaning up
+(PR_SET_PDEATHSIG), so no worker outlives it. A child that exits on its own stops the fleet (exit status 1).
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.auth import SALT_SECRET_ENV, SALT_SECRET_FILE_ENV
 from gateway.router import POLICY_NAMES
 from kvroute.cli import UserError
+from kvroute.credentials import WORKER_TOKEN_ENV, WORKER_TOKEN_FILE_ENV, generate_secret
 from launch.worker import free_port
 
 READY_TIMEOUT_S = 600.0  # SmolLM2 on two busy cores: load, warm-up (kernel build on first use)
@@ -62,12 +69,13 @@ class Fleet:
     def children(self) -> list[subprocess.Popen]:
         return list(self.names)
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        """Start a child in the fleet's process group (the first child founds it)."""
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start a child in the fleet's process group (the first child founds it), with `env` (default: ours)."""
         child = subprocess.Popen(
             argv,
             process_group=0 if self.pgid is None else self.pgid,
             preexec_fn=_die_with_parent,
+            env=env,
         )
         if self.pgid is None:
             self.pgid = child.pid
@@ -114,6 +122,15 @@ def kvroute_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvroute.cli", *args]
 
 
+def fleet_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with a fresh worker token and cache-salt secret wherever it names none, for every child."""
+    env = dict(environ)
+    for file_var, value_var in ((WORKER_TOKEN_FILE_ENV, WORKER_TOKEN_ENV), (SALT_SECRET_FILE_ENV, SALT_SECRET_ENV)):
+        if not env.get(file_var) and not env.get(value_var):
+            env[value_var] = generate_secret()
+    return env
+
+
 def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
@@ -123,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     http_port = args.http_port or free_port(args.host)
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(args.workers)]
     redis = ["--redis", args.redis] if args.redis else []
+    env = fleet_environment(os.environ)
     fleet = Fleet()
     stopping = False
 
@@ -140,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
                     "worker", "--model", args.model, "--host", "127.0.0.1", "--port", port,
                     "--worker-id", f"worker-{i}", *redis, *shlex.split(args.worker_args),
                 ),
+                env,
             )  # fmt: skip
         fleet.spawn(
             "gateway",
@@ -149,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 "--workers", ",".join(addresses), "--policy", args.policy,
                 "--log-level", "warning", *redis, *shlex.split(args.gateway_args),
             ),
+            env,
         )  # fmt: skip
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{http_port}"
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -7,7 +7,8 @@ The HTTP side is the gateway's own front door and request path (auth, chat templ
 strings, usage with cached tokens) over a fleet of one: this worker, dialled over loopback gRPC. So a worker
 answers HTTP exactly as a gateway does, and other routers (smg, vllm-router) can route over kvroute workers'
 HTTP ports for a side-by-side comparison. It lives here, not in worker/, because worker/ and gateway/ never
-import each other. API keys apply as in the gateway ($KVROUTE_API_KEYS).
+import each other. API keys apply as in the gateway ($KVROUTE_API_KEYS, with $KVROUTE_CACHE_SALT_SECRET_FILE
+or `--allow-derived-salt`), and the front door presents the worker's own token (`--auth-token-file`) to it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_worker.add_arguments(parser)
     parser.add_argument("--http-port", type=int, default=None, help="also serve the OpenAI HTTP API on this port")
     parser.add_argument("--http-host", default=None, help="HTTP listen address (default: --host)")
+    parser.add_argument(
+        "--allow-derived-salt", action="store_true", help="HTTP: accept API keys without a cache-salt secret"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,18 +78,20 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.router import make_policy
+    from gateway.worker_client import WorkerClients
 
     block_size = engine.config.block_size
     identity = fleet_identity(engine.model_id, engine.tokenizer, block_size)
-    fleet = EmbeddedFleetState([f"{dial_host(args.host)}:{args.port}"], identity)
+    token = cli_worker.auth_token(args)
+    fleet = EmbeddedFleetState([f"{dial_host(args.host)}:{args.port}"], identity, token=token)
     limits = Limits()
     try:
-        auth = Authenticator.from_config(None)
+        auth = Authenticator.from_config(None, allow_derived_salt=args.allow_derived_salt)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     request_path = RequestPath(
         fleet, make_policy("round_robin"), engine.tokenizer, engine.model_id, args.model, auth, limits,
-        GatewayMetrics(args.model), block_size=block_size,
+        GatewayMetrics(args.model), block_size=block_size, clients=WorkerClients(token),
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
     app = http_server.build_app(request_path, default_max_tokens=limits.max_tokens)

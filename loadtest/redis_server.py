@@ -41,11 +41,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One redis-server process. `start()`, `stop()`, `restart()`; `url` stays the same across restarts."""
+    """One redis-server process. `start()`, `stop()`, `restart()`; `url` stays the same across restarts.
+    With `password` it requires clients to authenticate (`requirepass`); `url` then carries no password."""
 
-    def __init__(self, port: int | None = None, executable: str | None = None) -> None:
+    def __init__(self, port: int | None = None, executable: str | None = None, password: str | None = None) -> None:
         self.executable = executable or find_redis_server()
         self.port = port or free_port()
+        self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-redis-")
         self._process: subprocess.Popen | None = None
 
@@ -61,6 +63,7 @@ class RedisServer:
         return [
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._dir.name,
             "--save", "", "--appendonly", "no", "--logfile", str(log), "--protected-mode", "yes",
+            *(("--requirepass", self.password) if self.password else ()),
         ]  # fmt: skip
 
     def start(self, timeout: float = 10.0) -> None:
@@ -98,6 +101,10 @@ class RedisServer:
     def _answers_ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                if self.password:
+                    sock.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not sock.recv(16).startswith(b"+OK"):
+                        return False
                 sock.sendall(b"PING\r\n")
                 return sock.recv(16).startswith(b"+PONG")
         except OSError:

@@ -185,12 +185,16 @@ class WorkerInfo(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., attention_backend: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
 
 class GetKVEventsRequest(_message.Message):
-    __slots__ = ("after_seq", "max_events")
+    __slots__ = ("after_seq", "max_events", "snapshot_cursor", "max_snapshot_blocks")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     MAX_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_SNAPSHOT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     max_events: int
-    def __init__(self, after_seq: _Optional[int] = ..., max_events: _Optional[int] = ...) -> None: ...
+    snapshot_cursor: bytes
+    max_snapshot_blocks: int
+    def __init__(self, after_seq: _Optional[int] = ..., max_events: _Optional[int] = ..., snapshot_cursor: _Optional[bytes] = ..., max_snapshot_blocks: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("seq", "kind", "block_hashes", "parent_hash")
@@ -215,7 +219,7 @@ class KVEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("is_snapshot", "snapshot_seq", "snapshot_hashes", "events", "latest_seq", "worker_id", "incarnation")
+    __slots__ = ("is_snapshot", "snapshot_seq", "snapshot_hashes", "events", "latest_seq", "worker_id", "incarnation", "next_snapshot_cursor")
     IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +227,7 @@ class KVEventBatch(_message.Message):
     LATEST_SEQ_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SNAPSHOT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     is_snapshot: bool
     snapshot_seq: int
     snapshot_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -230,4 +235,5 @@ class KVEventBatch(_message.Message):
     latest_seq: int
     worker_id: str
     incarnation: int
-    def __init__(self, is_snapshot: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., latest_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    next_snapshot_cursor: bytes
+    def __init__(self, is_snapshot: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., latest_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., next_snapshot_cursor: _Optional[bytes] = ...) -> None: ...

@@ -29,6 +29,10 @@ class WorkerStub:
     """One worker: one engine (one model, one KV cache). Besides this service, a worker serves the standard
     gRPC health service (grpc.health.v1.Health): SERVING once the model is loaded, NOT_SERVING while it
     drains before shutdown.
+
+    Authentication: a worker started with a token (`--auth-token-file`) answers every method of this service
+    UNAUTHENTICATED unless the call's metadata carries `authorization: Bearer <token>`; gateways hold the
+    token, clients do not. The health service needs none (kubelet probes).
     """
 
     def __init__(self, channel):
@@ -63,6 +67,10 @@ class WorkerServicer:
     """One worker: one engine (one model, one KV cache). Besides this service, a worker serves the standard
     gRPC health service (grpc.health.v1.Health): SERVING once the model is loaded, NOT_SERVING while it
     drains before shutdown.
+
+    Authentication: a worker started with a token (`--auth-token-file`) answers every method of this service
+    UNAUTHENTICATED unless the call's metadata carries `authorization: Bearer <token>`; gateways hold the
+    token, clients do not. The health service needs none (kubelet probes).
     """
 
     def Generate(self, request, context):
@@ -93,7 +101,11 @@ class WorkerServicer:
 
     def GetKVEvents(self, request, context):
         """The worker's prefix-cache changes after a sequence number (poll). When the events asked for are no
-        longer retained, the reply carries a snapshot of every cached block instead, so a reader resyncs.
+        longer retained, the reply carries a snapshot of the cached blocks instead, so a reader resyncs; a
+        large cache's snapshot comes in pages (KVEventBatch.next_snapshot_cursor).
+        Errors: RESOURCE_EXHAUSTED when snapshot pages are asked for faster than the worker's rate limit, with
+        trailing metadata `grpc-retry-pushback-ms` (when to ask again); INVALID_ARGUMENT for a cursor this
+        worker incarnation did not issue.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,6 +146,10 @@ class Worker:
     """One worker: one engine (one model, one KV cache). Besides this service, a worker serves the standard
     gRPC health service (grpc.health.v1.Health): SERVING once the model is loaded, NOT_SERVING while it
     drains before shutdown.
+
+    Authentication: a worker started with a token (`--auth-token-file`) answers every method of this service
+    UNAUTHENTICATED unless the call's metadata carries `authorization: Bearer <token>`; gateways hold the
+    token, clients do not. The health service needs none (kubelet probes).
     """
 
     @staticmethod

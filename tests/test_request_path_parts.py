@@ -185,7 +185,7 @@ def test_keys_map_to_tenants_with_server_side_salts(tmp_path) -> None:
     ]
     path = tmp_path / "keys.json"
     path.write_text(json.dumps(entries))
-    auth = Authenticator.from_config(str(path), environ={})
+    auth = Authenticator.from_config(str(path), environ={}, allow_derived_salt=True)
     acme = auth.authenticate("k1")
     assert acme == auth.authenticate("k2") == Tenant("acme", tenant_salt("acme"), 4)
     globex = auth.authenticate("k3")

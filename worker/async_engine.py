@@ -94,6 +94,16 @@ class KVEventsSince:
     snapshot: list[BlockKey] | None = None  # every cached hash as of latest_seq
 
 
+@dataclass(frozen=True)
+class KVSnapshotPage:
+    """The cached hashes of one range of the block pool, as of `seq`; `next_block` starts the next page
+    (None after the last)."""
+
+    seq: int
+    block_hashes: list[BlockKey]
+    next_block: int | None
+
+
 @dataclass(eq=False)
 class _Stream:
     request_id: str  # the client's
@@ -308,13 +318,28 @@ class AsyncEngine:
         """Up to `max_events` KV events after `after_seq`, answered at once from the published log; or, when
         the log does not cover `after_seq` (too old, or ahead of this engine), a snapshot of every cached hash,
         taken between two steps (so it may wait for the step in progress) and consistent with its seq."""
+        logged = self.kv_events_logged(after_seq, max_events)
+        if logged is not None:
+            return logged
+        seq, cached = await self.call(self._kv_snapshot)
+        return KVEventsSince([], seq, cached)
+
+    def kv_events_logged(self, after_seq: int, max_events: int) -> KVEventsSince | None:
+        """`kv_events_since` from the published log only: None where that would take a snapshot."""
         with self._kv_lock:
             latest_seq = self._kv_events.latest_seq
             events = self._kv_events.since(after_seq, max_events)
-        if events is not None:
-            return KVEventsSince(events, latest_seq)
-        seq, cached = await self.call(self._kv_snapshot)
-        return KVEventsSince([], seq, cached)
+        return None if events is None else KVEventsSince(events, latest_seq)
+
+    async def kv_snapshot_page(self, start_block: int, max_blocks: int) -> KVSnapshotPage:
+        """One page of a snapshot (BlockPool.snapshot_page), read between two steps after the pool's pending
+        events are published, so its seq is the log's latest. Raises ValueError for a start outside the pool."""
+
+        def read(engine: LLMEngine) -> KVSnapshotPage:
+            self._publish_kv_events(engine)
+            return KVSnapshotPage(*engine.kv_manager.pool.snapshot_page(start_block, max_blocks))
+
+        return await self.call(read)
 
     async def shutdown(self) -> None:
         """Abort every request (their streams end with finish_reason "abort") and stop the thread."""

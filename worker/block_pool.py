@@ -223,6 +223,18 @@ class BlockPool:
         """The last event's sequence number and every cached hash: a reader's resync point."""
         return self.event_seq, list(self.cached)
 
+    def snapshot_page(self, start: int, count: int) -> tuple[int, list[BlockKey], int | None]:
+        """A snapshot in pages, each O(`count`): the last event's sequence number, the cached hashes of blocks
+        [start, start + count), and where the next page starts (None after the last block). Pages read at
+        different times combine into the cached set as of the first page's seq when the events after that
+        seq are applied on top: a hash cached throughout sits in one block all that time, so exactly one
+        page lists it, and every other hash is settled by its last event."""
+        if not 0 <= start < self.num_blocks or count < 1:
+            raise ValueError(f"a snapshot page is start in [0, {self.num_blocks}) and count >= 1, got {start}, {count}")
+        stop = min(start + count, self.num_blocks)
+        hashes = [block.block_hash for block in self.blocks[start:stop] if block.block_hash is not None]
+        return self.event_seq, hashes, stop if stop < self.num_blocks else None
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -27,6 +28,9 @@ from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineCon
 if TYPE_CHECKING:
     from worker.engine import LLMEngine
     from worker.service import WorkerServer
+
+logger = logging.getLogger("kvroute.worker")
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,9 +77,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds between the engine's death (NOT_SERVING at once) and the process's exit with status 1",
     )
-    parser.add_argument("--redis", default=None, help="report to Redis fleet state (redis://, rediss://, redis+sentinel://)")
+    parser.add_argument(
+        "--redis", default=None, help="report to Redis fleet state (redis://, rediss://, redis+sentinel://)"
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between Redis heartbeats")
     parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="seconds a heartbeat stays valid in Redis")
+    parser.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="serve only calls presenting the token in this file (default: $KVROUTE_WORKER_TOKEN_FILE, "
+        "else $KVROUTE_WORKER_TOKEN; none: anyone who reaches the port)",
+    )
+    parser.add_argument(
+        "--kv-snapshot-rate", type=float, default=2.0, help="whole-pool KV snapshot reads per second (GetKVEvents)"
+    )
+    parser.add_argument("--kv-snapshot-burst", type=float, default=8.0, help="KV snapshot reads at once, >= 1")
     parser.add_argument(
         "--sim-prefill-us-per-token", type=float, default=defaults.sim_prefill_us_per_token, help="--model sim only"
     )
@@ -121,6 +137,11 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     for flag, seconds in (("--drain-timeout", args.drain_timeout), ("--engine-dead-grace", args.engine_dead_grace)):
         if not seconds >= 0:
             raise UserError(f"{flag} must be >= 0 seconds, got {seconds}")
+    if not args.kv_snapshot_rate > 0:
+        raise UserError(f"--kv-snapshot-rate must be > 0 reads per second, got {args.kv_snapshot_rate}")
+    if not args.kv_snapshot_burst >= 1:
+        raise UserError(f"--kv-snapshot-burst must be >= 1, got {args.kv_snapshot_burst}")
+    auth_token(args)  # a bad token file is an error now, not after the model has loaded
     check_device(args.device)
     try:
         return LLMEngine(engine_config(args))
@@ -149,9 +170,17 @@ def check_device(spec: str) -> None:
 
 
 async def start_server(engine: LLMEngine, args: argparse.Namespace) -> WorkerServer:
-    """The gRPC server as the flags say; UserError when it cannot listen."""
+    """The gRPC server as the flags say; UserError when it cannot listen or a flag is bad."""
     from worker.service import start_worker_server
 
+    token = auth_token(args)
+    if token is None and args.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "no worker token (--auth-token-file, $KVROUTE_WORKER_TOKEN_FILE): anyone who reaches %s:%d can "
+            "generate and read this worker's cache",
+            args.host,
+            args.port,
+        )
     try:
         return await start_worker_server(
             engine,
@@ -163,8 +192,22 @@ async def start_server(engine: LLMEngine, args: argparse.Namespace) -> WorkerSer
             advertise_address=args.advertise_address,
             max_concurrent_streams=args.max_concurrent_streams,
             max_waiting=args.max_waiting,
+            auth_token=token,
+            kv_snapshot_rate=args.kv_snapshot_rate,
+            kv_snapshot_burst=args.kv_snapshot_burst,
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+
+
+def auth_token(args: argparse.Namespace) -> str | None:
+    """The worker token the flags and environment name (kvroute.credentials), or None; UserError if unreadable.
+    launch.worker's HTTP front door presents the same token to this worker."""
+    from kvroute.credentials import worker_token
+
+    try:
+        return worker_token(args.auth_token_file, "--auth-token-file")
+    except ValueError as exc:
         raise UserError(str(exc)) from exc
 
 
@@ -193,11 +236,16 @@ async def _serve(engine: LLMEngine, args: argparse.Namespace) -> int:
     print(f"kvroute worker: dtype {engine.dtype_reason}; attention {engine.attention_backend}", file=sys.stderr)
     reporter = None
     if args.redis:
+        from kvroute.credentials import redis_password
         from worker.reporter import start_reporter
 
         try:
             reporter = await start_reporter(
-                server, args.redis, heartbeat_interval=args.heartbeat_interval, heartbeat_ttl=args.heartbeat_ttl
+                server,
+                args.redis,
+                heartbeat_interval=args.heartbeat_interval,
+                heartbeat_ttl=args.heartbeat_ttl,
+                password=redis_password(),
             )
         except ValueError as exc:
             await server.stop(drain_timeout=0)

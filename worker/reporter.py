@@ -73,7 +73,9 @@ class WorkerReporter:
         snapshot_every: int = 10_000,
         max_events: int = 4096,
         key_prefix: str = DEFAULT_PREFIX,
+        password: str | None = None,
     ) -> None:
+        """`password`: Redis's, for a URL that carries none (kvroute.credentials.redis_password)."""
         if not heartbeat_interval > 0:
             raise ValueError(f"--heartbeat-interval must be > 0 seconds, got {heartbeat_interval}")
         if not heartbeat_ttl > heartbeat_interval:
@@ -92,7 +94,9 @@ class WorkerReporter:
         self.snapshot_every = snapshot_every
         self.max_events = max_events
         self.keys = FleetKeys(key_prefix)
-        self._redis = redis_client(redis_url, socket_timeout=max(heartbeat_interval, 1.0), socket_connect_timeout=1.0)
+        self._redis = redis_client(
+            redis_url, password=password, socket_timeout=max(heartbeat_interval, 1.0), socket_connect_timeout=1.0
+        )
         self._info_key = self.keys.info(identity.worker_id)
         self._stream_key = self.keys.events(identity.worker_id, identity.incarnation)
         self._snapshot_key = self.keys.snapshot(identity.worker_id, identity.incarnation)
@@ -270,12 +274,17 @@ def reporter_for_server(
 
 
 async def start_reporter(
-    server: WorkerServer, redis_url: str, *, heartbeat_interval: float = 1.0, heartbeat_ttl: float = 5.0
+    server: WorkerServer,
+    redis_url: str,
+    *,
+    heartbeat_interval: float = 1.0,
+    heartbeat_ttl: float = 5.0,
+    password: str | None = None,
 ) -> WorkerReporter:
     """`kvroute worker --redis URL`: report this server until `stop()`. Raises ValueError naming a bad flag
     (a bad URL, a TTL not longer than the interval); an unreachable Redis is retried, not an error."""
     reporter = reporter_for_server(
-        server, redis_url, heartbeat_interval=heartbeat_interval, heartbeat_ttl=heartbeat_ttl
+        server, redis_url, heartbeat_interval=heartbeat_interval, heartbeat_ttl=heartbeat_ttl, password=password
     )
     await reporter.start()
     return reporter

@@ -12,17 +12,26 @@ cancels the handler, which closes the engine stream, which aborts the request.
 The server also runs the standard health service (SERVING while up; NOT_SERVING while draining and as soon as
 the engine dies) and, optionally, Prometheus metrics on a side HTTP port. Every WorkerInfo, WorkerStats and
 KVEventBatch carries the worker's id and its incarnation, a random number drawn at every start.
+
+With an `auth_token`, every `kvroute.v1.Worker` call must carry `authorization: Bearer <token>`
+(TokenAuthInterceptor; UNAUTHENTICATED otherwise, before the request is even parsed); the health service stays
+open. GetKVEvents answers a snapshot in pages of at most `kv_snapshot_page_blocks` blocks, each read on the
+engine thread in O(page), and reading snapshot pages is rate-limited (SnapshotLimiter: RESOURCE_EXHAUSTED with
+`grpc-retry-pushback-ms`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import math
 import secrets
 import socket
+import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -31,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
+from kvroute.credentials import AUTHORIZATION_KEY
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.sampling import InvalidRequest, SamplingParams
@@ -45,6 +55,7 @@ from worker.async_engine import (
     EngineOverloaded,
     EngineStopped,
     KVEventsSince,
+    KVSnapshotPage,
     Lifecycle,
     RequestIdInUse,
 )
@@ -55,6 +66,13 @@ logger = logging.getLogger(__name__)
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
 MAX_KV_EVENTS_PER_REPLY = 4096
+HEALTH_METHOD_PREFIX = f"/{health_pb2.DESCRIPTOR.services_by_name['Health'].full_name}/"  # open to probes
+# Small enough that a page is a short hold of the engine thread and a small message (docs/gateway.md).
+KV_SNAPSHOT_PAGE_BLOCKS = 8192
+# Whole-pool snapshot reads per second, and the burst: each reader (a gateway) takes one at its start and
+# after a gap in the events, so a burst covers a rolling restart of several gateways.
+KV_SNAPSHOT_RATE = 2.0
+KV_SNAPSHOT_BURST = 8.0
 
 FINISH_REASONS = {
     "stop": worker_pb2.FINISH_REASON_STOP,
@@ -161,13 +179,11 @@ def worker_info(engine: LLMEngine, identity: WorkerIdentity) -> worker_pb2.Worke
 
 
 def kv_events_to_proto(since: KVEventsSince, identity: WorkerIdentity) -> worker_pb2.KVEventBatch:
+    """Events from the log; a snapshot goes over the wire in pages (`snapshot_page_to_proto`), never whole."""
+    assert since.snapshot is None, "a whole snapshot is never sent: page it"
     batch = worker_pb2.KVEventBatch(
         latest_seq=since.latest_seq, worker_id=identity.worker_id, incarnation=identity.incarnation
     )
-    if since.snapshot is not None:
-        batch.is_snapshot = True
-        batch.snapshot_seq = since.latest_seq
-        batch.snapshot_hashes.extend(since.snapshot)
     for event in since.events:
         batch.events.add(
             seq=event.seq,
@@ -176,6 +192,110 @@ def kv_events_to_proto(since: KVEventsSince, identity: WorkerIdentity) -> worker
             parent_hash=event.parent_hash or b"",
         )
     return batch
+
+
+_CURSOR = struct.Struct("<QQI")  # incarnation, the snapshot's seq (its first page's), the next page's block
+
+
+def snapshot_page_to_proto(
+    page: KVSnapshotPage, snapshot_seq: int, identity: WorkerIdentity
+) -> worker_pb2.KVEventBatch:
+    batch = worker_pb2.KVEventBatch(
+        is_snapshot=True,
+        snapshot_seq=snapshot_seq,
+        latest_seq=page.seq,
+        worker_id=identity.worker_id,
+        incarnation=identity.incarnation,
+    )
+    batch.snapshot_hashes.extend(page.block_hashes)
+    if page.next_block is not None:
+        batch.next_snapshot_cursor = _CURSOR.pack(identity.incarnation, snapshot_seq, page.next_block)
+    return batch
+
+
+# -- authentication and limits ------------------------------------------------------------------------
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but the health service's unless its metadata carries `authorization: Bearer <token>`.
+
+    The comparison is constant-time (`hmac.compare_digest`). A refused call is answered UNAUTHENTICATED without
+    deserializing its request, so an anonymous client costs the worker no parsing and learns nothing of it."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the worker token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self.refused = 0
+        self._logged_at = -math.inf
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_METHOD_PREFIX):
+            return handler
+        presented = next((v for k, v in details.invocation_metadata or () if k == AUTHORIZATION_KEY), None)
+        if isinstance(presented, str):
+            presented = presented.encode("utf-8", "replace")
+        if isinstance(presented, bytes) and hmac.compare_digest(presented, self._expected):
+            return handler
+        self._on_refused(details.method, presented is None)
+        return _refusing_handler(handler, "missing" if presented is None else "invalid")
+
+    def _on_refused(self, method: str, missing: bool) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= 60.0:  # a scanner must not flood the log
+            self._logged_at = now
+            logger.warning(
+                "refused %s: %s worker token (%d refused so far)", method, "no" if missing else "a wrong", self.refused
+            )
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler:
+    message = f"{what} worker token: this port serves the fleet's gateways only (authorization: Bearer <token>)"
+
+    async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_streaming(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # unreachable: makes this an async generator, as a streaming handler must be
+
+    # No request deserializer: the refused request's bytes are never parsed.
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_streaming, None, handler.response_serializer)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(refuse_streaming, None, handler.response_serializer)
+
+
+class SnapshotLimiter:
+    """A token bucket of whole-pool snapshot reads: `rate` per second, up to `burst` at once. A page costs its
+    share of the pool (its blocks / the pool's), so a snapshot costs 1 however it is paged."""
+
+    def __init__(self, rate: float = KV_SNAPSHOT_RATE, burst: float = KV_SNAPSHOT_BURST) -> None:
+        if not rate > 0 or not burst >= 1:
+            raise ValueError(f"snapshot rate must be > 0 and burst >= 1, got {rate}, {burst}")
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._updated = time.monotonic()
+
+    def take(self, cost: float) -> float:
+        """Take `cost` (<= 1) and return 0.0, or take nothing and return the seconds until it can be taken."""
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._updated) * self.rate)
+        self._updated = now
+        if self._tokens >= cost:
+            self._tokens -= cost
+            return 0.0
+        return (cost - self._tokens) / self.rate
 
 
 # -- the servicer ------------------------------------------------------------------------------------
@@ -197,11 +317,23 @@ def status_code(exc: Exception) -> grpc.StatusCode:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`kvroute.v1.Worker` over an AsyncEngine. Setting `draining` makes Generate answer UNAVAILABLE."""
 
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, identity: WorkerIdentity) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: WorkerMetrics,
+        identity: WorkerIdentity,
+        *,
+        snapshot_limiter: SnapshotLimiter | None = None,
+        snapshot_page_blocks: int = KV_SNAPSHOT_PAGE_BLOCKS,
+    ) -> None:
+        if snapshot_page_blocks < 1:
+            raise ValueError(f"snapshot_page_blocks must be >= 1, got {snapshot_page_blocks}")
         self.engine = engine
         self.metrics = metrics
         self.identity = identity
         self.info = worker_info(engine.engine, identity)
+        self.snapshot_limiter = snapshot_limiter or SnapshotLimiter()
+        self.snapshot_page_blocks = snapshot_page_blocks
         self.draining = False
         self._warned_hash_mismatch = False
 
@@ -314,8 +446,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetKVEvents(
         self, request: worker_pb2.GetKVEventsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KVEventBatch:
-        limit = min(request.max_events or MAX_KV_EVENTS_PER_REPLY, MAX_KV_EVENTS_PER_REPLY)
-        return kv_events_to_proto(await self.engine.kv_events_since(request.after_seq, limit), self.identity)
+        if request.snapshot_cursor:
+            snapshot_seq, start = await self._parse_cursor(request.snapshot_cursor, context)
+        else:
+            limit = min(request.max_events or MAX_KV_EVENTS_PER_REPLY, MAX_KV_EVENTS_PER_REPLY)
+            logged = self.engine.kv_events_logged(request.after_seq, limit)
+            if logged is not None:
+                return kv_events_to_proto(logged, self.identity)
+            snapshot_seq, start = None, 0
+        num_blocks = self.info.num_kv_blocks
+        page_blocks = min(request.max_snapshot_blocks or self.snapshot_page_blocks, self.snapshot_page_blocks)
+        wait = self.snapshot_limiter.take(min(page_blocks, num_blocks - start) / num_blocks)
+        if wait:
+            pushback_ms = max(1, math.ceil(wait * 1000))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"KV snapshot reads are limited to {self.snapshot_limiter.rate:g} whole-pool reads per second; "
+                f"retry in {pushback_ms / 1000:.3f} s",
+                trailing_metadata=(("grpc-retry-pushback-ms", str(pushback_ms)),),
+            )
+        page = await self.engine.kv_snapshot_page(start, page_blocks)
+        return snapshot_page_to_proto(page, page.seq if snapshot_seq is None else snapshot_seq, self.identity)
+
+    async def _parse_cursor(self, cursor: bytes, context: grpc.aio.ServicerContext) -> tuple[int, int]:
+        """(snapshot seq, next block) of a cursor this incarnation issued; INVALID_ARGUMENT for any other."""
+        if len(cursor) == _CURSOR.size:
+            incarnation, snapshot_seq, start = _CURSOR.unpack(cursor)
+            if incarnation == self.identity.incarnation and 0 < start < self.info.num_kv_blocks:
+                return snapshot_seq, start
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "snapshot_cursor: not a cursor of this worker incarnation; start the snapshot again without one",
+        )
+        raise AssertionError("unreachable: context.abort raises")
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -379,12 +542,19 @@ async def start_worker_server(
     advertise_address: str | None = None,
     max_concurrent_streams: int = DEFAULT_MAX_STREAMS,
     max_waiting: int = DEFAULT_MAX_WAITING,
+    auth_token: str | None = None,
+    kv_snapshot_rate: float = KV_SNAPSHOT_RATE,
+    kv_snapshot_burst: float = KV_SNAPSHOT_BURST,
+    kv_snapshot_page_blocks: int = KV_SNAPSHOT_PAGE_BLOCKS,
 ) -> WorkerServer:
     """Serve `engine` on host:port (0: a free port, see `.port`); health is SERVING when this returns, after
     the engine's warm-up. Metrics listen on `metrics_host` (default: `host`, so a worker bound to loopback
     never exposes them on every interface). `worker_id` defaults to `<hostname>-<port>`, `advertise_address`
-    to host:port with a wildcard host replaced by this host's name. Must be awaited in the event loop that will
-    run the server; raises OSError naming the address it cannot listen on."""
+    to host:port with a wildcard host replaced by this host's name. With `auth_token`, only calls that present
+    it are served (health excepted); without, anyone who reaches the port is. Snapshot pages: see the module
+    docstring. Must be awaited in the event loop that will run the server; raises OSError naming the address it
+    cannot listen on, ValueError for a bad snapshot setting."""
+    limiter = SnapshotLimiter(kv_snapshot_rate, kv_snapshot_burst)
     await asyncio.get_running_loop().run_in_executor(None, engine.warm_up)
     async_engine = AsyncEngine(engine, max_streams=max_concurrent_streams, max_waiting=max_waiting)
     config = engine.config
@@ -410,7 +580,8 @@ async def start_worker_server(
             where = grpc_address(metrics_host, metrics_port)
             raise OSError(f"cannot serve metrics on {where}: {exc.strerror}") from exc
     health = health_aio.HealthServicer()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     try:
         bound_port = server.add_insecure_port(grpc_address(host, port))
     except RuntimeError as exc:
@@ -419,7 +590,9 @@ async def start_worker_server(
     identity = WorkerIdentity(
         worker_id or default_worker_id(bound_port), advertise_address or default_advertise_address(host, bound_port)
     )
-    servicer = WorkerServicer(async_engine, metrics, identity)
+    servicer = WorkerServicer(
+        async_engine, metrics, identity, snapshot_limiter=limiter, snapshot_page_blocks=kv_snapshot_page_blocks
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     async_engine.start()
