@@ -7,6 +7,8 @@ Exit codes:
   1    the engine died: health turned NOT_SERVING at once, and the process exits `--engine-dead-grace`
        seconds later (so gateways see the state before the address goes away), for Kubernetes to restart it;
   2    bad arguments, printed as one line.
+SIGHUP, once serving, is ignored with a line on stderr (the worker has nothing to reload; a terminal that
+closes does not stop it).
 
 Parts that run beside the server in the same process (a reporter, an HTTP front door) add their flags in
 `add_arguments` and start in `serve`, next to `start_server`.
@@ -73,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds between the engine's death (NOT_SERVING at once) and the process's exit with status 1",
     )
-    parser.add_argument("--redis", default=None, help="report to Redis fleet state (redis://, rediss://, redis+sentinel://)")
+    parser.add_argument(
+        "--redis", default=None, help="report to Redis fleet state (redis://, rediss://, redis+sentinel://)"
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between Redis heartbeats")
     parser.add_argument("--heartbeat-ttl", type=float, default=5.0, help="seconds a heartbeat stays valid in Redis")
     parser.add_argument(
@@ -205,6 +209,7 @@ async def run_until_exit(server: WorkerServer, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    loop.add_signal_handler(signal.SIGHUP, _ignore_hangup)
     engine_dead = asyncio.ensure_future(server.engine.wait_dead())
     first_signal = asyncio.ensure_future(signals.get())
     await asyncio.wait({engine_dead, first_signal}, return_when=asyncio.FIRST_COMPLETED)
@@ -235,3 +240,7 @@ async def run_until_exit(server: WorkerServer, args: argparse.Namespace) -> int:
     print("kvroute worker: second signal; stopping without draining", file=sys.stderr, flush=True)
     await server.server.stop(grace=None)
     return 130
+
+
+def _ignore_hangup() -> None:
+    print("kvroute worker: SIGHUP ignored (nothing to reload; SIGTERM drains)", file=sys.stderr, flush=True)
