@@ -297,13 +297,15 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     code = 0
     if drain.done():
         second_signal.cancel()
+        cut = drain.result()
     else:
         drain.cancel()
         print("kvroute gateway: second signal; stopping without draining", flush=True)
         request_path.end_streams("the gateway is stopping now (a second signal during its drain)")
         await request_path.wait_drained(END_MARGIN_S)
+        cut, code = True, 130
+    if cut:  # every stream had its error event; a client that reads none of it does not hold the exit
         http.force_exit()
-        code = 130
     if grpc_server is not None:
         await grpc_server.stop(grace=0 if code else 1.0)
     await http.stop()
@@ -317,13 +319,15 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
 END_MARGIN_S = 0.5
 
 
-async def _drain(request_path: Any, timeout: float) -> None:
-    """Wait up to `timeout` for the requests in flight; then end those still open with an error event."""
+async def _drain(request_path: Any, timeout: float) -> bool:
+    """Wait up to `timeout` for the requests in flight; then end those still open with an error event.
+    Returns whether it had to."""
     if await request_path.wait_drained(timeout):
-        return
+        return False
     left = request_path.end_streams(f"the gateway is shutting down: its drain timeout ({timeout:g} s) passed")
     logger.warning("drain timeout: the %d requests still in flight end with an error", left)
     await request_path.wait_drained(END_MARGIN_S)
+    return True
 
 
 def reload(gateway: Gateway, args: argparse.Namespace) -> None:

@@ -338,7 +338,7 @@ def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewher
     workers: Workers, log_dir: Path
 ) -> None:
     with gateway(workers, log_dir, "--policy", "round_robin") as (_, url, _grpc):
-        streams = start_streams(url, 4)
+        streams = start_streams(url, 4, max_tokens=400)  # 8 s: they outlast the stop
         on = {w: [s for s in streams if s.worker == w] for w in ("w0", "w1")}
         assert on["w0"] and on["w1"], [s.worker for s in streams]
         victim = workers.processes[0].popen
@@ -360,9 +360,9 @@ def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewher
                 assert error is not None and "worker w0" in error["message"], (stream.events[-2:], stream.error)
                 assert error["type"] == "upstream_error"
             # Stated: the embedded fleet state drops a silent worker within 3.1 s and the watch ends its streams.
-            assert max(ended) < 4.5, ended
+            assert max(ended) < 5.0, ended
             assert all(status == 200 and worker == "w1" for status, worker, _ in answers), answers
-            assert max(took for *_, took in answers) < 4.5, answers
+            assert max(took for *_, took in answers) < 5.0, answers
             assert all(s.is_alive() or s.finished for s in on["w1"])  # the healthy worker's streams go on
         finally:
             victim.send_signal(signal.SIGCONT)
@@ -418,10 +418,12 @@ def test_a_second_signal_stops_the_gateway_at_once_with_status_130(workers: Work
         signalled = time.monotonic()
         gw.popen.send_signal(signal.SIGINT)
         assert gw.popen.wait(timeout=10) == 130
-        assert time.monotonic() - signalled < 2.0
+        exited = time.monotonic() - signalled
+        assert exited < 2.0, exited
         stream.join(timeout=5)
         error = stream.last_error()
         assert error is not None and "a second signal" in error["message"], (stream.events[-2:], stream.error)
+        print(f"second SIGINT: exit 130 after {exited:.2f} s, the stream ended {stream.ended_at - signalled:.2f} s")
 
 
 @pytest.mark.slow
@@ -459,6 +461,7 @@ def test_sighup_reloads_the_keys_and_routing_config_and_cuts_no_stream(workers: 
         assert r.status_code == 200
 
 
+@pytest.mark.slow
 def test_a_worker_ignores_sighup(workers: Workers) -> None:
     worker = workers.processes[1]
     worker.popen.send_signal(signal.SIGHUP)
