@@ -130,6 +130,7 @@ class RequestPath:
         self.identity = fleet_identity(model_id, tokenizer, block_size)
         self.draining = False
         self.active = 0  # Generations not yet closed
+        self._starting = 0  # `generate` calls not yet returned (routing, waiting for a first token)
         self._idle = asyncio.Event()
         self._idle.set()
         self._open_streams: dict[str, set[_WorkerStream]] = {}  # worker id -> its requests not yet done
@@ -160,7 +161,8 @@ class RequestPath:
         self.draining = True
 
     async def wait_drained(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for every Generation to end; True if they all did."""
+        """Wait up to `timeout` seconds for every request to end (those still before their first token
+        included); True if they all did."""
         # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a second signal's).
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
@@ -250,11 +252,17 @@ class RequestPath:
     async def generate(self, request: GatewayRequest) -> Generation:
         """Route and start `request`; returns once its worker has sent the first token. Raises a GatewayError
         (nothing was sent to the client yet) for a bad request, a refused key, a limit, or no worker."""
+        self._starting += 1
+        self._idle.clear()
         try:
             return await self._generate(request)
         except GatewayError as exc:
             self.metrics.errors.labels(type(exc).__name__).inc()
             raise
+        finally:
+            self._starting -= 1
+            if self.active == 0 and self._starting == 0:
+                self._idle.set()
 
     async def _generate(self, request: GatewayRequest) -> Generation:
         arrival = time.perf_counter()
@@ -517,7 +525,7 @@ class RequestPath:
         self.concurrency.release(tenant)
         self.active -= 1
         self.metrics.in_flight.set(self.active)
-        if self.active == 0:
+        if self.active == 0 and self._starting == 0:
             self._idle.set()
 
 

@@ -186,6 +186,21 @@ def test_end_streams_ends_every_stream_with_a_shutdown_error_and_starts_none() -
     asyncio.run(body())
 
 
+def test_a_drain_waits_for_a_request_still_before_its_first_token() -> None:
+    async def body() -> None:
+        async with fleet(prefill_us_per_token=1000.0) as f:  # a 1.5 s prefill
+            waiting = asyncio.ensure_future(f.path.generate(tokens(1500, max_tokens=4)))
+            await asyncio.sleep(0.3)
+            f.path.start_draining()
+            assert not await f.path.wait_drained(0.3)  # it is in flight, if not streaming yet
+            generation = await waiting
+            assert [chunk async for chunk in generation][-1].finish_reason == "length"
+            await generation.aclose()
+            assert await f.path.wait_drained(0.1)
+
+    asyncio.run(body())
+
+
 # -- real processes ---------------------------------------------------------------------------------------------
 
 
