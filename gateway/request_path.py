@@ -172,13 +172,13 @@ class RequestPath:
     def end_streams(self, message: str) -> int:
         """End every worker request now, each with NoWorkerAvailable(`message`) (code `gateway_shutting_down`):
         a started stream gets it as its error event then `[DONE]` (gRPC: UNAVAILABLE), a request waiting for
-        its first token gets it as its 503; no worker request starts after this. Returns how many Generations
+        its first token gets it as its 503; no worker request starts after this. Returns how many requests
         were open. Their front doors close them as they write the error: `wait_drained` sees them go."""
         self._shutdown = message
         for streams in list(self._open_streams.values()):
             for stream in list(streams):
                 self._end(stream, NoWorkerAvailable(message, code=SHUTTING_DOWN), worker_fault=False)
-        return self.active
+        return self.active + self._starting
 
     async def close(self) -> None:
         if self._watchdog is not None:
