@@ -47,8 +47,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_deadline_ends_a_stream_only_on_a_silent_worker_or_at_the_cap() -> None:
     deadlines = StreamDeadlines(first_token_s=2.0, inter_token_s=1.0, answering_cap=10.0)
     answering, silent = (lambda: True), (lambda: False)
-    assert deadlines.overdue(1.9, started=False, answering=silent) is None  # before the deadline: never asked
-    assert deadlines.overdue(0.9, started=True, answering=silent) is None
+
+    def never() -> bool:
+        raise AssertionError("the fleet state is asked only once a deadline has passed")
+
+    assert deadlines.overdue(1.9, started=False, answering=never) is None
+    assert deadlines.overdue(0.9, started=True, answering=never) is None
     assert deadlines.overdue(2.0, started=False, answering=answering) is None  # busy (a long prefill): waits on
     assert "first token for 2.0 s and stopped answering" in deadlines.overdue(2.0, False, silent)
     assert "next token for 1.5 s and stopped answering" in deadlines.overdue(1.5, True, silent)
