@@ -343,6 +343,32 @@ class SseStream(threading.Thread):
         return self.error is None and self.events[-1:] == ["[DONE]"] and self.last_error() is None
 
 
+class GrpcStream(threading.Thread):
+    """One kvroute.v1.Gateway Generate stream read in its own thread: its worker, how it ended, when."""
+
+    def __init__(self, address: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.channel = grpc.insecure_channel(address)
+        request = gateway_pb2.GatewayGenerateRequest(
+            prompt="a grpc stream", sampling=worker_pb2.SamplingParams(max_tokens=max_tokens)
+        )
+        self.call = gateway_pb2_grpc.GatewayStub(self.channel).Generate(request, timeout=60)
+        self.worker = dict(self.call.initial_metadata())["x-kvroute-worker"]  # sent once routed
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        try:
+            for _ in self.call:
+                pass
+        except grpc.RpcError as exc:
+            self.code, self.details = exc.code(), exc.details()
+        finally:
+            self.ended_at = time.monotonic()
+            self.channel.close()
+
+
 def start_streams(url: str, count: int, **kw: object) -> list[SseStream]:
     streams = [SseStream(url, text=f"stream {i}", **kw) for i in range(count)]  # type: ignore[arg-type]
     for stream in streams:
@@ -356,10 +382,14 @@ def start_streams(url: str, count: int, **kw: object) -> list[SseStream]:
 def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewhere(
     workers: Workers, log_dir: Path
 ) -> None:
-    with gateway(workers, log_dir, "--policy", "round_robin") as (_, url, _grpc):
+    with gateway(workers, log_dir, "--policy", "round_robin") as (_, url, grpc_address):
         streams = start_streams(url, 4, max_tokens=400)  # 8 s: they outlast the stop
         on = {w: [s for s in streams if s.worker == w] for w in ("w0", "w1")}
         assert on["w0"] and on["w1"], [s.worker for s in streams]
+        grpc_streams = {g.worker: g for g in (GrpcStream(grpc_address, 400), GrpcStream(grpc_address, 400))}
+        assert set(grpc_streams) == {"w0", "w1"}  # round robin: one each
+        for g in grpc_streams.values():
+            g.start()
         victim = workers.processes[0].popen
         victim.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -373,7 +403,9 @@ def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewher
                 answers.append((r.status_code, r.headers.get("x-kvroute-worker"), time.monotonic() - sent))
             for stream in on["w0"]:
                 stream.join(timeout=15)
-            ended = [s.ended_at - stopped_at for s in on["w0"]]
+            grpc_streams["w0"].join(timeout=15)
+            ended = [s.ended_at - stopped_at for s in [*on["w0"], grpc_streams["w0"]]]
+            assert grpc_streams["w0"].code == grpc.StatusCode.UNAVAILABLE and "worker w0" in grpc_streams["w0"].details
             for stream in on["w0"]:
                 error = stream.last_error()
                 assert error is not None and "worker w0" in error["message"], (stream.events[-2:], stream.error)
@@ -388,6 +420,8 @@ def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewher
         for stream in on["w1"]:
             stream.join(timeout=30)
             assert stream.finished, (stream.events[-2:], stream.error)
+        grpc_streams["w1"].join(timeout=30)
+        assert grpc_streams["w1"].code == grpc.StatusCode.OK, grpc_streams["w1"].details
         print(f"hung worker's streams ended {ended} s after SIGSTOP; requests during the stop took "
               f"{[round(took, 2) for *_, took in answers]} s")  # fmt: skip
 
