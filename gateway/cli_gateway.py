@@ -3,9 +3,15 @@
     kvroute gateway --model smollm2 --workers 10.0.0.1:50051,10.0.0.2:50051      # embedded fleet state
     kvroute gateway --model smollm2 --redis redis://redis:6379 [--workers ...]   # Redis (workers = fallback)
 
-On SIGTERM / SIGINT the gateway drains: /ready turns 503 and gRPC health NOT_SERVING, new requests get 503
-(UNAVAILABLE), requests in flight get `--drain-timeout` seconds to finish, then the servers stop and the
-process exits. It imports no torch (the gateway image has none) and loads only the tokenizer.
+Signals:
+  SIGTERM / SIGINT  drain: /ready turns 503 and gRPC health NOT_SERVING, new requests get 503 (UNAVAILABLE),
+                    requests in flight get `--drain-timeout` seconds to finish; at the deadline each one
+                    still open ends with an error (a stream: an error event, then `[DONE]`; gRPC:
+                    UNAVAILABLE), and the process exits 0 within --drain-timeout + 2 s of the signal.
+  a second one      during the drain: every stream ends with an error at once and the process exits 130.
+  SIGHUP            reload --api-keys-file and --routing-config (those given), logging what changed; a file
+                    that fails to load keeps what was in force. No stream is touched.
+It imports no torch (the gateway image has none) and loads only the tokenizer.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -75,6 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept API keys without $KVROUTE_CACHE_SALT_SECRET_FILE: tenants' salts then derive from their names",
     )
+    parser.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request waits for its worker's first token before, if the worker has stopped answering "
+        "the fleet state, it is retried elsewhere (a worker that answers gets 10x)",
+    )
+    parser.add_argument(
+        "--inter-token-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a stream waits for its worker's next token before, if the worker has stopped answering "
+        "the fleet state, it ends with an error event (a worker that answers gets 10x)",
+    )
     parser.add_argument("--log-prompts", action="store_true", help="log prompt text (never logged otherwise)")
     parser.add_argument(
         "--metrics-port", type=int, default=9091, help="Prometheus /metrics port, apart from the API (0: off)"
@@ -102,7 +123,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     from gateway.limits import Limits
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
-    from gateway.retry import RetryPolicy
+    from gateway.retry import RetryPolicy, StreamDeadlines
     from gateway.router import make_policy
     from gateway.worker_client import WorkerClients
     from kvroute.credentials import worker_token
@@ -129,6 +150,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
             tenant_max_concurrency=args.tenant_max_concurrency,
         )
         retry = RetryPolicy(retries=args.retries)
+        deadlines = StreamDeadlines(args.first_token_timeout, args.inter_token_timeout)
         auth = Authenticator.from_config(args.api_keys_file, allow_derived_salt=args.allow_derived_salt)
         token = worker_token(args.worker_token_file, "--worker-token-file")
         policy = make_policy(args.policy, **_routing_options(args.routing_config))
@@ -149,6 +171,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         block_size=args.block_size,
         retry=retry,
         clients=WorkerClients(token),
+        deadlines=deadlines,
         log_prompts=args.log_prompts,
     )
     return Gateway(request_path, fleet, limits.max_body_bytes, limits.max_tokens)
@@ -189,8 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gateway = build_gateway(args)
-    uvloop.run(serve(gateway, args))
-    return 0
+    return uvloop.run(serve(gateway, args))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -236,15 +258,20 @@ class HttpServer:
         server = _Server(config)
         return cls(sock.getsockname()[1], server, asyncio.create_task(server.serve(sockets=[sock])))
 
+    def force_exit(self) -> None:
+        """Make the next `stop` close open connections without waiting for their responses to end."""
+        self._server.force_exit = True
+
     async def stop(self) -> None:
         """Stop listening; open requests get uvicorn's graceful-shutdown timeout."""
         self._server.should_exit = True
         await self.task
 
 
-async def serve(gateway: Gateway, args: argparse.Namespace) -> None:
+async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     """Start the fleet state and both front doors, print where they listen, and serve until a signal; then
-    drain and stop."""
+    drain and stop as the module docstring says. Returns the exit code: 0 after a drain, 130 after a second
+    signal."""
     from gateway import http_server
     from gateway.metrics import metrics_app
     from kvroute.tracing import flush_tracing, setup_tracing
@@ -280,18 +307,36 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> None:
         f"on http://{args.host}:{http.port}/v1{grpc_where}{metrics_where}; {len(fleet.members())} workers ready",
         flush=True,
     )
-    stop = asyncio.Event()
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), http.task], return_when=asyncio.FIRST_COMPLETED)
-    print(f"kvroute gateway: draining ({request_path.active} in flight, up to {args.drain_timeout:g} s)", flush=True)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    loop.add_signal_handler(signal.SIGHUP, reload, gateway, args)
+    first_signal = asyncio.ensure_future(signals.get())
+    await asyncio.wait([first_signal, http.task], return_when=asyncio.FIRST_COMPLETED)
+    print(
+        f"kvroute gateway: draining ({request_path.active} in flight, up to {args.drain_timeout:g} s; "
+        "a second signal stops at once)",
+        flush=True,
+    )
     request_path.start_draining()
-    drained = await request_path.wait_drained(args.drain_timeout)
-    if not drained:
-        logger.warning("drain timeout: %d requests still in flight are cancelled", request_path.active)
+    drain = asyncio.ensure_future(_drain(request_path, args.drain_timeout))
+    second_signal = asyncio.ensure_future(signals.get())
+    await asyncio.wait({drain, second_signal}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if drain.done():
+        second_signal.cancel()
+        cut = drain.result()
+    else:
+        drain.cancel()
+        print("kvroute gateway: second signal; stopping without draining", flush=True)
+        request_path.end_streams("the gateway is stopping now (a second signal during its drain)")
+        await request_path.wait_drained(END_MARGIN_S)
+        cut, code = True, 130
+    if cut:  # every stream had its error event; a client that reads none of it does not hold the exit
+        http.force_exit()
     if grpc_server is not None:
-        await grpc_server.stop(grace=1.0)
+        await grpc_server.stop(grace=0 if code else 1.0)
     await http.stop()
     if metrics_http is not None:
         await metrics_http.stop()
@@ -299,3 +344,60 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> None:
     await request_path.close()
     flush_tracing()
     print("kvroute gateway: stopped", flush=True)
+    return code
+
+
+# Seconds the front doors get, once every stream was ended, to write their error events and `[DONE]`.
+END_MARGIN_S = 0.5
+
+
+async def _drain(request_path: Any, timeout: float) -> bool:
+    """Wait up to `timeout` for the requests in flight; then end those still open with an error event.
+    Returns whether it had to."""
+    if await request_path.wait_drained(timeout):
+        return False
+    left = request_path.end_streams(f"the gateway is shutting down: its drain timeout ({timeout:g} s) passed")
+    logger.warning("drain timeout: the %d requests still in flight end with an error", left)
+    await request_path.wait_drained(END_MARGIN_S)
+    return True
+
+
+def reload(gateway: Gateway, args: argparse.Namespace) -> None:
+    """SIGHUP: re-read --api-keys-file and --routing-config (those the gateway was started with) and log what
+    changed. A file that fails to load is logged and what was in force stays. Requests in flight keep the
+    tenant they were admitted as; a new routing policy starts with no memory (its sketch, guard and turn)."""
+    from gateway.auth import Authenticator
+    from gateway.router import make_policy
+
+    request_path = gateway.request_path
+    if not args.api_keys_file and not args.routing_config:
+        logger.warning("SIGHUP: nothing to reload (no --api-keys-file, no --routing-config)")
+        return
+    if args.api_keys_file:
+        try:
+            auth = Authenticator.from_config(args.api_keys_file, allow_derived_salt=args.allow_derived_salt)
+        except (ValueError, OSError) as exc:
+            logger.error("SIGHUP: kept the API keys in force: %s", exc)
+        else:
+            before = {t.name: t.max_concurrency for t in request_path.auth.tenants}
+            after = {t.name: t.max_concurrency for t in auth.tenants}
+            request_path.auth = auth
+            logger.warning(
+                "SIGHUP: API keys reloaded from %s: %d tenants; added %s, removed %s, limits changed %s",
+                args.api_keys_file, len(after), sorted(after.keys() - before.keys()) or "none",
+                sorted(before.keys() - after.keys()) or "none",
+                sorted(t for t in after.keys() & before.keys() if after[t] != before[t]) or "none",
+            )  # fmt: skip
+    if args.routing_config:
+        try:
+            policy = make_policy(args.policy, **_routing_options(args.routing_config))
+        except (ValueError, TypeError) as exc:
+            logger.error("SIGHUP: kept the routing config in force: %s", exc)
+        else:
+            old, new = dataclasses.asdict(request_path.policy.options), dataclasses.asdict(policy.options)
+            changed = {k: f"{old[k]} -> {new[k]}" for k in new if old[k] != new[k]}
+            if changed:
+                request_path.policy = policy
+                logger.warning("SIGHUP: routing config reloaded from %s: %s", args.routing_config, changed)
+            else:
+                logger.warning("SIGHUP: routing config %s unchanged", args.routing_config)

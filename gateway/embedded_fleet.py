@@ -21,10 +21,13 @@ Leaving and rejoining, as stated times:
     (A CPU worker busy with a long prefill can miss a 0.5 s deadline; a shorter default made such workers
     flap in and out of the fleet on a 2-core machine.)
     `on_failure(worker_id)` (the request path could not reach it) polls it at once instead of waiting.
-  - a worker that reports engine_state DEAD or DRAINING leaves at the next poll (within poll_interval).
+  - a worker that reports engine_state DEAD or DRAINING leaves at the next poll (within poll_interval); a
+    draining one's requests in flight go on (the membership watch is told they are not lost).
   - a worker that answers again rejoins at the next poll with GetInfo and replays its KV events from 0 (a
     snapshot when they are no longer retained). The channel reconnects with a backoff of 0.1 s to 1 s, so
     a restarted worker is back within about a second of listening.
+Liveness (`answering`): the worker's GetStats answered within the last two poll rounds,
+2 x (poll_interval + rpc_timeout) = 2.2 s by default: one missed poll is tolerated.
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ class WorkerPoller:
         stats = await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
         if stats.engine_state in _NOT_ROUTABLE:
             reason = _NOT_ROUTABLE[stats.engine_state]
-            self._leave(f"{reason}" + (f" ({stats.engine_error})" if stats.engine_error else ""))
+            lost = stats.engine_state != worker_pb2.ENGINE_STATE_DRAINING
+            self._leave(f"{reason}" + (f" ({stats.engine_error})" if stats.engine_error else ""), lost=lost)
             return
         member = self._current()
         if member is None or not self._same_worker(member, stats.worker_id, stats.incarnation):
@@ -308,11 +312,11 @@ class WorkerPoller:
         if now - self._failing_since >= self.options.unreachable_after:
             self._leave(f"unreachable at {self.address} for {now - self._failing_since:.1f} s ({_why(exc)})")
 
-    def _leave(self, reason: str) -> None:
+    def _leave(self, reason: str, lost: bool = True) -> None:
         if self.worker_id is not None:
             member = self.book.member(self.worker_id)
             if member is not None and member.address == self.address:
-                self.book.leave(self.worker_id, reason)
+                self.book.leave(self.worker_id, reason, lost=lost)
             self.worker_id = None
 
 
@@ -365,6 +369,7 @@ class EmbeddedFleetState(BookkeepingFleetState):
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"worker addresses must be distinct, got {list(addresses)}")
         options = PollOptions(poll_interval, unreachable_after, rpc_timeout, max_events, max_snapshot_blocks)
+        self.answer_window = 2 * (poll_interval + rpc_timeout)
         self.pollers = [WorkerPoller(address, self.book, options, token) for address in addresses]
         self._tasks: list[asyncio.Task] = []
 

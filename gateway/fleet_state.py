@@ -16,9 +16,14 @@ Contract for the request path:
   3. `member(worker_id)` gives the address and identity to forward to.
   4. `on_dispatch(worker_id)` when a request is sent to a worker, `on_finish(worker_id)` when it ends (any way);
      `on_failure(worker_id)` when a worker could not be reached, so the state can probe it sooner.
-  5. `watch_membership(callback)`: `callback(old)` is called, synchronously, with the member as it was when
-     it leaves, restarts with a new incarnation or moves to a new address (the request path resets its
-     circuit breaker and closes a channel no member uses any more).
+  5. `watch_membership(callback)`: `callback(old, lost)` is called, synchronously, with the member as it was
+     when it leaves, restarts with a new incarnation or moves to a new address (the request path resets its
+     circuit breaker, closes a channel no member uses any more, and, when `lost`, ends the streams still
+     on it). `lost` is True when the worker's requests in flight cannot finish (it stopped answering, died,
+     restarted or left the registry), False when they go on (it drains, or moved).
+  6. `answering(worker_id)`: the worker answered this fleet state's own checks lately (a GetStats reply, a
+     heartbeat that moved): alive, if perhaps busy. The request path asks it before it ends a stream whose
+     deadline passed (gateway.retry.StreamDeadlines), so a worker busy with a long prefill is not cut.
 Membership changes (a worker joins, its heartbeat expires, it restarts with a new incarnation) update the
 view and the KV index in place, never rebuilding them from nothing.
 """
@@ -26,6 +31,8 @@ view and the KV index in place, never rebuilding them from nothing.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -80,7 +87,12 @@ class FleetState(ABC):
     def on_failure(self, worker_id: str) -> None: ...
 
     @abstractmethod
-    def watch_membership(self, callback: Callable[[WorkerMember], None]) -> None: ...
+    def watch_membership(self, callback: Callable[[WorkerMember, bool], None]) -> None: ...
+
+    def answering(self, worker_id: str) -> bool:
+        """The worker answered this state's checks lately (contract item 6). This default knows no more
+        than membership; the implementations below time the worker's answers."""
+        return self.member(worker_id) is not None
 
 
 # -- the books both implementations keep ------------------------------------------------------------------
@@ -115,7 +127,9 @@ class FleetBook:
       2. `report_load` with each stats report; `apply_events` with its KV events in order (False on a
          sequence gap: resync it), `resync` with a snapshot. Each takes the incarnation the data came
          with and ignores data from any other incarnation (returning False from `apply_events`).
-      3. `leave(worker_id, reason)` when its heartbeat expires, it stops answering, or its engine is dead.
+      3. `leave(worker_id, reason, lost=...)` when its heartbeat expires, it stops answering, or its engine is
+         dead (`lost`: its requests in flight cannot finish), or it drains (`lost=False`: they go on).
+    `silent_for(worker_id)`: seconds since the worker was last heard (admitted, or a load report).
     Load of a member: its reported running + waiting, plus this gateway's requests dispatched since that
     report less those finished since, never below this gateway's own in-flight count (with no report yet,
     the own count alone). `queued` and `kv_usage` are as reported.
@@ -129,15 +143,16 @@ class FleetBook:
         self._own: dict[str, int] = {}  # this gateway's requests in flight per worker (members or not)
         self._since_report: dict[str, int] = {}  # own dispatches less own finishes since the last report
         self._reported: dict[str, _Reported] = {}
-        self._watchers: list[Callable[[WorkerMember], None]] = []
+        self._heard: dict[str, float] = {}  # member id -> time.monotonic() of its last admission or report
+        self._watchers: list[Callable[[WorkerMember, bool], None]] = []
 
-    def watch_membership(self, callback: Callable[[WorkerMember], None]) -> None:
-        """`callback(old)` when a member leaves, restarts (new incarnation) or moves (new address)."""
+    def watch_membership(self, callback: Callable[[WorkerMember, bool], None]) -> None:
+        """`callback(old, lost)` when a member leaves, restarts (new incarnation) or moves (new address)."""
         self._watchers.append(callback)
 
-    def _changed(self, old: WorkerMember) -> None:
+    def _changed(self, old: WorkerMember, lost: bool) -> None:
         for callback in self._watchers:
-            callback(old)
+            callback(old, lost)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -154,6 +169,11 @@ class FleetBook:
     def last_seq(self, worker_id: str) -> int:
         """The last KV event seq applied for a member (0: nothing yet, or its entries are not scored)."""
         return self.fleet.kv_index.last_seq(worker_id)
+
+    def silent_for(self, worker_id: str) -> float:
+        """Seconds since the member was last heard (admitted or reported its load); inf for a non-member."""
+        heard = self._heard.get(worker_id)
+        return math.inf if heard is None else time.monotonic() - heard
 
     def in_flight(self, worker_id: str) -> int:
         """This gateway's own requests in flight on a worker."""
@@ -210,22 +230,25 @@ class FleetBook:
             )  # fmt: skip
             self.fleet.kv_index.reset_replica(worker_id)
         self._members[worker_id] = member
+        self._heard[worker_id] = time.monotonic()
         self._refresh_load(worker_id)
         if old is not None and (old.incarnation != incarnation or old.address != address):
-            self._changed(old)
+            self._changed(old, lost=old.incarnation != incarnation)
         return member
 
-    def leave(self, worker_id: str, reason: str) -> None:
-        """The worker stops being a candidate; its KV entries go, every other worker's stay."""
+    def leave(self, worker_id: str, reason: str, *, lost: bool = True) -> None:
+        """The worker stops being a candidate; its KV entries go, every other worker's stay. `lost`: its
+        requests in flight cannot finish (False for a worker that drains: they go on)."""
         old = self._members.pop(worker_id, None)
         if old is None:
             return
         self.fleet.remove_replica(worker_id)
         self._reported.pop(worker_id, None)
         self._since_report.pop(worker_id, None)
+        self._heard.pop(worker_id, None)
         self.counters.leaves += 1
         logger.warning("fleet: worker %s left the candidates: %s", worker_id, reason)
-        self._changed(old)
+        self._changed(old, lost)
 
     # -- reports --------------------------------------------------------------------------------------
 
@@ -234,6 +257,7 @@ class FleetBook:
             return
         self._reported[worker_id] = _Reported(running, waiting, kv_usage)
         self._since_report[worker_id] = 0
+        self._heard[worker_id] = time.monotonic()
         self._refresh_load(worker_id)
 
     def apply_events(self, worker_id: str, incarnation: int, events: Iterable[KVEventLike]) -> bool:
@@ -288,7 +312,12 @@ class FleetBook:
 
 
 class BookkeepingFleetState(FleetState):
-    """The part of a FleetState that reads and writes its FleetBook; implementations feed the book."""
+    """The part of a FleetState that reads and writes its FleetBook; implementations feed the book.
+
+    `answering`: the book heard the worker within `answer_window` seconds (each implementation states its
+    window from how often a live worker is heard)."""
+
+    answer_window: float = 2.2
 
     def __init__(self, identity: FleetIdentity) -> None:
         self.book = FleetBook(identity)
@@ -317,5 +346,8 @@ class BookkeepingFleetState(FleetState):
     def on_finish(self, worker_id: str) -> None:
         self.book.on_finish(worker_id)
 
-    def watch_membership(self, callback: Callable[[WorkerMember], None]) -> None:
+    def watch_membership(self, callback: Callable[[WorkerMember, bool], None]) -> None:
         self.book.watch_membership(callback)
+
+    def answering(self, worker_id: str) -> bool:
+        return self.book.silent_for(worker_id) <= self.answer_window

@@ -14,8 +14,9 @@ Every `poll_interval` (0.1 s) one round:
         ──► FleetBook.apply_events; a gap (trimmed, or Redis came back empty) ──► the snapshot, then on.
 
 Stated times: a worker whose reporter stops leaves within heartbeat_ttl + poll_interval of its last beat;
-a deregistered, draining or dead one within poll_interval; a new one joins, and its cached blocks are
-scored, within poll_interval of its registration (events: the reporter's 0.05 s + poll_interval).
+a deregistered, draining or dead one within poll_interval (a draining one's requests in flight go on); a
+new one joins, and its cached blocks are scored, within poll_interval of its registration (events: the
+reporter's 0.05 s + poll_interval).
 
 Redis down: the view stays as it was (no worker expires: nobody can beat), loads go on from this gateway's
 own counts, and each round retries. With `fallback_addresses` (`--workers` beside `--redis`), after
@@ -23,6 +24,11 @@ own counts, and each round retries. With `fallback_addresses` (`--workers` besid
 (gateway.embedded_fleet.WorkerPoller) into the same books; stream ids are the workers' own event seqs, so
 both sources continue from the same place. When Redis answers again, the direct reading stops, every
 member gets a fresh heartbeat_ttl of grace (reporters re-register), and the streams resume.
+
+Liveness (`answering`): the worker's beat moved within half its heartbeat_ttl (2.5 s with the reporter's
+defaults, a beat a second and a 5 s TTL); while Redis is down, the direct fallback's polls when it runs
+(gateway.embedded_fleet), else every member counts as answering (nobody can beat: a stream's deadline
+then ends only at its cap).
 """
 
 from __future__ import annotations
@@ -114,6 +120,15 @@ class RedisFleetState(BookkeepingFleetState):
         await self._stop_fallback()
         await self._redis.aclose()
 
+    def answering(self, worker_id: str) -> bool:
+        if self.book.member(worker_id) is None:
+            return False
+        if self._down_since is None:
+            return self.book.silent_for(worker_id) <= self._ttl.get(worker_id, 0.0) / 2
+        if self._fallback_tasks:
+            return self.book.silent_for(worker_id) <= 2 * (self.poll_interval + PollOptions().rpc_timeout)
+        return True
+
     def on_failure(self, worker_id: str) -> None:
         self._wake.set()
         for poller in self._fallback:
@@ -198,7 +213,8 @@ class RedisFleetState(BookkeepingFleetState):
         worker_id = record.worker_id
         if record.engine_state != "serving":
             if self.book.member(worker_id) is not None:
-                self.book.leave(worker_id, f"it reports {record.engine_state}")
+                lost = record.engine_state != "draining"
+                self.book.leave(worker_id, f"it reports {record.engine_state}", lost=lost)
             self._forget(worker_id)
             return
         beat = (record.incarnation, record.beat)

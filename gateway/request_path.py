@@ -16,6 +16,16 @@ has its first token, so they find its prompt's blocks cached. After a choice's f
 retried: a worker that fails then ends the stream with UpstreamError. Closing a Generation early (a client
 that left) cancels every worker request it holds, which frees their blocks on the workers.
 
+Every worker request is watched while the gateway waits on it (one watchdog task, a tick of 0.2 s):
+  - past its deadline (gateway.retry.StreamDeadlines) on a worker that no longer answers its fleet state,
+    or past the cap on one that does, it ends: before its first token it is retried on another worker,
+    after it the stream ends with UpstreamError naming the worker (an error event, then `[DONE]`);
+  - when its worker leaves the fleet with its requests lost (fleet `watch_membership`: it stopped
+    answering, died or restarted; not when it drains), it ends the same way at once;
+  - `end_streams(message)` (the gateway's drain deadline, a second signal) ends every one with
+    NoWorkerAvailable(message), code `gateway_shutting_down`, and starts no worker request after.
+Ending one cancels its gRPC call, which frees its blocks on the worker.
+
 Errors before any output are GatewayErrors raised from `generate` (the front door answers with their
 status). Nothing here logs prompt text unless `log_prompts` is set.
 """
@@ -23,7 +33,9 @@ status). Nothing here logs prompt text unless `log_prompts` is set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -47,7 +59,7 @@ from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
 from gateway.metrics import GatewayMetrics, label_value
 from gateway.request import Chunk, GatewayRequest, Generation, RouteInfo, Tenant, TokenLogprob, Usage
-from gateway.retry import CircuitBreakers, RetryPolicy
+from gateway.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.stop_strings import ChoiceText
 from gateway.worker_client import WorkerClients
@@ -69,6 +81,8 @@ FINISH_REASONS = {
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # The worker is full: try another, but it is healthy (no breaker failure).
 _BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+WATCH_TICK_S = 0.2  # how often the watchdog looks at the open worker requests
+SHUTTING_DOWN = "gateway_shutting_down"  # the error code of a stream ended by the gateway's own shutdown
 
 
 def fleet_identity(model_id: str, tokenizer: Tokenizer, block_size: int = DEFAULT_BLOCK_SIZE) -> FleetIdentity:
@@ -94,6 +108,7 @@ class RequestPath:
         retry: RetryPolicy | None = None,
         breakers: CircuitBreakers | None = None,
         clients: WorkerClients | None = None,
+        deadlines: StreamDeadlines | None = None,
         log_prompts: bool = False,
     ) -> None:
         self.fleet = fleet
@@ -108,14 +123,19 @@ class RequestPath:
         self.retry = retry or RetryPolicy()
         self.breakers = breakers or CircuitBreakers()
         self.clients = clients or WorkerClients()
+        self.deadlines = deadlines or StreamDeadlines()
         self.log_prompts = log_prompts
         self.concurrency = TenantConcurrency(limits)
         self.vocab_size = tokenizer.vocab_size
         self.identity = fleet_identity(model_id, tokenizer, block_size)
         self.draining = False
         self.active = 0  # Generations not yet closed
+        self._starting = 0  # `generate` calls not yet returned (routing, waiting for a first token)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._open_streams: dict[str, set[_WorkerStream]] = {}  # worker id -> its requests not yet done
+        self._watchdog: asyncio.Task[None] | None = None
+        self._shutdown: str | None = None  # end_streams' message: no worker request starts after it
         metrics.watch(lambda: getattr(fleet, "counters", None), self.breakers.states)
         fleet.watch_membership(self._member_changed)
 
@@ -141,33 +161,108 @@ class RequestPath:
         self.draining = True
 
     async def wait_drained(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for every Generation to end; True if they all did."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        """Wait up to `timeout` seconds for every request to end (those still before their first token
+        included); True if they all did."""
+        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a second signal's).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        return self._idle.is_set()
+
+    def end_streams(self, message: str) -> int:
+        """End every worker request now, each with NoWorkerAvailable(`message`) (code `gateway_shutting_down`):
+        a started stream gets it as its error event then `[DONE]` (gRPC: UNAVAILABLE), a request waiting for
+        its first token gets it as its 503; no worker request starts after this. Returns how many requests
+        were open. Their front doors close them as they write the error: `wait_drained` sees them go."""
+        self._shutdown = message
+        for streams in list(self._open_streams.values()):
+            for stream in list(streams):
+                self._end(stream, NoWorkerAvailable(message, code=SHUTTING_DOWN), worker_fault=False)
+        return self.active + self._starting
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.wait({self._watchdog})
+            self._watchdog = None
         await self.clients.close()
 
-    def _member_changed(self, old: WorkerMember) -> None:
-        """A worker left, restarted or moved: its breaker's history no longer applies, and a channel to an
-        address no member has any more is closed."""
+    def _member_changed(self, old: WorkerMember, lost: bool) -> None:
+        """A worker left, restarted or moved: its breaker's history no longer applies, a channel to an
+        address no member has any more is closed, and when its requests are `lost` they end now."""
         self.breakers.forget(old.worker_id)
+        if lost:
+            for stream in list(self._open_streams.get(old.worker_id, ())):
+                if stream.incarnation == old.incarnation:
+                    error = UpstreamError(
+                        f"worker {old.worker_id} left the fleet (it stopped answering, died or restarted)"
+                    )
+                    self._end(stream, error, worker_fault=True)
         if all(member.address != old.address for member in self.fleet.members()):
             self.clients.release(old.address)
+
+    # -- the watchdog over open worker requests ---------------------------------------------------------------
+
+    def _end(self, stream: _WorkerStream, error: GatewayError, worker_fault: bool) -> None:
+        """End a worker request from outside its reader: the reader's pending (or next) read raises
+        _StreamEnded with `error`. `worker_fault`: the worker is at fault (retry, breaker failure)."""
+        if stream.ended is None and not stream.done:
+            stream.ended = _StreamEnded(error, worker_fault)
+            stream.call.cancel()
+
+    async def _watch(self) -> None:
+        """End the worker requests that are overdue (StreamDeadlines); returns once none is open (`_send`
+        starts it again)."""
+        while self._open_streams:
+            await asyncio.sleep(WATCH_TICK_S)
+            try:
+                self._end_overdue(time.monotonic())
+            except Exception:  # a dead watchdog would leave hung streams hanging: log and go on
+                logger.exception("the stream watchdog failed")
+
+    def _end_overdue(self, now: float) -> None:
+        for worker_id, streams in list(self._open_streams.items()):
+            answering = functools.partial(self.fleet.answering, worker_id)
+            for stream in list(streams):
+                if stream.waiting_since is None or stream.ended is not None:
+                    continue
+                why = self.deadlines.overdue(now - stream.waiting_since, stream.first is not None, answering)
+                if why is not None:
+                    logger.info("request %s choice %d: worker %s %s", stream.request_id, stream.choice, worker_id, why)
+                    self._end(
+                        stream, UpstreamError(f"worker {worker_id} {why}", code="worker_timeout"), worker_fault=True
+                    )
+
+    async def _receive(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | object:
+        """The worker request's next message (or grpc.aio.EOF), timed by the watchdog. Raises _StreamEnded
+        when the gateway ended it (`_end`), AioRpcError when the worker failed it."""
+        stream.waiting_since = time.monotonic()
+        try:
+            return await stream.call.read()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if stream.ended is None or (task is not None and task.cancelling()):
+                raise  # a real cancellation (the client left), not the gateway's end of the call
+            raise stream.ended from None
+        finally:
+            stream.waiting_since = None
 
     # -- the path -----------------------------------------------------------------------------------------
 
     async def generate(self, request: GatewayRequest) -> Generation:
         """Route and start `request`; returns once its worker has sent the first token. Raises a GatewayError
         (nothing was sent to the client yet) for a bad request, a refused key, a limit, or no worker."""
+        self._starting += 1
+        self._idle.clear()
         try:
             return await self._generate(request)
         except GatewayError as exc:
             self.metrics.errors.labels(type(exc).__name__).inc()
             raise
+        finally:
+            self._starting -= 1
+            if self.active == 0 and self._starting == 0:
+                self._idle.set()
 
     async def _generate(self, request: GatewayRequest) -> Generation:
         arrival = time.perf_counter()
@@ -265,6 +360,8 @@ class RequestPath:
         for attempt in range(self.retry.retries + 1):
             if attempt:
                 await asyncio.sleep(self.retry.backoff(attempt))
+            if self._shutdown is not None:
+                raise NoWorkerAvailable(self._shutdown, code=SHUTTING_DOWN)
             exclude = self.breakers.blocked().union(failed) if failed else self.breakers.blocked()
             fleet = self.fleet.view()
             if prefer is not None and prefer in fleet.index_of and prefer not in exclude:
@@ -285,9 +382,9 @@ class RequestPath:
                 self.metrics.routing_latency.observe(time.perf_counter() - arrival)
             stream = self._send(forward, member, choice)
             try:
-                first = await stream.call.read()
+                first = await self._receive(stream)
             except grpc.aio.AioRpcError as exc:
-                self._end_dispatch(member.worker_id)
+                self._end_dispatch(stream)
                 cause = self._refused(member.worker_id, exc)
                 busy += cause == "busy"
                 failed.append(member.worker_id)
@@ -299,13 +396,29 @@ class RequestPath:
                     "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
                 )
                 continue
+            except _StreamEnded as ended:  # overdue on a hung worker, or the worker left: retry elsewhere
+                self._end_dispatch(stream)
+                if not ended.worker_fault:
+                    self.breakers.on_abandoned(member.worker_id)
+                    raise ended.error from None
+                self.breakers.on_failure(member.worker_id)
+                self.fleet.on_failure(member.worker_id)
+                failed.append(member.worker_id)
+                last_error = ended.error.message
+                if attempt < self.retry.retries:
+                    self.metrics.retries.labels("timeout").inc()
+                left = self.retry.retries - attempt
+                logger.warning(
+                    "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
+                )
+                continue
             except BaseException:
                 stream.call.cancel()
-                self._end_dispatch(member.worker_id)
+                self._end_dispatch(stream)
                 self.breakers.on_abandoned(member.worker_id)
                 raise
             if first is grpc.aio.EOF:  # the stream ended without a message: a worker bug, count as failure
-                self._end_dispatch(member.worker_id)
+                self._end_dispatch(stream)
                 self.breakers.on_failure(member.worker_id)
                 failed.append(member.worker_id)
                 last_error = f"worker {member.worker_id}: stream ended without a response"
@@ -358,7 +471,7 @@ class RequestPath:
                 if task.done() and not task.cancelled() and task.exception() is None:
                     stream, _ = task.result()
                     stream.call.cancel()
-                    self._end_dispatch(stream.worker_id)
+                    self._end_dispatch(stream)
             raise
         return [stream for stream, _ in opened]
 
@@ -392,16 +505,27 @@ class RequestPath:
         self.fleet.on_dispatch(member.worker_id)
         self.breakers.on_dispatch(member.worker_id)
         self.metrics.routed.labels(label_value(member.worker_id)).inc()
-        return _WorkerStream(choice, member.worker_id, self.clients.stub(member.address).Generate(message))
+        call = self.clients.stub(member.address).Generate(message)
+        stream = _WorkerStream(choice, member.worker_id, call, message.request_id, member.incarnation)
+        self._open_streams.setdefault(member.worker_id, set()).add(stream)
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="stream watchdog")
+        return stream
 
-    def _end_dispatch(self, worker_id: str) -> None:
-        self.fleet.on_finish(worker_id)
+    def _end_dispatch(self, stream: _WorkerStream) -> None:
+        """The worker request is over (any way): out of the fleet's in-flight count and the watchdog's view."""
+        streams = self._open_streams.get(stream.worker_id)
+        if streams is not None:
+            streams.discard(stream)
+            if not streams:
+                del self._open_streams[stream.worker_id]
+        self.fleet.on_finish(stream.worker_id)
 
     def _generation_closed(self, tenant: Tenant) -> None:
         self.concurrency.release(tenant)
         self.active -= 1
         self.metrics.in_flight.set(self.active)
-        if self.active == 0:
+        if self.active == 0 and self._starting == 0:
             self._idle.set()
 
 
@@ -422,13 +546,26 @@ class _Forward:
         self.trace_context = tracing.worker_trace_context(self.span)
 
 
-@dataclasses.dataclass
+class _StreamEnded(Exception):
+    """The gateway ended a worker request from outside its reader (RequestPath._end)."""
+
+    def __init__(self, error: GatewayError, worker_fault: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.worker_fault = worker_fault  # the worker is at fault: a breaker failure, and retried before a token
+
+
+@dataclasses.dataclass(eq=False)  # identity: kept in sets
 class _WorkerStream:
     choice: int
     worker_id: str
     call: grpc.aio.UnaryStreamCall
+    request_id: str
+    incarnation: int  # of the worker it was sent to (a restart ends only the old incarnation's requests)
     first: worker_pb2.GenerateResponse | None = None
     done: bool = False  # the worker's stream is over (finished, failed or cancelled): on_finish was called
+    waiting_since: float | None = None  # time.monotonic() since the reader waits on the worker; None otherwise
+    ended: _StreamEnded | None = None  # set when the gateway ended it
 
 
 class _StreamingGeneration(Generation):
@@ -525,9 +662,16 @@ class _StreamingGeneration(Generation):
     # -- shared ---------------------------------------------------------------------------------------------
 
     async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | None:
-        """The next message; UpstreamError if the worker failed or closed the stream mid-way."""
+        """The next message; UpstreamError if the worker failed, hung or closed the stream mid-way (or left the
+        fleet); NoWorkerAvailable when the gateway's shutdown ended it."""
         try:
-            response = await stream.call.read()
+            response = await self._path._receive(stream)
+        except _StreamEnded as ended:
+            self._end_stream(stream)
+            if ended.worker_fault:
+                self._path.breakers.on_failure(stream.worker_id)
+                self._path.fleet.on_failure(stream.worker_id)
+            raise ended.error from None
         except grpc.aio.AioRpcError as exc:
             self._end_stream(stream)
             self._path.breakers.on_failure(stream.worker_id)
@@ -588,7 +732,7 @@ class _StreamingGeneration(Generation):
     def _end_stream(self, stream: _WorkerStream) -> None:
         if not stream.done:
             stream.done = True
-            self._path._end_dispatch(stream.worker_id)
+            self._path._end_dispatch(stream)
 
     def _finish(self, error: GatewayError | None) -> None:
         """Release everything once: cancel running worker requests, the fleet's in-flight counts, the

@@ -1,5 +1,5 @@
-"""Retries before the first token and a circuit breaker per worker (SGLang's router keeps both as their own
-layer, with stated defaults; so do we).
+"""Retries before the first token, a circuit breaker per worker, and the deadlines of a stream on its worker
+(SGLang's router keeps retries and breakers as their own layer, with stated defaults; so do we).
 
 Retries: a worker that fails before it streamed a token (unreachable, draining, engine fault, queue full) is
 retried on another candidate: the failed workers are excluded from the next `pick`. At most `retries` more
@@ -15,6 +15,14 @@ An open worker is excluded from routing. After the cool-down, one request (the p
 still avoid it until the probe ends. Defaults: K = 5 failures, cool-down 5 s. A success (a first token)
 resets the failure count. The fleet state's own health checks are the other half: a worker that stops
 answering leaves the candidates there; the breaker catches a worker that answers health but fails requests.
+
+Stream deadlines (`StreamDeadlines`): a worker request that has waited `first_token_s` (default 10 s) for its
+first message, or `inter_token_s` (default 5 s) for the next one, is overdue. An overdue worker that still
+answers its fleet state's checks (FleetState.answering) is busy, not hung (a long prefill, a full batch):
+the stream waits on, up to `answering_cap` times the deadline (100 s and 50 s by default). One that has
+stopped answering is hung: the stream ends with an error naming the worker (before its first token the
+request is retried on another worker, as for any failure). Time spent waiting for the client (a slow
+reader) never counts: only time spent waiting on the worker.
 """
 
 from __future__ import annotations
@@ -40,6 +48,38 @@ class RetryPolicy:
         """Seconds to wait before retry number `attempt` (1 for the first retry)."""
         ceiling = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (attempt - 1))
         return (rng or random).uniform(0.0, ceiling)
+
+
+@dataclass(frozen=True)
+class StreamDeadlines:
+    first_token_s: float = 10.0  # --first-token-timeout
+    inter_token_s: float = 5.0  # --inter-token-timeout
+    answering_cap: float = 10.0  # a worker that still answers gets this many deadlines at most
+
+    def __post_init__(self) -> None:
+        for flag, seconds in (
+            ("--first-token-timeout", self.first_token_s),
+            ("--inter-token-timeout", self.inter_token_s),
+        ):
+            if not seconds > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {seconds}")
+        if not self.answering_cap >= 1:
+            raise ValueError(f"answering_cap must be >= 1, got {self.answering_cap}")
+
+    def overdue(self, waited_s: float, started: bool, answering: Callable[[], bool]) -> str | None:
+        """Why a stream that has waited `waited_s` seconds on its worker must end now (a phrase that follows
+        "worker <id>"), or None to wait on. `started`: the stream has had its first message; `answering` is
+        asked only once the deadline has passed."""
+        deadline = self.inter_token_s if started else self.first_token_s
+        if waited_s < deadline:
+            return None
+        what = "next token" if started else "first token"
+        cap = deadline * self.answering_cap
+        if waited_s >= cap:
+            return f"sent no {what} for {waited_s:.1f} s, the cap for a worker that still answers ({cap:g} s)"
+        if answering():
+            return None
+        return f"sent no {what} for {waited_s:.1f} s and stopped answering the fleet state's checks (hung)"
 
 
 class BreakerState(enum.IntEnum):

@@ -213,6 +213,34 @@ def test_join_kv_entries_and_leave_within_the_stated_time(kind, redis_server):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_answering_is_the_workers_own_answers_as_the_fleet_state_sees_them(kind, redis_server):
+    async def main() -> None:
+        redis_url = redis_server.url if kind == "redis" else None
+        workers = [await start_worker(f"w{i}", redis_url) for i in range(2)]
+        fleet = fleet_state(kind, [w.address for w in workers], identity_of(workers[0]), redis_server.url)
+        await fleet.start()
+        try:
+            await eventually(lambda: fleet.view().replicas == ("w0", "w1"))
+            await asyncio.sleep(0.3)  # a few polls and heartbeats: both keep answering
+            assert fleet.answering("w0") and fleet.answering("w1") and not fleet.answering("nobody")
+            silent = workers[1]
+            if kind == "redis":
+                await silent.reporter.stop(deregister=False)  # its heartbeat stops (its server still serves)
+                await eventually(lambda: not fleet.answering("w1"), timeout=TTL)  # half the TTL
+                assert fleet.member("w1") is not None  # not answering, before its TTL makes it leave
+            else:
+                await silent.server.server.stop(grace=None)
+                await eventually(lambda: not fleet.answering("w1"), timeout=3.0)
+            assert fleet.answering("w0")
+        finally:
+            await fleet.stop()
+            for worker in workers:
+                await worker.stop()
+
+    run(main)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_restarted_worker_gets_no_routing_on_its_old_entries(kind, redis_server):
     async def main() -> None:
         redis_url = redis_server.url if kind == "redis" else None

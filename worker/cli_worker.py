@@ -7,6 +7,8 @@ Exit codes:
   1    the engine died: health turned NOT_SERVING at once, and the process exits `--engine-dead-grace`
        seconds later (so gateways see the state before the address goes away), for Kubernetes to restart it;
   2    bad arguments, printed as one line.
+SIGHUP, once serving, is ignored with a line on stderr (the worker has nothing to reload; a terminal that
+closes does not stop it).
 
 Parts that run beside the server in the same process (a reporter, an HTTP front door) add their flags in
 `add_arguments` and start in `serve`, next to `start_server`.
@@ -264,6 +266,7 @@ async def run_until_exit(server: WorkerServer, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    loop.add_signal_handler(signal.SIGHUP, _ignore_hangup)
     engine_dead = asyncio.ensure_future(server.engine.wait_dead())
     first_signal = asyncio.ensure_future(signals.get())
     await asyncio.wait({engine_dead, first_signal}, return_when=asyncio.FIRST_COMPLETED)
@@ -294,3 +297,7 @@ async def run_until_exit(server: WorkerServer, args: argparse.Namespace) -> int:
     print("kvroute worker: second signal; stopping without draining", file=sys.stderr, flush=True)
     await server.server.stop(grace=None)
     return 130
+
+
+def _ignore_hangup() -> None:
+    print("kvroute worker: SIGHUP ignored (nothing to reload; SIGTERM drains)", file=sys.stderr, flush=True)
