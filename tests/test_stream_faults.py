@@ -484,7 +484,7 @@ def test_sighup_reloads_the_keys_and_routing_config_and_cuts_no_stream(workers: 
     keys, routing = log_dir / "keys.json", log_dir / "routing.json"
     keys.write_text(json.dumps([{"tenant": "old", "key_sha256": key_sha256("sk-old")}]))
     routing.write_text(json.dumps({"epsilon": 0.5}))
-    extra = ("--api-keys-file", str(keys), "--routing-config", str(routing))
+    extra = ("--api-keys-file", str(keys), "--routing-config", str(routing), "--allow-derived-salt")
     with gateway(workers, log_dir, *extra) as (gw, url, _grpc):
         (stream,) = start_streams(url, 1, max_tokens=150, api_key="sk-old")  # about 3 s
         keys.write_text(json.dumps([{"tenant": "new", "key_sha256": key_sha256("sk-new"), "max_concurrency": 4}]))
