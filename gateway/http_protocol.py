@@ -14,6 +14,8 @@ exposed to untrusted clients needs and that uvicorn has no option for with httpt
   header until it ends, with no bound).
 - `header_timeout`: a request's head must arrive whole within this many seconds of its first byte (for a
   connection's first request, of the connection's opening): else 408, or a plain close when nothing came.
+  A body that stops arriving for as long (while the server is reading it) closes the connection, which the
+  app sees as a client that left.
 - `keep_alive_timeout`: uvicorn's own `timeout_keep_alive`, the wait between a response and the next request.
 - Malformed HTTP gets 400 in OpenAI's body (uvicorn answers plain text).
 
@@ -82,6 +84,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # the request line and the headers parsed so far
         self._header_count = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refusal: GatewayError | None = None
         self._lingering = False
@@ -103,10 +107,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._linger_timer):
+        for timer in (self._head_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._linger_timer = None
+        self._head_timer = self._body_timer = self._linger_timer = None
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:
@@ -118,6 +122,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._lingering:
             return  # read and dropped until the lingering close ends
         self._unset_keepalive_if_required()
+        self._last_read = self.loop.time()
         if self._awaiting_head:
             self._received_head_bytes += len(data)
             if self._head_timer is None:
@@ -160,9 +165,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+        self._body_timer = self.loop.call_later(self.limits.header_timeout, self._body_stalled)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         self._awaiting_head = True
         self._received_head_bytes = self._head_bytes = self._header_count = 0
 
@@ -188,6 +197,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(
             RequestTimeout(f"the request's head did not arrive within {self.limits.header_timeout:g} s; send it whole")
         )
+
+    def _body_stalled(self) -> None:
+        """Close a connection whose body has not moved for `header_timeout` seconds; a pause while the server
+        itself stopped reading (flow control) does not count."""
+        idle = self.loop.time() - self._last_read
+        if self.flow.read_paused or idle < self.limits.header_timeout:
+            wait = self.limits.header_timeout - (0.0 if self.flow.read_paused else idle)
+            self._body_timer = self.loop.call_later(wait, self._body_stalled)
+            return
+        self._body_timer = None
+        self.transport.close()
 
     def _refuse(self, error: GatewayError) -> None:
         """Answer `error` (OpenAI's body, Connection: close) and end the connection with a lingering close."""

@@ -40,7 +40,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -168,6 +168,8 @@ class OpenAIServer:
             body = await read_body(request, self.max_body_bytes)
             wire = parse_request(wire_type, body)
             gateway_request = wire.to_gateway_request(request_headers(request), self.default_max_tokens)
+        except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
+            return Response(status_code=499)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
             return error_response(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})

@@ -8,6 +8,7 @@ and second-long timeouts, so that each test takes about a second.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_stack import GatewayStack, StackOptions, stack_fixture
+from gateway_stack import KEY, GatewayStack, StackOptions, stack_fixture
 
 from gateway.cli_gateway import HttpServer, add_arguments
 from gateway.http_protocol import HttpLimits
@@ -212,3 +213,19 @@ def test_connections_over_the_cap_get_a_fast_503_and_open_ones_are_served(idle_s
     finally:
         for sock in held:
             sock.close()
+
+
+@pytest.mark.slow
+def test_a_body_that_stops_arriving_is_cut_off(idle_server: HttpServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    with connect(idle_server) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: 100\r\n\r\n" + b'{"prompt": "'
+        )
+        start = time.monotonic()
+        assert read_until_closed(sock) == b"", "a stalled upload is closed, as if the client had left"
+        elapsed = time.monotonic() - start
+    assert LIMITS.header_timeout - 0.1 < elapsed < LIMITS.header_timeout + 1.0, elapsed
+    assert httpx.get(f"http://127.0.0.1:{idle_server.port}/health").status_code == 200
+    assert not caplog.records, "a client cut off mid-body is not a server error"
