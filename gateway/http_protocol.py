@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import resource
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from gateway.errors import GatewayError, HeadersTooLarge, InvalidRequestError, R
 logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
+REFUSAL_LOG_S = 10.0
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
 
 
@@ -76,13 +78,15 @@ class _Refused(Exception):
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `HttpLimits` enforced (see the module docstring)."""
 
+    _refused_unlogged = 0  # connections refused over the cap since the last warning (process-wide)
+    _refusal_logged_at = -math.inf
+
     def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self._awaiting_head = True  # no complete head yet for the connection's next request
+        self._head_begun = False  # the parser has seen the first byte of that head
         self._received_head_bytes = 0  # raw bytes since that head began: bounds a header httptools still buffers
-        self._head_bytes = 0  # the request line and the headers parsed so far
-        self._header_count = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
@@ -95,7 +99,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
             self.transport = transport
-            logger.warning("HTTP connection refused: %d open, the --max-connections cap", len(self.connections))
+            self._log_refusal()
             self._refuse(
                 TooManyConnections(
                     f"this server holds {self.limits.max_connections} connections, its limit; retry shortly",
@@ -125,8 +129,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._last_read = self.loop.time()
         if self._awaiting_head:
             self._received_head_bytes += len(data)
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -138,34 +140,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as exc:
             self._refuse(self._refusal or InvalidRequestError(f"malformed HTTP request ({exc})"))
             return
-        if self._awaiting_head and self._received_head_bytes > self.limits.max_header_bytes:
-            self._refuse(self._head_too_large())
+        # Timers only for what this chunk left unfinished: a request that arrives whole in one read (nearly
+        # all of them) costs none.
+        if self._awaiting_head:
+            if self._received_head_bytes > self.limits.max_header_bytes:
+                self._refuse(self._head_too_large())
+            elif self._head_begun and self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
+        elif self._body_timer is None and self.cycle is not None and self.cycle.more_body:
+            self._body_timer = self.loop.call_later(self.limits.header_timeout, self._body_stalled)
 
     # -- the parser's callbacks ------------------------------------------------------------------------------
 
-    def on_url(self, url: bytes) -> None:
-        self._head_bytes += len(url)
-        self._check_head()
-        super().on_url(url)
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun = True
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value) + _HEADER_OVERHEAD
-        self._header_count += 1
-        if self._header_count > self.limits.max_headers:
+    def on_headers_complete(self) -> None:
+        """The head's exact size and count, checked once it is whole (while it streams in, the bytes received
+        bound it)."""
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if len(self.headers) > self.limits.max_headers:
             self._refusal = HeadersTooLarge(
                 f"the request has more than {self.limits.max_headers} headers, this server's limit"
             )
             raise _Refused
-        self._check_head()
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+        if size + _HEADER_OVERHEAD * len(self.headers) > self.limits.max_header_bytes:
+            self._refusal = self._head_too_large()
+            raise _Refused
         self._awaiting_head = False
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
         super().on_headers_complete()
-        self._body_timer = self.loop.call_later(self.limits.header_timeout, self._body_stalled)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -173,25 +180,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         self._awaiting_head = True
-        self._received_head_bytes = self._head_bytes = self._header_count = 0
+        self._head_begun = False
+        self._received_head_bytes = 0
 
     # -- refusals ----------------------------------------------------------------------------------------------
-
-    def _check_head(self) -> None:
-        if self._head_bytes > self.limits.max_header_bytes:
-            self._refusal = self._head_too_large()
-            raise _Refused
 
     def _head_too_large(self) -> HeadersTooLarge:
         return HeadersTooLarge(
             f"the request line and headers pass {self.limits.max_header_bytes} bytes, this server's limit"
         )
 
+    def _log_refusal(self) -> None:
+        """One warning per REFUSAL_LOG_S at most, with the count since the last: a flood of connections must
+        not become a flood of log lines."""
+        cls = LimitedHttpToolsProtocol
+        cls._refused_unlogged += 1
+        now = self.loop.time()
+        if now - cls._refusal_logged_at >= REFUSAL_LOG_S:
+            logger.warning(
+                "%d HTTP connections refused since the last report: %d open, the --max-connections cap",
+                cls._refused_unlogged, len(self.connections),
+            )  # fmt: skip
+            cls._refused_unlogged, cls._refusal_logged_at = 0, now
+
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.transport.is_closing():
             return
-        if not self._received_head_bytes:
+        if not self._head_begun:
             self.transport.close()  # nothing was asked: nothing to answer
             return
         self._refuse(

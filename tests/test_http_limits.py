@@ -229,3 +229,17 @@ def test_a_body_that_stops_arriving_is_cut_off(idle_server: HttpServer, caplog: 
     assert LIMITS.header_timeout - 0.1 < elapsed < LIMITS.header_timeout + 1.0, elapsed
     assert httpx.get(f"http://127.0.0.1:{idle_server.port}/health").status_code == 200
     assert not caplog.records, "a client cut off mid-body is not a server error"
+
+
+@pytest.mark.slow
+def test_a_pipelined_head_that_stalls_is_timed_out_too(idle_server: HttpServer) -> None:
+    """Two requests in one write are both served; a third head begun in the same write and never finished
+    gets 408 within the header timeout (not the longer keep-alive wait)."""
+    with connect(idle_server) as sock:
+        sock.sendall(HEALTH + b"\r\n" + HEALTH + b"\r\n" + HEALTH)
+        start = time.monotonic()
+        raw = read_until_closed(sock)
+        elapsed = time.monotonic() - start
+    assert raw.count(b"HTTP/1.1 200") == 2
+    assert_openai_error(raw[raw.index(b"HTTP/1.1 408") :], 408, "request_timeout")
+    assert elapsed < LIMITS.header_timeout + 1.0, elapsed
