@@ -39,7 +39,7 @@ from gateway.auth import Authenticator
 from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
 from gateway.fleet_state import FleetIdentity, WorkerMember
 from gateway.metrics import GatewayMetrics
-from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token
+from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token, client_request_id_of
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.sampling import InvalidRequest, SamplingParams
@@ -79,7 +79,8 @@ class ServesFleet(Protocol):
 
 
 def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str | None]:
-    """The call's metadata as the HTTP front door reads headers, and the client's x-request-id."""
+    """The call's metadata as the HTTP front door reads headers, and the client's x-request-id (when sane
+    to echo, as on the HTTP door)."""
     metadata = {key.lower(): value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
     trace = {name: metadata[name] for name in ("traceparent", "tracestate") if name in metadata}
     headers = RequestHeaders(
@@ -88,7 +89,7 @@ def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str
         app=metadata.get("x-kvroute-app") or None,
         trace_context=trace,
     )
-    return headers, metadata.get("x-request-id") or None
+    return headers, client_request_id_of(metadata.get("x-request-id"))
 
 
 def checked_sampling(msg: worker_pb2.SamplingParams, default_max_tokens: int, prefix: str = "") -> SamplingParams:

@@ -60,6 +60,7 @@ from gateway.openai_protocol import (
     RequestHeaders,
     SamplingFields,
     bearer_token,
+    client_request_id_of,
     parse_request,
 )
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob, Usage
@@ -67,7 +68,6 @@ from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob, Usa
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = Limits().max_body_bytes
-MAX_REQUEST_ID_CHARS = 128
 JSON = "application/json"
 T = TypeVar("T")
 
@@ -163,7 +163,7 @@ class OpenAIServer:
     async def _generate(
         self, request: Request, wire_type: type[SamplingFields], renderer_type: type[Renderer]
     ) -> Response:
-        client_request_id = _client_request_id(request)
+        client_request_id = client_request_id_of(request.headers.get("x-request-id"))
         try:
             body = await read_body(request, self.max_body_bytes)
             wire = parse_request(wire_type, body)
@@ -271,14 +271,6 @@ def request_headers(request: Request) -> RequestHeaders:
         app=headers.get("x-kvroute-app") or None,
         trace_context=trace,
     )
-
-
-def _client_request_id(request: Request) -> str | None:
-    """The client's x-request-id when it is a sane token to echo (printable ASCII, bounded), else None."""
-    value = request.headers.get("x-request-id")
-    if value and len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
-        return value
-    return None
 
 
 # -- rendering a Generation ------------------------------------------------------------------------------------

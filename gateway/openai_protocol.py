@@ -26,6 +26,7 @@ from kvroute.sampling import MAX_TOP_LOGPROBS, SamplingParams
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_REQUEST_ID_CHARS = 128
 
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 StopField = Annotated[
@@ -156,6 +157,14 @@ def bearer_token(authorization: str | None) -> str | None:
         return None
     scheme, _, token = authorization.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else authorization
+
+
+def client_request_id_of(value: str | None) -> str | None:
+    """The client's x-request-id when it is a sane token to echo (printable ASCII, at most
+    MAX_REQUEST_ID_CHARS), else None (the gateway's own id is sent instead)."""
+    if value and len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
+        return value
+    return None
 
 
 # -- /v1/completions -----------------------------------------------------------------------------------------

@@ -183,6 +183,17 @@ def test_errors_quote_a_short_prefix_of_what_the_client_sent(gateway: gateway_pb
         assert len(raised.value.details()) < 200, len(raised.value.details())
 
 
+def test_request_id_is_echoed_only_when_sane_as_on_the_http_door(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    _, metadata = generate(gateway, AUTH + (("x-request-id", "req-42"),), prompt="hi", sampling=sampling(max_tokens=1))
+    assert metadata["x-request-id"] == "req-42"
+    long_id = "r" * 5000
+    replies, metadata = generate(
+        gateway, AUTH + (("x-request-id", long_id),), prompt="hi", sampling=sampling(max_tokens=1)
+    )
+    assert metadata["x-request-id"] != long_id and len(metadata["x-request-id"]) == 32
+    assert replies[0].route.request_id == metadata["x-request-id"]
+
+
 def test_every_fleet_worker_call_needs_the_key_first(fleet_worker: worker_pb2_grpc.WorkerStub) -> None:
     for call, request in (
         (fleet_worker.GetInfo, worker_pb2.GetInfoRequest()),
