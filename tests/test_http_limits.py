@@ -18,10 +18,11 @@ import httpx
 import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions, stack_fixture
 
-from gateway.cli_gateway import HttpServer, add_arguments
+from gateway.cli_gateway import HttpServer, add_arguments, build_gateway
 from gateway.http_protocol import HttpLimits
 from gateway.http_server import build_app
 from gateway.openai_protocol import ErrorResponse
+from kvroute.cli import UserError, build_parser
 
 LIMITS = HttpLimits(
     max_header_bytes=4096, max_headers=20, header_timeout=1.0, keep_alive_timeout=1.0, max_connections=4
@@ -100,6 +101,15 @@ def test_flags_default_to_the_limits_and_refuse_nonsense() -> None:
     for bad in ({"max_headers": 0}, {"header_timeout": 0.0}, {"max_connections": -1}):
         with pytest.raises(ValueError, match="--" + next(iter(bad)).replace("_", "-")):
             HttpLimits(**bad)
+
+
+def test_kvroute_gateway_serves_under_its_flags() -> None:
+    argv = ["gateway", "--model", "sim", "--workers", "127.0.0.1:1", "--max-headers", "7", "--keep-alive-timeout", "90"]
+    gateway = build_gateway(build_parser(argv).parse_args(argv))
+    assert gateway.http_limits == HttpLimits(max_headers=7, keep_alive_timeout=90.0)
+    with pytest.raises(UserError, match="--header-timeout must be > 0"):
+        argv = ["gateway", "--model", "sim", "--workers", "127.0.0.1:1", "--header-timeout", "0"]
+        build_gateway(build_parser(argv).parse_args(argv))
 
 
 def test_headers_over_the_size_get_431_in_openai_shape(idle_server: HttpServer) -> None:
