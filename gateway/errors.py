@@ -17,7 +17,7 @@ QUOTED_CHARS = 40  # the most of a client's value an error message repeats
 
 def quoted(value: Any, limit: int = QUOTED_CHARS) -> str:
     """`repr(value)` cut to `limit` characters (with "..."): how an error message names what a client sent,
-    so an answer never grows with the input (a 3 MB model name gets 40 characters back, not 3 MB)."""
+    so that an answer never grows with the input."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, str | bytes) and len(value) > limit:

@@ -125,12 +125,14 @@ class AuthenticateFirst:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.auth.open and scope["path"].startswith("/v1/"):
-            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-request-id")}
+            authorization = headers.get(b"authorization")
             try:
                 self.auth.authenticate(bearer_token(None if authorization is None else authorization.decode("latin-1")))
             except AuthenticationError as exc:
                 self.metrics.errors.labels(type(exc).__name__).inc()
-                await error_response(exc)(scope, receive, send)
+                request_id = client_request_id_of(headers.get(b"x-request-id", b"").decode("latin-1"))
+                await error_response(exc, {"x-request-id": request_id or uuid.uuid4().hex})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

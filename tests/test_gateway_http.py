@@ -201,6 +201,7 @@ def test_the_key_is_checked_before_anything_else(client: httpx.Client) -> None:
             for url, body in bad_bodies:
                 response = anonymous.post(url, content=body if isinstance(body, bytes) else json.dumps(body))
                 assert_openai_error(response, 401, code="invalid_api_key")
+                assert response.headers["x-request-id"]
             for url in ("/v1/models", f"/v1/models/{SERVED_MODEL}", "/v1/nothing"):
                 assert_openai_error(anonymous.get(url), 401, code="invalid_api_key")
             assert anonymous.get("/health").status_code == 200
