@@ -18,6 +18,10 @@ exposed to untrusted clients needs and that uvicorn has no option for with httpt
   app sees as a client that left.
 - `keep_alive_timeout`: uvicorn's own `timeout_keep_alive`, the wait between a response and the next request.
 - Malformed HTTP gets 400 in OpenAI's body (uvicorn answers plain text).
+- `Upgrade` (WebSocket, h2c) is never honoured, and httptools would parse an upgrade request's body as the
+  next request (a request hidden in a body, past whatever a proxy checked): an upgrade request with a body
+  gets 400; one without is served as plain HTTP/1.1 and its connection closed after the response, nothing
+  after it parsed. Neither is logged (uvicorn warns twice per request, which any client could repeat).
 
 Every refusal ends its connection with a lingering close: the answer is written, the write side shut, and
 whatever the client still sends is read and dropped for up to `LINGER_S`, so that the client reads the answer
@@ -93,6 +97,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refusal: GatewayError | None = None
         self._lingering = False
+        self._after_upgrade = False  # an upgrade request was served: nothing after it is parsed
 
     # -- the connection ------------------------------------------------------------------------------------
 
@@ -123,8 +128,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
-            return  # read and dropped until the lingering close ends
+        if self._lingering or self._after_upgrade:
+            return  # read and dropped until the connection closes
         self._unset_keepalive_if_required()
         self._last_read = self.loop.time()
         if self._awaiting_head:
@@ -132,10 +137,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+            self._after_upgrade = True
             return
         except httptools.HttpParserError as exc:
             self._refuse(self._refusal or InvalidRequestError(f"malformed HTTP request ({exc})"))
@@ -171,8 +173,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if size + _HEADER_OVERHEAD * len(self.headers) > self.limits.max_header_bytes:
             self._refusal = self._head_too_large()
             raise _Refused
+        upgrade = self.parser.should_upgrade()
+        if upgrade and any(
+            name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
+            for name, value in self.headers
+        ):
+            self._refusal = InvalidRequestError(
+                "this server does not switch protocols; send a request with a body without an Upgrade header"
+            )
+            raise _Refused
         self._awaiting_head = False
         super().on_headers_complete()
+        if upgrade:
+            self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -7,6 +7,7 @@ and second-long timeouts, so that each test takes about a second.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -253,3 +254,31 @@ def test_a_pipelined_head_that_stalls_is_timed_out_too(idle_server: HttpServer) 
     assert raw.count(b"HTTP/1.1 200") == 2
     assert_openai_error(raw[raw.index(b"HTTP/1.1 408") :], 408, "request_timeout")
     assert elapsed < LIMITS.header_timeout + 1.0, elapsed
+
+
+def test_an_upgrade_request_is_plain_http_and_never_hides_a_second_request(
+    idle_server: HttpServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No WebSocket or h2c here: a bodiless upgrade request is served as HTTP/1.1 and its connection closed
+    (a request pipelined behind it is not read); one with a body is refused, so that a request written as
+    its body is never served as a request of its own. Nothing is logged per request."""
+    caplog.set_level(logging.WARNING)
+    upgrade = b"connection: upgrade\r\nupgrade: websocket\r\n"
+    with connect(idle_server) as sock:
+        sock.sendall(HEALTH + upgrade + b"\r\n" + HEALTH + b"\r\n")
+        raw = read_until_closed(sock)
+    assert raw.startswith(b"HTTP/1.1 200") and raw.count(b"HTTP/1.1") == 1, raw
+    hidden = HEALTH + b"\r\n"
+    with connect(idle_server) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer " + KEY.encode() + b"\r\n"
+            b"connection: upgrade\r\nupgrade: h2c\r\ncontent-length: %d\r\n\r\n" % len(hidden)
+        )
+        time.sleep(0.1)  # the body in a read of its own: httptools would parse it as a request
+        with contextlib.suppress(OSError):
+            sock.sendall(hidden)
+        raw = read_until_closed(sock)
+    assert raw.count(b"HTTP/1.1") == 1, raw
+    error = assert_openai_error(raw, 400)
+    assert "Upgrade" in error["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
