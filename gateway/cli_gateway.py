@@ -31,6 +31,7 @@ from typing import Any
 
 import uvicorn
 
+from gateway.http_protocol import HttpLimits, raise_open_files_limit
 from gateway.router import POLICY_NAMES
 from kvroute.cli import UserError
 
@@ -70,6 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant-max-concurrency", type=int, default=None, help="per tenant whose key sets none")
     parser.add_argument(
         "--retries", type=int, default=2, help="other workers tried when one fails before its first token"
+    )
+    http = HttpLimits()
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=http.max_header_bytes, help="request line + headers; past it 431"
+    )
+    parser.add_argument("--max-headers", type=int, default=http.max_headers, help="headers per request; past it 431")
+    parser.add_argument(
+        "--header-timeout", type=float, default=http.header_timeout, help="seconds for a request's head (408 after)"
+    )
+    parser.add_argument(
+        "--keep-alive-timeout", type=float, default=http.keep_alive_timeout,
+        help="seconds an idle keep-alive connection is kept; above the load balancer's idle timeout",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-connections", type=int, default=http.max_connections, help="HTTP connections per process; past it 503"
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument(
@@ -115,6 +131,7 @@ class Gateway:
     fleet: Any  # gateway.fleet_state.FleetState
     max_body_bytes: int
     default_max_tokens: int
+    http_limits: HttpLimits
 
 
 def build_gateway(args: argparse.Namespace) -> Gateway:
@@ -150,6 +167,13 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
             tenant_max_concurrency=args.tenant_max_concurrency,
         )
         retry = RetryPolicy(retries=args.retries)
+        http_limits = HttpLimits(
+            max_header_bytes=args.max_header_bytes,
+            max_headers=args.max_headers,
+            header_timeout=args.header_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            max_connections=args.max_connections,
+        )
         deadlines = StreamDeadlines(args.first_token_timeout, args.inter_token_timeout)
         auth = Authenticator.from_config(args.api_keys_file, allow_derived_salt=args.allow_derived_salt)
         token = worker_token(args.worker_token_file, "--worker-token-file")
@@ -174,7 +198,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         deadlines=deadlines,
         log_prompts=args.log_prompts,
     )
-    return Gateway(request_path, fleet, limits.max_body_bytes, limits.max_tokens)
+    return Gateway(request_path, fleet, limits.max_body_bytes, limits.max_tokens, http_limits)
 
 
 def _routing_options(path: str | None) -> dict[str, Any]:
@@ -249,11 +273,16 @@ class HttpServer:
     task: asyncio.Task[None]
 
     @classmethod
-    def start(cls, app: Any, host: str, port: int) -> HttpServer:
+    def start(cls, app: Any, host: str, port: int, limits: HttpLimits | None = None) -> HttpServer:
+        """Serve `app` on host:port (0: a free one) under `limits` (gateway.http_protocol; default: its
+        defaults). No WebSocket upgrade (the API has none) and no `server` header."""
+        limits = limits or HttpLimits()
+        raise_open_files_limit(limits.max_connections)
         sock = listen_socket(host, port)
         config = uvicorn.Config(
-            app, loop="none", http="httptools", lifespan="off", access_log=False, log_level="warning",
-            timeout_graceful_shutdown=5,
+            app, loop="none", http=limits.protocol_factory(), ws="none", lifespan="off", access_log=False,
+            log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=limits.keep_alive_timeout,
+            server_header=False,
         )  # fmt: skip
         server = _Server(config)
         return cls(sock.getsockname()[1], server, asyncio.create_task(server.serve(sockets=[sock])))
@@ -288,7 +317,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     app = http_server.build_app(
         request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens
     )
-    http = HttpServer.start(app, args.host, args.http_port)
+    http = HttpServer.start(app, args.host, args.http_port, gateway.http_limits)
     grpc_server = None
     if args.grpc_port:
         from gateway.grpc_server import start_grpc_server

@@ -7,9 +7,24 @@ message, which starts with the field at fault ("max_tokens: must be ...") when t
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import grpc
+
+QUOTED_CHARS = 40  # the most of a client's value an error message repeats
+
+
+def quoted(value: Any, limit: int = QUOTED_CHARS) -> str:
+    """`repr(value)` cut to `limit` characters (with "..."): how an error message names what a client sent,
+    so that an answer never grows with the input."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str | bytes) and len(value) > limit:
+        value = value[:limit]  # repr of a huge value is never built whole
+        return repr(value)[: limit - 3] + "..."
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class GatewayError(Exception):
@@ -62,6 +77,24 @@ class ModelNotFound(GatewayError):
     default_code = "model_not_found"
 
 
+class RequestTimeout(GatewayError):
+    """The request's head did not arrive whole within the header timeout (a slow or stalled client)."""
+
+    http_status = 408
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class HeadersTooLarge(GatewayError):
+    """The request's head passed the header size or count limit."""
+
+    http_status = 431
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+    default_code = "request_headers_too_large"
+
+
 class BodyTooLarge(GatewayError):
     http_status = 413
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
@@ -85,6 +118,15 @@ class NoWorkerAvailable(GatewayError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     error_type = "service_unavailable"
     default_code = "no_worker_available"
+
+
+class TooManyConnections(GatewayError):
+    """This process holds its connection cap; another replica (or a retry after Retry-After) can serve."""
+
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "service_unavailable"
+    default_code = "too_many_connections"
 
 
 class UpstreamError(GatewayError):

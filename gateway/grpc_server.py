@@ -13,31 +13,34 @@
   and a reader of KV events reads each worker (or Redis).
 - `grpc.health.v1.Health`: SERVING while the request path has a routable worker, checked every second.
 
-Both Generate methods translate to a `GatewayRequest` and back, and nothing else; a `GatewayError` becomes
-its gRPC status (`grpc_code`), whose message starts with the field at fault, with trailing metadata
-`retry-after` when it has one. A cancelled call closes the Generation, which cancels its worker requests.
+With API keys configured, every call but health's is authenticated before its handler runs
+(`AuthenticateFirst`). Both Generate methods translate to a `GatewayRequest` and back, and nothing else; a
+`GatewayError` becomes its gRPC status (`grpc_code`), whose message starts with the field at fault (quoting
+at most a short prefix of the client's value), with trailing metadata `retry-after` when it has one. A
+cancelled call closes the Generation, which cancels its worker requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 import grpc
+import pydantic_core
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gateway.errors import GatewayError, InvalidRequestError
+from gateway.auth import Authenticator
+from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
 from gateway.fleet_state import FleetIdentity, WorkerMember
 from gateway.metrics import GatewayMetrics
-from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token
+from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token, client_request_id_of
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.sampling import InvalidRequest, SamplingParams
@@ -61,6 +64,7 @@ class ServesFleet(Protocol):
     """What the gRPC front door needs of gateway.request_path.RequestPath."""
 
     served_model_name: str
+    auth: Authenticator  # checked before a call's request is looked at (AuthenticateFirst)
     metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
     identity: FleetIdentity  # what the gateway hashes and tokenizes with
     vocab_size: int
@@ -76,7 +80,8 @@ class ServesFleet(Protocol):
 
 
 def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str | None]:
-    """The call's metadata as the HTTP front door reads headers, and the client's x-request-id."""
+    """The call's metadata as the HTTP front door reads headers, and the client's x-request-id (when sane
+    to echo, as on the HTTP door)."""
     metadata = {key.lower(): value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
     trace = {name: metadata[name] for name in ("traceparent", "tracestate") if name in metadata}
     headers = RequestHeaders(
@@ -85,7 +90,7 @@ def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str
         app=metadata.get("x-kvroute-app") or None,
         trace_context=trace,
     )
-    return headers, metadata.get("x-request-id") or None
+    return headers, client_request_id_of(metadata.get("x-request-id"))
 
 
 def checked_sampling(msg: worker_pb2.SamplingParams, default_max_tokens: int, prefix: str = "") -> SamplingParams:
@@ -149,7 +154,9 @@ def _messages(messages: Sequence[gateway_pb2.ChatMessage]) -> list[dict[str, Any
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
             roles = ", ".join(sorted(CHAT_ROLES))
-            raise InvalidRequestError(f"must be one of {roles}, got {message.role!r}", param=f"chat.messages[{i}].role")
+            raise InvalidRequestError(
+                f"must be one of {roles}, got {quoted(message.role)}", param=f"chat.messages[{i}].role"
+            )
         entry = {"role": message.role, "content": message.content}
         if message.name:
             entry["name"] = message.name
@@ -160,11 +167,13 @@ def _messages(messages: Sequence[gateway_pb2.ChatMessage]) -> list[dict[str, Any
 
 
 def _tools(tools_json: str) -> dict[str, Any]:
+    """The tools, parsed as the HTTP door parses its bodies (pydantic's JSON parser, with its nesting bound:
+    a deeper document is refused by name instead of exhausting Python's recursion)."""
     if not tools_json:
         return {}
     try:
-        tools = json.loads(tools_json)
-    except json.JSONDecodeError as exc:
+        tools = pydantic_core.from_json(tools_json, allow_inf_nan=False)
+    except ValueError as exc:
         raise InvalidRequestError(f"is not valid JSON: {exc}", param="tools_json") from None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise InvalidRequestError("must be a JSON array of tool objects", param="tools_json")
@@ -374,6 +383,54 @@ class FleetWorkerServicer(worker_pb2_grpc.WorkerServicer):
 # -- the server ----------------------------------------------------------------------------------------------
 
 
+class AuthenticateFirst(grpc.aio.ServerInterceptor):
+    """With API keys configured, every call but `grpc.health.v1`'s must carry a valid key
+    (`authorization: Bearer <key>`) before its handler runs: an anonymous caller gets UNAUTHENTICATED and
+    learns nothing else (not which fields are wrong, not the fleet's GetInfo). The request path authenticates
+    Generate again (it is the contract of every caller)."""
+
+    def __init__(self, auth: Authenticator, metrics: GatewayMetrics) -> None:
+        self.auth = auth
+        self.metrics = metrics
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:  # fmt: skip
+        handler = await continuation(details)
+        if handler is None or self.auth.open or details.method.startswith("/grpc.health.v1."):
+            return handler
+        authorization = next(
+            (v for k, v in details.invocation_metadata or () if k.lower() == "authorization" and isinstance(v, str)),
+            None,
+        )
+        try:
+            self.auth.authenticate(bearer_token(authorization))
+        except AuthenticationError as exc:
+            self.metrics.errors.labels(type(exc).__name__).inc()
+            return _refusing(handler, exc)
+        return handler
+
+
+def _refusing(handler: grpc.RpcMethodHandler, exc: GatewayError) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that aborts every call with `exc`."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(context, exc)
+
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse, **serializers)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **serializers)
+    return grpc.stream_stream_rpc_method_handler(refuse, **serializers)
+
+
 @dataclass
 class GatewayGrpcServer:
     server: grpc.aio.Server
@@ -403,7 +460,9 @@ async def start_grpc_server(
 ) -> GatewayGrpcServer:
     """Serve Gateway, Worker and Health on host:port (port 0 picks a free one; `.port` says which).
     `default_max_tokens` is a chat's max_tokens when the client sets none (the gateway's --max-tokens)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=[AuthenticateFirst(request_path.auth, request_path.metrics)]
+    )
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(request_path, default_max_tokens), server)
     worker_pb2_grpc.add_WorkerServicer_to_server(FleetWorkerServicer(request_path), server)
     health = health_aio.HealthServicer()

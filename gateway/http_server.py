@@ -13,10 +13,14 @@ gateway budget of 2 ms p50; what it would add here (body parsing, the OpenAPI do
 below with the same pydantic models (figures in the README).
 
 The contract every response keeps:
+- With API keys configured, a /v1/ request without a valid key gets 401 before its body is read
+  (`AuthenticateFirst`), whatever else is wrong with it.
 - Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}` with the status of the
   `GatewayError` (gateway.errors): 400 naming the field (never a 422), 401, 404, 413 (the body limit is
   enforced while reading, before the body is held whole), 429 with Retry-After, 503. Any other exception is
-  logged and answered 500 in the same shape, and the server keeps serving.
+  logged and answered 500 in the same shape, and the server keeps serving. The connection's own refusals
+  (malformed HTTP 400, 408, 431, 503 over the connection cap) are gateway.http_protocol's, in the same shape.
+  A message quotes at most a short prefix of what the client sent (`errors.quoted`).
 - Once routed, every response (streamed or not, errors included) carries `x-kvroute-worker` and
   `x-kvroute-route`; every response carries `x-request-id` (the client's, echoed, or the gateway's own).
 - An error after a stream started is one last `data: {"error": ...}` event, then `data: [DONE]`.
@@ -37,12 +41,14 @@ import orjson
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound
+from gateway.auth import Authenticator
+from gateway.errors import AuthenticationError, BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, quoted
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
@@ -56,6 +62,7 @@ from gateway.openai_protocol import (
     RequestHeaders,
     SamplingFields,
     bearer_token,
+    client_request_id_of,
     parse_request,
 )
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob, Usage
@@ -63,7 +70,6 @@ from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob, Usa
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = Limits().max_body_bytes
-MAX_REQUEST_ID_CHARS = 128
 JSON = "application/json"
 T = TypeVar("T")
 
@@ -72,6 +78,7 @@ class ServesRequests(Protocol):
     """What the front door needs of gateway.request_path.RequestPath."""
 
     served_model_name: str
+    auth: Authenticator  # checked before a /v1/ request is read (AuthenticateFirst)
     metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
 
     async def generate(self, request: GatewayRequest) -> Generation: ...
@@ -99,8 +106,35 @@ def build_app(
         Route("/openapi.json", server.openapi, methods=["GET"]),
     ]
     return Starlette(
-        routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception}
+        routes=routes,
+        middleware=[Middleware(AuthenticateFirst, auth=request_path.auth, metrics=request_path.metrics)],
+        exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception},
     )
+
+
+class AuthenticateFirst:
+    """Every /v1/ request's API key is checked before anything else of the request is read, parsed or
+    routed: a client without a valid key gets 401 and learns nothing else (not the body limit, not which
+    fields are wrong, not the served model's name). /health, /ready, /metrics and /openapi.json stay open.
+    The request path authenticates again (it is the contract of every caller); a key is one SHA-256."""
+
+    def __init__(self, app: ASGIApp, auth: Authenticator, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.auth = auth
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.auth.open and scope["path"].startswith("/v1/"):
+            headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-request-id")}
+            authorization = headers.get(b"authorization")
+            try:
+                self.auth.authenticate(bearer_token(None if authorization is None else authorization.decode("latin-1")))
+            except AuthenticationError as exc:
+                self.metrics.errors.labels(type(exc).__name__).inc()
+                request_id = client_request_id_of(headers.get(b"x-request-id", b"").decode("latin-1"))
+                await error_response(exc, {"x-request-id": request_id or uuid.uuid4().hex})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class OpenAIServer:
@@ -129,11 +163,13 @@ class OpenAIServer:
     async def _generate(
         self, request: Request, wire_type: type[SamplingFields], renderer_type: type[Renderer]
     ) -> Response:
-        client_request_id = _client_request_id(request)
+        client_request_id = client_request_id_of(request.headers.get("x-request-id"))
         try:
             body = await read_body(request, self.max_body_bytes)
             wire = parse_request(wire_type, body)
             gateway_request = wire.to_gateway_request(request_headers(request), self.default_max_tokens)
+        except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
+            return Response(status_code=499)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
             return error_response(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
@@ -180,7 +216,7 @@ class OpenAIServer:
     async def get_model(self, request: Request) -> Response:
         model = request.path_params["model"]
         if model != self.request_path.served_model_name:
-            return error_response(ModelNotFound(f"the model {model!r} does not exist", param="model"))
+            return error_response(ModelNotFound(f"the model {quoted(model)} does not exist", param="model"))
         return Response(orjson.dumps(self._model_card()), media_type=JSON)
 
     async def health(self, request: Request) -> Response:
@@ -206,7 +242,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
-            raise InvalidRequestError(f"Content-Length header {declared[:40]!r} is not a number")
+            raise InvalidRequestError(f"Content-Length header {quoted(declared)} is not a number")
         if int(declared) > limit:
             raise _too_large(int(declared), limit)
     parts = []
@@ -232,14 +268,6 @@ def request_headers(request: Request) -> RequestHeaders:
         app=headers.get("x-kvroute-app") or None,
         trace_context=trace,
     )
-
-
-def _client_request_id(request: Request) -> str | None:
-    """The client's x-request-id when it is a sane token to echo (printable ASCII, bounded), else None."""
-    value = request.headers.get("x-request-id")
-    if value and len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
-        return value
-    return None
 
 
 # -- rendering a Generation ------------------------------------------------------------------------------------
@@ -501,7 +529,7 @@ def _internal_error() -> GatewayError:
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (no such route, wrong method) in OpenAI's error shape."""
     assert isinstance(exc, HTTPException)
-    error = GatewayError(f"{request.method} {request.url.path}: {exc.detail}")
+    error = GatewayError(f"{request.method} {quoted(request.url.path)}: {exc.detail}")
     body = {"error": {"message": error.message, "type": "invalid_request_error", "param": None, "code": None}}
     return Response(orjson.dumps(body), status_code=exc.status_code, media_type=JSON, headers=exc.headers)
 
@@ -517,9 +545,11 @@ _ERROR_STATUSES = {
     "400": "invalid field (named in error.param), or context_length_exceeded",
     "401": "missing or unknown API key",
     "404": "unknown model",
+    "408": "the request's head did not arrive within the header timeout",
     "413": "request body too large",
+    "431": "request headers too large or too many",
     "429": "over the tenant's concurrency limit (Retry-After)",
-    "503": "no worker can take the request",
+    "503": "no worker can take the request, or the server holds its connection cap",
 }
 
 

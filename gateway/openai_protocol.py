@@ -15,18 +15,18 @@ same shapes as plain dicts (gateway.http_server), which is several times faster 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, quoted
 from gateway.request import GatewayRequest
 from kvroute.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_REQUEST_ID_CHARS = 128
 
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 StopField = Annotated[
@@ -159,6 +159,14 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else authorization
 
 
+def client_request_id_of(value: str | None) -> str | None:
+    """The client's x-request-id when it is a sane token to echo (printable ASCII, at most
+    MAX_REQUEST_ID_CHARS), else None (the gateway's own id is sent instead)."""
+    if value and len(value) <= MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
+        return value
+    return None
+
+
 # -- /v1/completions -----------------------------------------------------------------------------------------
 
 
@@ -273,7 +281,7 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequestError("needs logprobs: true", param="top_logprobs")
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequestError(
-                f"type {self.response_format.type!r} is not supported by this server (only 'text')",
+                f"type {quoted(self.response_format.type)} is not supported by this server (only 'text')",
                 param="response_format",
             )
         if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
@@ -306,7 +314,7 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         for j, part in enumerate(content):
             if part.type != "text":
                 raise InvalidRequestError(
-                    f"{part.type!r} parts are not supported: this model reads text only",
+                    f"{quoted(part.type)} parts are not supported: this model reads text only",
                     param=f"messages[{index}].content[{j}].type",
                 )
             if part.text is None:
@@ -359,7 +367,7 @@ def _invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:
         expected = _description_of(param)
         return InvalidRequestError(f"has the wrong type{'; expected ' + expected if expected else ''}", param=param)
     value = error.get("input")
-    shown = "" if isinstance(value, dict | list) else f", got {_short(value)}"
+    shown = "" if isinstance(value, dict | list) else f", got {quoted(value)}"
     return InvalidRequestError(f"{_must(error['msg'])}{shown}", param=param)
 
 
@@ -388,13 +396,6 @@ def _description_of(param: str) -> str | None:
 def _must(message: str) -> str:
     """pydantic's "Input should be greater than 0" as "must be greater than 0"."""
     return message.replace("Input should be", "must be", 1) if message.startswith("Input should") else message
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # -- responses (documentation and tests; the server builds these shapes as dicts) ---------------------------------

@@ -54,6 +54,7 @@ from gateway.errors import (
     NoWorkerAvailable,
     RateLimited,
     UpstreamError,
+    quoted,
 )
 from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
@@ -270,7 +271,7 @@ class RequestPath:
             raise NoWorkerAvailable("the gateway is shutting down; send the request again", retry_after=1.0)
         tenant = self.auth.authenticate(request.api_key)
         if request.model is not None and request.model != self.served_model_name:
-            raise ModelNotFound(f"the model {request.model!r} does not exist", param="model")
+            raise ModelNotFound(f"the model {quoted(request.model)} does not exist", param="model")
         self.limits.check_request(request)
         try:
             request.params.validate()

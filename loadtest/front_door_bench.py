@@ -27,6 +27,7 @@ def serve(kind: str, port: int) -> None:
     from starlette.responses import Response
     from starlette.routing import Route
 
+    from gateway.auth import Authenticator
     from gateway.http_server import build_app
     from gateway.request import Chunk, Generation, RouteInfo, Usage
 
@@ -50,6 +51,7 @@ def serve(kind: str, port: int) -> None:
 
     class InstantPath:
         served_model_name = "m"
+        auth = Authenticator()
 
         async def generate(self, request):
             return Instant()

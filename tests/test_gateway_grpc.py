@@ -152,6 +152,13 @@ ERROR_CASES = [
     ("unknown model", {"prompt": "hi", "model": "gpt-9"}, AUTH, grpc.StatusCode.NOT_FOUND, "model:"),
     ("bad key", {"prompt": "hi"}, (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED, "invalid"),
     ("no key", {"prompt": "hi"}, (), grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
+    ("deeply nested tools json", {"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user")]),
+                                  "tools_json": "[" * 5000 + "]" * 5000}, AUTH, INVALID, "tools_json:"),
+    ("no key and no input: the key first", {}, (), grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
+    ("bad key and a bad field: the key first", {"prompt": "hi", "sampling": sampling(temperature=-1)},
+     (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
+    ("no key and an unknown model: the key first", {"prompt": "hi", "model": "gpt-9"}, (),
+     grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
 ]  # fmt: skip
 
 
@@ -163,6 +170,43 @@ def test_errors_are_status_codes_naming_the_field(
         generate(gateway, metadata=metadata, **fields)
     assert raised.value.code() == code, raised.value.details()
     assert names in raised.value.details(), raised.value.details()
+
+
+def test_errors_quote_a_short_prefix_of_what_the_client_sent(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    for fields in (
+        {"prompt": "hi", "model": "m" * 1_000_000},
+        {"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="r" * 100_000)])},
+    ):
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(gateway, **fields)
+        assert raised.value.code() in (grpc.StatusCode.NOT_FOUND, INVALID)
+        assert len(raised.value.details()) < 200, len(raised.value.details())
+
+
+def test_request_id_is_echoed_only_when_sane_as_on_the_http_door(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    _, metadata = generate(gateway, AUTH + (("x-request-id", "req-42"),), prompt="hi", sampling=sampling(max_tokens=1))
+    assert metadata["x-request-id"] == "req-42"
+    long_id = "r" * 5000
+    replies, metadata = generate(
+        gateway, AUTH + (("x-request-id", long_id),), prompt="hi", sampling=sampling(max_tokens=1)
+    )
+    assert metadata["x-request-id"] != long_id and len(metadata["x-request-id"]) == 32
+    assert replies[0].route.request_id == metadata["x-request-id"]
+
+
+def test_every_fleet_worker_call_needs_the_key_first(fleet_worker: worker_pb2_grpc.WorkerStub) -> None:
+    for call, request in (
+        (fleet_worker.GetInfo, worker_pb2.GetInfoRequest()),
+        (fleet_worker.GetStats, worker_pb2.GetStatsRequest()),
+        (fleet_worker.GetKVEvents, worker_pb2.GetKVEventsRequest()),
+    ):
+        with pytest.raises(grpc.RpcError) as raised:
+            call(request, timeout=5)
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, call
+    bad = worker_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=sampling(temperature=-1))
+    with pytest.raises(grpc.RpcError) as raised:
+        list(fleet_worker.Generate(bad, timeout=10))
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_still_serving_after_errors(gateway: gateway_pb2_grpc.GatewayStub) -> None:
@@ -244,7 +288,7 @@ def test_worker_generate_errors_name_the_field_as_a_worker_does(fleet_worker: wo
 def test_get_info_describes_the_fleet_and_stats_are_per_worker(
     fleet_worker: worker_pb2_grpc.WorkerStub, stack: GatewayStack
 ) -> None:
-    info = fleet_worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    info = fleet_worker.GetInfo(worker_pb2.GetInfoRequest(), metadata=AUTH, timeout=5)
     with grpc.insecure_channel(f"127.0.0.1:{stack.workers[0].port}") as direct_channel:
         worker_info = worker_pb2_grpc.WorkerStub(direct_channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
     assert (info.model_id, info.block_size, info.hash_fingerprint) == (
@@ -255,5 +299,5 @@ def test_get_info_describes_the_fleet_and_stats_are_per_worker(
     for rpc, request in ((fleet_worker.GetStats, worker_pb2.GetStatsRequest()),
                          (fleet_worker.GetKVEvents, worker_pb2.GetKVEventsRequest())):  # fmt: skip
         with pytest.raises(grpc.RpcError) as raised:
-            rpc(request, timeout=5)
+            rpc(request, metadata=AUTH, timeout=5)
         assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED and "each worker" in raised.value.details()

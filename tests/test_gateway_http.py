@@ -187,6 +187,40 @@ def test_bad_and_missing_api_keys_get_401(client: httpx.Client) -> None:
         assert_openai_error(anonymous.post(CHAT_URL, json={"messages": CHAT}), 401, code="invalid_api_key")
 
 
+def test_the_key_is_checked_before_anything_else(client: httpx.Client) -> None:
+    """An anonymous or wrong-keyed client gets 401 whatever else is wrong: it learns neither the fields, nor
+    the body limit, nor the served model."""
+    bad_bodies = [
+        (C, {"prompt": "hi", "temperature": -1}),
+        (CHAT_URL, b"{not json"),
+        (C, {"prompt": "hi", "model": "gpt-9"}),
+        (C, {"prompt": "x" * 70_000}),  # over the body limit
+    ]
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}):
+        with httpx.Client(base_url=client.base_url, headers=headers) as anonymous:
+            for url, body in bad_bodies:
+                response = anonymous.post(url, content=body if isinstance(body, bytes) else json.dumps(body))
+                assert_openai_error(response, 401, code="invalid_api_key")
+                assert response.headers["x-request-id"]
+            for url in ("/v1/models", f"/v1/models/{SERVED_MODEL}", "/v1/nothing"):
+                assert_openai_error(anonymous.get(url), 401, code="invalid_api_key")
+            assert anonymous.get("/health").status_code == 200
+
+
+def test_errors_quote_a_short_prefix_of_what_the_client_sent(client: httpx.Client) -> None:
+    long_name = "m" * 60_000
+    for response in (
+        client.post(C, json={"prompt": "hi", "model": long_name}),
+        client.get(f"/v1/models/{'m' * 20_000}"),
+    ):
+        error = assert_openai_error(response, 404, "model", "model_not_found")
+        assert len(response.content) < 400 and "mmm..." in error["message"], response.content[:500]
+    response = client.post(CHAT_URL, json={"messages": CHAT, "response_format": {"type": "t" * 50_000}})
+    assert_openai_error(response, 400, "response_format")
+    assert len(response.content) < 400
+    assert len(client.get("/v1/" + "n" * 20_000).content) < 400
+
+
 def test_oversize_body_gets_413_before_it_is_read_whole(client: httpx.Client) -> None:
     big = json.dumps({"prompt": "x" * 70_000}).encode()
     assert_openai_error(client.post(C, content=big), 413, code="request_too_large")
