@@ -387,11 +387,16 @@ class AuthenticateFirst(grpc.aio.ServerInterceptor):
     """With API keys configured, every call but `grpc.health.v1`'s must carry a valid key
     (`authorization: Bearer <key>`) before its handler runs: an anonymous caller gets UNAUTHENTICATED and
     learns nothing else (not which fields are wrong, not the fleet's GetInfo). The request path authenticates
-    Generate again (it is the contract of every caller)."""
+    Generate again (it is the contract of every caller). The keys are the request path's at each call, so a
+    SIGHUP reload applies here too."""
 
-    def __init__(self, auth: Authenticator, metrics: GatewayMetrics) -> None:
-        self.auth = auth
-        self.metrics = metrics
+    def __init__(self, request_path: ServesFleet) -> None:
+        self.request_path = request_path
+        self.metrics = request_path.metrics
+
+    @property
+    def auth(self) -> Authenticator:
+        return self.request_path.auth
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -460,9 +465,7 @@ async def start_grpc_server(
 ) -> GatewayGrpcServer:
     """Serve Gateway, Worker and Health on host:port (port 0 picks a free one; `.port` says which).
     `default_max_tokens` is a chat's max_tokens when the client sets none (the gateway's --max-tokens)."""
-    server = grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=[AuthenticateFirst(request_path.auth, request_path.metrics)]
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthenticateFirst(request_path)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(request_path, default_max_tokens), server)
     worker_pb2_grpc.add_WorkerServicer_to_server(FleetWorkerServicer(request_path), server)
     health = health_aio.HealthServicer()

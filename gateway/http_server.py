@@ -107,7 +107,7 @@ def build_app(
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(AuthenticateFirst, auth=request_path.auth, metrics=request_path.metrics)],
+        middleware=[Middleware(AuthenticateFirst, request_path=request_path)],
         exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception},
     )
 
@@ -116,12 +116,17 @@ class AuthenticateFirst:
     """Every /v1/ request's API key is checked before anything else of the request is read, parsed or
     routed: a client without a valid key gets 401 and learns nothing else (not the body limit, not which
     fields are wrong, not the served model's name). /health, /ready, /metrics and /openapi.json stay open.
-    The request path authenticates again (it is the contract of every caller); a key is one SHA-256."""
+    The request path authenticates again (it is the contract of every caller); a key is one SHA-256. The keys
+    are the request path's at each request, so a SIGHUP reload applies here too."""
 
-    def __init__(self, app: ASGIApp, auth: Authenticator, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, request_path: ServesRequests) -> None:
         self.app = app
-        self.auth = auth
-        self.metrics = metrics
+        self.request_path = request_path
+        self.metrics = request_path.metrics
+
+    @property
+    def auth(self) -> Authenticator:
+        return self.request_path.auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.auth.open and scope["path"].startswith("/v1/"):

@@ -36,7 +36,7 @@ stack = stack_fixture(StackOptions(model="sim", workers=1))
 @pytest.fixture(scope="module")
 def server(stack: GatewayStack) -> Iterator[HttpServer]:
     path = stack.request_path
-    app = build_app(path, path.metrics.registry, max_body_bytes=path.limits.max_body_bytes)
+    app = build_app(path, max_body_bytes=path.limits.max_body_bytes)
 
     async def start() -> HttpServer:
         return HttpServer.start(app, "127.0.0.1", 0, LIMITS)
