@@ -16,7 +16,9 @@ import contextlib
 import copy
 import io
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -1193,7 +1195,7 @@ def test_gateway_image_requirements_come_from_pyproject_without_torch() -> None:
     closure = requirement_closure(requirements)
     assert not closure & {"torch", "triton", "nvidia-cuda-runtime-cu12"}, closure
     dockerfile = (DOCKER / "gateway.Dockerfile").read_text()
-    installs = re.findall(r"uv pip install [^\n&]*", dockerfile)
+    installs = re.findall(r"pip install [^\n&]*", dockerfile)
     assert installs and all("--no-deps" in line or "-r /tmp/requirements-gateway.txt" in line for line in installs)
 
 
@@ -1277,3 +1279,62 @@ def test_healthcheck_script_reads_an_http_health_endpoint() -> None:
         server.shutdown()
     assert (healthy.returncode, unhealthy.returncode) == (0, 1), unhealthy.stderr
     assert "503" in unhealthy.stderr
+
+
+# --------------------------------------------------------------------------------------------- checkov
+
+KUBERNETES_DOC = ROOT / "docs" / "kubernetes.md"
+
+
+def find_checkov() -> str | None:
+    """checkov in its own virtualenv (.ci/run installs it at /opt/checkov-venv), or $KVROUTE_CHECKOV, or on PATH."""
+    for candidate in (os.environ.get("KVROUTE_CHECKOV"), "/opt/checkov-venv/bin/checkov", shutil.which("checkov")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def documented_checkov_failures() -> set[str]:
+    """The check ids docs/kubernetes.md's checkov table says the chart's defaults fail, each with its reason."""
+    section = KUBERNETES_DOC.read_text().split("### checkov on the rendered chart", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^\| `(CKV2?_K8S_\d+)` \|", section, re.MULTILINE))
+
+
+def checkov_failures(objects: list[dict[str, Any]], tmp_path: Path) -> set[tuple[str, str]]:
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(objects))
+    result = subprocess.run(
+        [find_checkov(), "-f", str(manifest), "--framework", "kubernetes", "--skip-download", "--quiet", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    reports = json.loads(result.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    if not reports or "results" not in reports[0]:  # checkov's report when every check passed
+        return set()
+    return {(c["check_id"], c["resource"]) for r in reports for c in r["results"]["failed_checks"]}
+
+
+@pytest.mark.skipif(
+    find_checkov() is None, reason="checkov is not installed (.ci/run installs it in /opt/checkov-venv)"
+)
+@pytest.mark.parametrize("value_set", ["defaults", "everything"])
+def test_checkov_fails_only_the_documented_checks(value_set: str, tmp_path: Path) -> None:
+    failed = checkov_failures(render(value_set).objects, tmp_path)
+    assert {check for check, _ in failed} <= documented_checkov_failures(), sorted(failed)
+
+
+@pytest.mark.skipif(
+    find_checkov() is None, reason="checkov is not installed (.ci/run installs it in /opt/checkov-venv)"
+)
+def test_checkov_passes_every_check_once_images_are_pinned_by_digest(tmp_path: Path) -> None:
+    values = {
+        "gateway": {"image": {"digest": DIGEST}},
+        "worker": {"image": {"digest": DIGEST}},
+        "redis": {"bundled": {"image": {"digest": DIGEST}}},
+    }
+    manifests = chart().render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = [o for p, t in sorted(manifests.items()) if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    assert checkov_failures(objects, tmp_path) == set()
