@@ -53,9 +53,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* An image reference: (dict "image" .Values.gateway.image "root" $); the tag defaults to appVersion. */}}
+{{/* An image reference: (dict "image" .Values.gateway.image "root" $); the tag defaults to appVersion, and a digest
+pins it (repository:tag@sha256:...: the runtime pulls by the digest, the tag stays as a label for people). */}}
 {{- define "kvroute.image" -}}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag | toString) }}
+{{- with .image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{- define "kvroute.workerImage" -}}
@@ -111,6 +113,40 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 
+{{/* Secrets reach containers as files, never as environment variables or arguments. One secret file is
+(dict "volume" NAME "secret" SECRET "key" KEY): the volume NAME holds only KEY, mounted at /etc/kvroute/NAME. */}}
+{{- define "kvroute.secretFile.path" -}}/etc/kvroute/{{ .volume }}/{{ .key }}{{- end }}
+
+{{- define "kvroute.secretFile.volume" -}}
+- name: {{ .volume }}
+  secret:
+    secretName: {{ .secret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .key }}
+        path: {{ .key }}
+{{- end }}
+
+{{- define "kvroute.secretFile.mount" -}}
+- name: {{ .volume }}
+  mountPath: /etc/kvroute/{{ .volume }}
+  readOnly: true
+{{- end }}
+
+{{/* The worker token (auth.workerToken): gateways present it, workers require it. */}}
+{{- define "kvroute.workerToken.secretName" -}}
+{{ default (printf "%s-token" (include "kvroute.worker.fullname" .)) .Values.auth.workerToken.existingSecret }}
+{{- end }}
+
+{{- define "kvroute.workerToken.secretFile" -}}
+{{ toYaml (dict "volume" "worker-token" "secret" (include "kvroute.workerToken.secretName" .) "key" .Values.auth.workerToken.secretKey) }}
+{{- end }}
+
+{{- define "kvroute.workerToken.env" -}}
+- name: KVROUTE_WORKER_TOKEN_FILE
+  value: {{ include "kvroute.secretFile.path" (include "kvroute.workerToken.secretFile" . | fromYaml) }}
+{{- end }}
+
 {{/* Redis: where the password lives, and the one URL every gateway and worker is given. */}}
 {{- define "kvroute.redis.secretName" -}}
 {{- if eq .Values.redis.mode "bundled" }}{{ default (include "kvroute.redis.fullname" .) .Values.redis.bundled.existingSecret }}
@@ -129,16 +165,15 @@ imagePullSecrets:
 {{- if or (eq .Values.redis.mode "bundled") .Values.redis.external.existingSecret }}true{{ end }}
 {{- end }}
 
-{{/* $(REDIS_PASSWORD) is expanded by the kubelet from the container's env; it never appears in the pod spec. */}}
+{{/* The URL carries no password (it would be on the command line): KVROUTE_REDIS_PASSWORD_FILE names it. */}}
 {{- define "kvroute.redis.url" -}}
 {{- if eq .Values.redis.mode "bundled" -}}
-redis://:$(REDIS_PASSWORD)@{{ include "kvroute.redis.fullname" . }}.{{ .Release.Namespace }}.svc:{{ include "kvroute.int" .Values.redis.bundled.port }}/0
+redis://{{ include "kvroute.redis.fullname" . }}.{{ .Release.Namespace }}.svc:{{ include "kvroute.int" .Values.redis.bundled.port }}/0
 {{- else -}}
 {{- $ext := .Values.redis.external }}
 {{- $parts := regexFindAll "^[a-z+]+://|.*$" $ext.url 2 }}
 {{- $userinfo := "" }}
-{{- if $ext.existingSecret }}{{ $userinfo = printf "%s:$(REDIS_PASSWORD)@" $ext.username }}
-{{- else if $ext.username }}{{ $userinfo = printf "%s@" $ext.username }}{{ end }}
+{{- if $ext.username }}{{ $userinfo = printf "%s@" $ext.username }}{{ end }}
 {{- $url := printf "%s%s%s" (index $parts 0) $userinfo (index $parts 1) }}
 {{- if $ext.tls.caSecret }}
 {{- $url = printf "%s%sssl_ca_certs=/etc/kvroute/redis-tls/%s" $url (ternary "&" "?" (contains "?" $url)) $ext.tls.caSecretKey }}
@@ -147,13 +182,26 @@ redis://:$(REDIS_PASSWORD)@{{ include "kvroute.redis.fullname" . }}.{{ .Release.
 {{- end }}
 {{- end }}
 
+{{- define "kvroute.redis.secretFile" -}}
+{{ toYaml (dict "volume" "redis-auth" "secret" (include "kvroute.redis.secretName" .) "key" (include "kvroute.redis.secretKey" .)) }}
+{{- end }}
+
 {{- define "kvroute.redis.env" -}}
 {{- if include "kvroute.redis.hasPassword" . }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvroute.redis.secretName" . }}
-      key: {{ include "kvroute.redis.secretKey" . }}
+- name: KVROUTE_REDIS_PASSWORD_FILE
+  value: {{ include "kvroute.secretFile.path" (include "kvroute.redis.secretFile" . | fromYaml) }}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.redis.authVolume" -}}
+{{- if include "kvroute.redis.hasPassword" . }}
+{{- include "kvroute.secretFile.volume" (include "kvroute.redis.secretFile" . | fromYaml) }}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.redis.authVolumeMount" -}}
+{{- if include "kvroute.redis.hasPassword" . }}
+{{- include "kvroute.secretFile.mount" (include "kvroute.redis.secretFile" . | fromYaml) }}
 {{- end }}
 {{- end }}
 
@@ -162,6 +210,7 @@ redis://:$(REDIS_PASSWORD)@{{ include "kvroute.redis.fullname" . }}.{{ .Release.
 - name: redis-tls
   secret:
     secretName: {{ .Values.redis.external.tls.caSecret }}
+    defaultMode: 0440
 {{- end }}
 {{- end }}
 
