@@ -314,11 +314,6 @@ def expand(arg: str, container: dict[str, Any], release: Release) -> str:
     return _VAR.sub(substitute, arg)
 
 
-# Flags agreed for issue 19 (its cross-slice contracts) whose parser code lands from another branch of the issue:
-# accepted here only while the real parser lacks them; once it has them, it parses them like any other.
-CONTRACT_FLAGS: dict[str, dict[str, type]] = {"gateway": {"--metrics-port": int, "--metrics-host": str}}
-
-
 def parse_kvroute(args: list[str]) -> argparse.Namespace:
     """Parse a container's args (the image's entrypoint is `kvroute`) with the real parser, as the process would."""
     from kvroute.cli import build_parser
@@ -326,14 +321,9 @@ def parse_kvroute(args: list[str]) -> argparse.Namespace:
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
-            parsed, unknown = build_parser(args).parse_known_args(args)
+            return build_parser(args).parse_args(args)
         except SystemExit:
             pytest.fail(f"`kvroute {' '.join(args)}` is rejected by its parser:\n{stderr.getvalue()}")
-    pending = CONTRACT_FLAGS.get(args[0], {})
-    for flag, value in zip(unknown[::2], unknown[1::2], strict=True):
-        assert flag in pending, f"`kvroute {args[0]}` does not know {flag}"
-        setattr(parsed, flag.lstrip("-").replace("-", "_"), pending[flag](value))
-    return parsed
 
 
 def flag_value(args: list[str], flag: str) -> str:
