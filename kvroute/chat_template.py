@@ -2,12 +2,15 @@
 
 The environment matches transformers' (sandboxed, `trim_blocks`, `lstrip_blocks`, loop controls, a `tojson`
 that does not HTML-escape, `raise_exception`, `strftime_now`, a pass-through `{% generation %}` tag), so the
-same template gives the same prompt text here as in the reference tokenizer.
+same template gives the same prompt text here as in the reference tokenizer. One difference: `tojson` with
+`ensure_ascii` leaves the Unicode noncharacters U+FDD0..U+FDEF unescaped, since kvroute.tokenizer marks client
+text with them and an escaped mark would no longer mark it (no other text changes).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -40,10 +43,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+_ESCAPED_BY_ENSURE_ASCII = re.compile("[^\x00-\x7f\ufdd0-\ufdef]")
+
+
 def _tojson(
     x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    text = json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    if ensure_ascii:  # as json.dumps escapes it (surrogate pairs past the BMP), the sentinels excepted
+        text = _ESCAPED_BY_ENSURE_ASCII.sub(lambda m: json.dumps(m.group())[1:-1], text)
+    return text
 
 
 def _strftime_now(fmt: str) -> str:
