@@ -21,13 +21,17 @@ Prompt length (`max_tokens=` of `encode`, `encode_chat`): a prompt over the limi
 before it is tokenized when its length alone proves it (`tokens_at_least`), else as soon as the count passes the
 limit, and nothing of a refused prompt is remembered.
 
-Threads: every method may be called from several threads at once (the gateway tokenizes in a thread pool);
-long texts are encoded through `encode_batch`, which releases the GIL (`encode` holds it throughout).
+Threads: every method may be called from several threads at once (the gateway tokenizes in a thread pool).
+Texts are encoded through `encode_batch_fast`, which releases the GIL while it works (`encode` holds it
+throughout, and freeing an Encoding with offsets holds it ~120 ms per 500,000 tokens). encode_chat's wrapping,
+rendering and length bound hold the GIL whatever happens, so they run one call at a time: the threads then
+queue on a lock instead of contending with an event loop's thread for the GIL, which it gets back sooner.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import sys
@@ -42,7 +46,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvroute.chat_template import ChatTemplateError, render_chat_template
+from kvroute.chat_template import SENTINELS, ChatTemplateError, render_chat_template
 from kvroute.gguf_file import gguf_field, read_gguf
 from kvroute.model_source import ModelSource, smollm2_gguf_path
 
@@ -128,12 +132,16 @@ class Tokenizer:
         self._run_cache_bytes = 0
         self._run_cache_budget = DEFAULT_RUN_CACHE_BYTES
         self._run_cache_lock = threading.Lock()
+        self._render_lock = threading.Lock()  # see the module's docstring (Threads)
         self._piece_splits: dict[str, list[tuple[str, int | None]]] = {}
         added = backend.get_added_tokens_decoder()
         self.special_token_ids = frozenset(i for i, token in added.items() if token.special)
         self._special_starts = _special_starts_pattern([t.content for t in added.values() if t.special])
         self._longest_special = max((len(t.content) for t in added.values() if t.special), default=0)
-        self.max_token_bytes = _max_token_bytes(backend, {t.content for t in added.values()})
+        # The most bytes, and the most word bytes, one token stands for (None: no sound length bound).
+        self.max_token_bytes, self.max_token_word_bytes = _token_byte_bounds(
+            backend, {t.content for t in added.values()}
+        )
 
     @classmethod
     def for_model(cls, source: ModelSource) -> Tokenizer:
@@ -197,32 +205,38 @@ class Tokenizer:
         For trusted text only (a rendered template, a raw completion prompt the caller wrote in full); text
         from a user inside a conversation goes through `encode_chat` or `encode_text`. With `max_tokens`:
         PromptTooLong past it (see the module's docstring)."""
-        if max_tokens is not None and (at_least := self.tokens_at_least(text)) > max_tokens:
+        if max_tokens is not None and (at_least := self.tokens_at_least(text, past=max_tokens)) > max_tokens:
             raise PromptTooLong(at_least, max_tokens, exact=False)
-        encoding = _encode(self.backend, text, add_special_tokens)
+        encoding = _encode_ids(self.backend, text, add_special_tokens)
         if max_tokens is not None and len(encoding) > max_tokens:
             raise PromptTooLong(len(encoding), max_tokens, exact=True)
         return encoding.ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` read as text only: a special token's spelling becomes ordinary tokens."""
-        return _encode(self._text_backend, text, False).ids
+        return _encode_ids(self._text_backend, text, False).ids
 
-    def tokens_at_least(self, text: str, uncounted: int = 0) -> int:
+    def tokens_at_least(self, text: str, uncounted: Sequence[str] = (), past: int | None = None) -> int:
         """A lower bound on the tokens of `text` however it is encoded, from its length alone (0 when this
         tokenizer has no sound bound). `uncounted`: characters in `text` that are not part of it (encode_chat's
-        sentinels, 3 UTF-8 bytes each).
+        sentinels). `past`: once the byte bound alone is above it, that bound is returned (a refusal needs no more).
 
         Sound for byte-level BPE without a normalizer (every GGUF this loader reads; Llama 3, Qwen2, SmolLM2):
-        each token stands for a contiguous run of the text's UTF-8 bytes, at most `max_token_bytes` of them
-        (the longest token in the vocabulary, special and added tokens included), so a text of B bytes has at
-        least ceil(B / max_token_bytes) tokens. A BOS or other added markup only adds tokens. A tokenizer with a
+        each token stands for a contiguous run of the text's UTF-8 bytes, so a text of B bytes, W of them word
+        bytes (ASCII letters and digits, and every byte of a non-ASCII character), has at least
+        max(ceil(B / max_token_bytes), ceil(W / max_token_word_bytes)) tokens, the maxima taken over the whole
+        vocabulary, special and added tokens included (SmolLM2: 81 bytes, a run of spaces; 25 word bytes,
+        "ManagementPlaneProtection"). A BOS or other added markup only adds tokens. A tokenizer with a
         normalizer (which may shrink the text) or another model gets 0: it is tokenized whole, still counted
         before any ids are kept."""
-        if self.max_token_bytes is None or not text:
+        if self.max_token_bytes is None or self.max_token_word_bytes is None or not text:
             return 0
-        size = len(text.encode("utf-8", "surrogatepass")) - 3 * uncounted
-        return -(-size // self.max_token_bytes)
+        encoded = text.encode("utf-8", "surrogatepass")
+        marks = sum(text.count(c) * len(c.encode()) for c in uncounted)  # all non-ASCII: word bytes too
+        by_bytes = -(-(len(encoded) - marks) // self.max_token_bytes)
+        if past is not None and by_bytes > past:
+            return by_bytes
+        return max(by_bytes, -(-(_word_bytes(encoded) - marks) // self.max_token_word_bytes))
 
     def limit_run_cache(self, max_bytes: int) -> None:
         """Bound `encode_chat`'s memory of long text runs to `max_bytes` (texts and ids; 0 turns it off)."""
@@ -258,19 +272,18 @@ class Tokenizer:
         text. Only a prompt within `max_tokens` is remembered."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        marks = _pick_sentinels(messages, extra, self.chat_template)
-        wrap = self._wrapper(marks)
-        rendered = render_chat_template(
-            self.chat_template,
-            wrap(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **wrap(extra),
-        )
-        if max_tokens is not None:
-            sentinels = sum(rendered.count(mark) for mark in marks)
-            if (at_least := self.tokens_at_least(rendered, uncounted=sentinels)) > max_tokens:
+        with self._render_lock:
+            marks = _pick_sentinels(messages, extra, self.chat_template)
+            wrap = self._wrapper(marks)
+            rendered = render_chat_template(
+                self.chat_template,
+                wrap(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **wrap(extra),
+            )
+            if max_tokens is not None and (at_least := self.tokens_at_least(rendered, marks, max_tokens)) > max_tokens:
                 raise PromptTooLong(at_least, max_tokens, exact=False)
         ids: list[int] = []
         fresh: list[tuple[tuple[str, str], array]] = []  # runs to remember once the prompt is within the limit
@@ -358,7 +371,7 @@ class Tokenizer:
                 if room is None or len(known) <= room:
                     ids.extend(known)
                 return len(known)
-        encoding = _encode(self._text_backend, text, False)
+        encoding = _encode_ids(self._text_backend, text, False)
         if room is not None and len(encoding) > room:  # counted without building the list of ids
             return len(encoding)
         run_ids = encoding.ids
@@ -503,8 +516,6 @@ DEFAULT_RUN_CACHE_BYTES = 64 * 2**20
 _SCAN_CHARS = 65536
 _PIECE_CACHE_ENTRIES = 4096
 _PIECE_CACHE_MAX_CHARS = 1024
-# Unicode noncharacters: valid in strings, reserved for a program's internal use, never assigned a glyph.
-_SENTINEL_CANDIDATES = [chr(c) for c in range(0xFDD0, 0xFDF0)]
 # Keys whose values a chat template compares or dispatches on: their values get no wrapping sentinels (a
 # template that tests `message['role'] == 'user'` must still see "user"), only broken special-token spellings.
 _CONTROL_KEYS = frozenset({"role", "type"})
@@ -553,9 +564,9 @@ def _all_strings(value: Any) -> Iterator[str]:
 def _pick_sentinels(messages: Any, extra: Any, template: str) -> _Sentinels:
     """Three sentinel characters that appear in none of the request's strings nor in the template."""
     seen = "".join(_all_strings([messages, extra, template]))
-    free = [c for c in _SENTINEL_CANDIDATES if c not in seen][:3]
+    free = list(itertools.islice((c for c in SENTINELS if c not in seen), 3))  # each test scans the text
     if len(free) < 3:
-        raise ChatTemplateError("messages: too many Unicode noncharacters (U+FDD0..U+FDEF) in the text")
+        raise ChatTemplateError("messages: too many C1 controls and Unicode noncharacters (U+FDD0..U+FDEF) in the text")
     return _Sentinels(*free)
 
 
@@ -605,9 +616,23 @@ def _encode(backend: HFTokenizer, text: str, add_special_tokens: bool) -> Any:
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
-def _max_token_bytes(backend: HFTokenizer, added: set[str]) -> int | None:
-    """The most UTF-8 bytes of text one token stands for, where that bounds the tokens of a text (byte-level
-    BPE, no normalizer: see Tokenizer.tokens_at_least); None elsewhere."""
+def _encode_ids(backend: HFTokenizer, text: str, add_special_tokens: bool) -> Any:
+    """`_encode` without the offsets: the same ids, and freeing its result does not hold the GIL for long
+    (a 500,000-token Encoding with offsets takes ~120 ms to free, this one ~2 ms)."""
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+
+
+# What tokens_at_least does not count as word bytes: ASCII other than letters and digits.
+_NON_WORD_BYTES = bytes(b for b in range(128) if not chr(b).isalnum())
+
+
+def _word_bytes(data: bytes) -> int:
+    return len(data.translate(None, _NON_WORD_BYTES))
+
+
+def _token_byte_bounds(backend: HFTokenizer, added: set[str]) -> tuple[int | None, int | None]:
+    """The most UTF-8 bytes, and word bytes, of text one token stands for, where that bounds the tokens of a
+    text (byte-level BPE, no normalizer: see Tokenizer.tokens_at_least); None elsewhere."""
     state = json.loads(backend.to_str())
     pre = state.get("pre_tokenizer") or {}
     pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -615,10 +640,17 @@ def _max_token_bytes(backend: HFTokenizer, added: set[str]) -> int | None:
         p.get("type") == "ByteLevel" for p in pres
     )
     if state.get("normalizer") is not None or not byte_level or state["model"].get("type") != "BPE":
-        return None
-    # A vocabulary entry is spelled in the byte-level alphabet (one character per byte); an added token as text.
-    vocab = backend.get_vocab(with_added_tokens=True)
-    return max(len(token.encode()) if token in added else len(token) for token in vocab)
+        return None, None
+    spellings = [_spelled_bytes(token, token in added) for token in backend.get_vocab(with_added_tokens=True)]
+    return max(map(len, spellings)), max(map(_word_bytes, spellings))
+
+
+def _spelled_bytes(token: str, added: bool) -> bytes:
+    """The bytes a vocabulary entry stands for: spelled in the byte-level alphabet (one character per byte), an
+    added token as its text (and so is an entry outside the alphabet: more bytes, a weaker bound, still sound)."""
+    if added or not all(c in _BYTE_OF_CHAR for c in token):
+        return token.encode()
+    return bytes(_BYTE_OF_CHAR[c] for c in token)
 
 
 def _entry_bytes(key: tuple[str, str], run_ids: array) -> int:

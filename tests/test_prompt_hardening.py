@@ -57,10 +57,15 @@ def auth(key: str = KEY) -> dict[str, str]:
 def test_the_longest_token_sets_a_bound_that_never_overcounts(tokenizer_smollm2: Tokenizer) -> None:
     t = tokenizer_smollm2
     assert t.max_token_bytes == max(len(t.token_bytes(i)) for i in range(t.vocab_size))
+    word_bytes = [sum(b >= 128 or chr(b).isalnum() for b in t.token_bytes(i)) for i in range(t.vocab_size)]
+    assert t.max_token_word_bytes == max(word_bytes)
     # Texts made of the longest tokens are where the bound is tightest: it must still never exceed the count.
     longest = max(range(t.vocab_size), key=lambda i: len(t.token_bytes(i)))
+    wordiest = max(range(t.vocab_size), key=lambda i: word_bytes[i])
     texts = [
         t.token_bytes(longest).decode() * 50,
+        t.token_bytes(wordiest).decode() * 50,
+        "\u2500" * 8000,  # box drawing: the wordiest non-ASCII token
         "#" * 8000,
         " " * 8000,
         "<|im_start|>user\n" * 300,
@@ -75,8 +80,8 @@ def test_the_longest_token_sets_a_bound_that_never_overcounts(tokenizer_smollm2:
 
 def test_a_prompt_over_the_limit_by_its_length_is_refused_unread(tokenizer_smollm2: Tokenizer) -> None:
     t = tokenizer_smollm2
-    text = big_text(t.max_token_bytes * 1000 + 100)
-    with pytest.raises(PromptTooLong, match="at least 1001 tokens; at most 1000") as refused:
+    text = "語" * (t.max_token_word_bytes * 1000 // 3 + 10)  # 3 word bytes each: just past 1,000 x 25
+    with pytest.raises(PromptTooLong, match=r"at least 100[12] tokens; at most 1000") as refused:
         t.encode(text, max_tokens=1000)
     assert not refused.value.exact
     with pytest.raises(PromptTooLong, match=r"at least 10\d\d tokens"):  # the template's markup adds bytes
@@ -279,7 +284,7 @@ def test_a_tenant_at_its_limit_is_refused_before_its_prompt_is_read(stack: Gatew
 
 
 def test_the_event_loop_serves_while_big_prompts_are_tokenized(stack: GatewayStack) -> None:
-    """Two ~1 MB prompts that the length bound lets through (they must be tokenized to be counted) keep the
+    """Two 0.9 MB prompts that the length bound lets through (they must be tokenized to be counted) keep the
     gateway busy for a while; /health answers in a small fraction of that time meanwhile, and the tokenizer
     remembers nothing of them."""
     tokenizer = stack.request_path.tokenizer
@@ -289,7 +294,7 @@ def test_the_event_loop_serves_while_big_prompts_are_tokenized(stack: GatewaySta
 
     def send(i: int) -> None:
         started = time.perf_counter()
-        body = chat_body(big_text(1_000_000, unit=prose, salt=str(i)))  # ~230,000 tokens
+        body = chat_body(big_text(900_000, unit=prose, salt=str(i)))  # ~200,000 tokens; the bound says 28,000
         response = httpx.post(f"{stack.http_url}/v1/chat/completions", json=body, headers=auth(), timeout=120)
         done.append((time.perf_counter() - started, response.status_code))
 
@@ -342,8 +347,9 @@ def rss_mib(pid: int) -> float:
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc (Linux only)")
 def test_refused_prompts_do_not_grow_a_gateway_process() -> None:
-    """`kvroute gateway` as a process: 45 prompts of 160 KB that must be tokenized to be refused (over a limit
-    of 2,048 tokens) and 5 of 3.9 MB that the length bound refuses; its RSS grows by less than 64 MiB."""
+    """`kvroute gateway` as a process: 45 prompts of 48 KB of CJK (~24,000 tokens) that must be tokenized to be
+    refused (the length bound says 1,920, the limit is 2,048) and 5 of 3.9 MB (~2 M tokens) that the length bound
+    refuses; its RSS grows by less than 64 MiB."""
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "kvroute.cli", "gateway", "--model", "sim", "--workers", f"127.0.0.1:{free_port()}",
@@ -370,13 +376,13 @@ def test_refused_prompts_do_not_grow_a_gateway_process() -> None:
                 return response.json()["error"]["message"]
 
             for i in range(3):  # warm up: the template compiles, the allocator finds its size
-                refused(big_text(160_000, salt=f"warm{i}"))
+                refused(big_text(48_000, salt=f"warm{i}"))
             before = rss_mib(gateway.pid)
             for i in range(50):
-                if i % 10 == 9:  # ~2 M tokens; refused by the bound (3.9 MB / 81 bytes = 48,000)
-                    assert prompt_tokens(refused(big_text(3_900_000, salt=str(i)))) < 100_000
-                else:  # ~80,000 tokens, over the bound's 1,975: tokenized, then refused
-                    assert prompt_tokens(refused(big_text(160_000, salt=str(i)))) > 20_000
+                if i % 10 == 9:  # refused by the bound: 3.9 MB / 25 word bytes = 156,000, not a count
+                    assert prompt_tokens(refused(big_text(3_900_000, salt=str(i)))) < 200_000
+                else:  # tokenized, then refused with its count
+                    assert prompt_tokens(refused(big_text(48_000, salt=str(i)))) > 10_000
             grown = rss_mib(gateway.pid) - before
         assert grown < RSS_GROWTH_BOUND_MIB, f"RSS grew by {grown:.0f} MiB over 50 refused prompts"
     finally:
