@@ -283,6 +283,21 @@ def test_a_tenant_at_its_limit_is_refused_before_its_prompt_is_read(stack: Gatew
         assert client.post("/v1/chat/completions", json=chat_body("hi")).status_code == 200
 
 
+def test_a_client_that_leaves_keeps_its_slot_until_its_prompt_is_counted(stack: GatewayStack) -> None:
+    """A tenant with one slot leaves while its prompt is being tokenized: the slot stays taken until that work
+    ends (leaving and sending again cannot pile up work the limit would refuse), then it is free again."""
+    url = f"{stack.http_url}/v1/chat/completions"
+    punct = ", ." * (2_600_000 // 3)  # within the length bound (2.6 MB / 81), ~1.7 M tokens to count
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url, json=chat_body(punct), headers=auth(SMALL_KEY), timeout=httpx.Timeout(30, read=0.2))
+    assert httpx.post(url, json=chat_body("hi"), headers=auth(SMALL_KEY), timeout=30).status_code == 429
+    deadline = time.monotonic() + 60
+    while (status := httpx.post(url, json=chat_body("hi"), headers=auth(SMALL_KEY), timeout=30).status_code) == 429:
+        assert time.monotonic() < deadline, "the slot was never given back"
+        time.sleep(0.1)
+    assert status == 200
+
+
 def test_the_event_loop_serves_while_big_prompts_are_tokenized(stack: GatewayStack) -> None:
     """Two 0.9 MB prompts that the length bound lets through (they must be tokenized to be counted) keep the
     gateway busy for a while; /health answers in a small fraction of that time meanwhile, and the tokenizer
@@ -354,7 +369,7 @@ def test_refused_prompts_do_not_grow_a_gateway_process() -> None:
     gateway = subprocess.Popen(
         [sys.executable, "-m", "kvroute.cli", "gateway", "--model", "sim", "--workers", f"127.0.0.1:{free_port()}",
          "--http-port", str(port), "--grpc-port", "0", "--host", "127.0.0.1", "--max-prompt-tokens", "2048",
-         "--log-level", "warning"],
+         "--tokenizer-cache-bytes", str(32 * 2**20), "--log-level", "warning"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
