@@ -142,6 +142,10 @@ class Tokenizer:
         self.max_token_bytes, self.max_token_word_bytes = _token_byte_bounds(
             backend, {t.content for t in added.values()}
         )
+        # Without a normalizer, and with no one-character special token, a text in which `_special_starts` finds
+        # nothing holds no special token for the tokenizer either.
+        specials = [t.content for t in added.values() if t.special]
+        self._specials_by_regex = self.max_token_bytes is not None and all(len(t) > 1 for t in specials)
 
     @classmethod
     def for_model(cls, source: ModelSource) -> Tokenizer:
@@ -336,6 +340,12 @@ class Tokenizer:
         """A piece of template markup as (text, special token id or None) pairs, where the tokenizer itself
         finds special tokens. Remembered: a template renders the same few pieces for every prompt."""
         split = self._piece_splits.get(piece)
+        if (
+            split is None
+            and self._specials_by_regex
+            and not (self._special_starts and self._special_starts.search(piece))
+        ):
+            split = [(piece, None)]  # e.g. client text a template cut out of its sentinels: not tokenized twice
         if split is None:
             encoding = _encode(self.backend, piece, False)
             split, start = [], 0
