@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop", type=int, default=limits.max_stop)
     parser.add_argument("--tenant-max-concurrency", type=int, default=None, help="per tenant whose key sets none")
     parser.add_argument(
+        "--tokenizer-cache-bytes", type=int, default=None, help="memory for tokenized text runs (64 MiB; 0: off)"
+    )
+    parser.add_argument(
         "--retries", type=int, default=2, help="other workers tried when one fails before its first token"
     )
     http = HttpLimits()
@@ -158,6 +161,8 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     try:
         source = resolve_model(args.model)
         tokenizer = Tokenizer.for_model(source)
+        if args.tokenizer_cache_bytes is not None:
+            tokenizer.limit_run_cache(args.tokenizer_cache_bytes)
         limits = Limits(
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens,

@@ -3,7 +3,9 @@
     GatewayRequest (from a front door)
       1. auth          API key -> Tenant (401)                                   gateway.auth
       2. limits        n, max_tokens, stop strings; tenant concurrency (429)     gateway.limits
-      3. prompt        chat template + tokenize (typed special tokens stay text), or the prompt's ids
+      3. prompt        chat template + tokenize (typed special tokens stay text), or the prompt's ids;
+                       in the prompt pool, off the event loop, refused past max_prompt_tokens (before
+                       tokenizing where its length proves it)                    kvroute.tokenizer
       4. hash          block hashes with the tenant's salt (the client's mixed in under it)
       5. route         policy.pick(request, fleet.view(), exclude)               gateway.router
       6. forward       worker Generate over gRPC; before its first token a failed worker is retried on
@@ -28,6 +30,11 @@ Ending one cancels its gRPC call, which frees its blocks on the worker.
 
 Errors before any output are GatewayErrors raised from `generate` (the front door answers with their
 status). Nothing here logs prompt text unless `log_prompts` is set.
+
+One request costs its own latency only: the cheap checks come first (auth, limits, the tenant's concurrency
+slot), and templating and tokenizing run in a bounded thread pool (the tokenizer releases the GIL while it
+encodes), so a multi-megabyte prompt neither stalls the event loop nor costs anything once its tenant is at its
+limit.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
@@ -68,7 +77,7 @@ from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
 from kvroute.sampling import InvalidRequest, SamplingParams
 from kvroute.sampling_proto import sampling_to_proto
-from kvroute.tokenizer import Tokenizer
+from kvroute.tokenizer import PromptTooLong, Tokenizer
 from proto import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -84,6 +93,9 @@ _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 _BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 WATCH_TICK_S = 0.2  # how often the watchdog looks at the open worker requests
 SHUTTING_DOWN = "gateway_shutting_down"  # the error code of a stream ended by the gateway's own shutdown
+# Threads that template and tokenize prompts: the tokenizer uses one core per prompt, and a tenant's requests
+# beyond its concurrency never reach the pool; more prompts than threads wait their turn in the pool's queue.
+PROMPT_THREADS = max(2, min(8, os.cpu_count() or 1))
 
 
 def fleet_identity(model_id: str, tokenizer: Tokenizer, block_size: int = DEFAULT_BLOCK_SIZE) -> FleetIdentity:
@@ -127,6 +139,7 @@ class RequestPath:
         self.deadlines = deadlines or StreamDeadlines()
         self.log_prompts = log_prompts
         self.concurrency = TenantConcurrency(limits)
+        self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvroute-prompt")
         self.vocab_size = tokenizer.vocab_size
         self.identity = fleet_identity(model_id, tokenizer, block_size)
         self.draining = False
@@ -187,6 +200,7 @@ class RequestPath:
             await asyncio.wait({self._watchdog})
             self._watchdog = None
         await self.clients.close()
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     def _member_changed(self, old: WorkerMember, lost: bool) -> None:
         """A worker left, restarted or moved: its breaker's history no longer applies, a channel to an
@@ -278,8 +292,8 @@ class RequestPath:
         except InvalidRequest as exc:
             raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
         salt = cache_salt(tenant, request.client_cache_salt)
-        prompt_ids = self._prompt_token_ids(request, salt)
-        self.concurrency.acquire(tenant)
+        self.concurrency.acquire(tenant)  # before the prompt's expensive work: a tenant at its limit costs no more
+        prompt_ids = await self._prompt_token_ids(request, salt, tenant)  # on an error, the slot is released
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         try:
@@ -312,39 +326,70 @@ class RequestPath:
         self._idle.clear()
         return _StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
 
-    def _prompt_token_ids(self, request: GatewayRequest, salt: str) -> list[int]:
-        """Template and tokenize (or check the given ids); the prompt-length limit. InvalidRequestError
-        names the field. `salt` scopes the tokenizer's memory of long texts (one tenant never times another's)."""
-        if request.messages is not None:
-            field = "messages"
-            if not request.messages:
-                raise InvalidRequestError("must hold at least one message", param=field)
-            kwargs = dict(request.template_kwargs)
-            add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
-            try:
-                ids = self.tokenizer.encode_chat(request.messages, add_generation_prompt, cache_scope=salt, **kwargs)
-            except (ChatTemplateError, TypeError) as exc:
-                raise InvalidRequestError(str(exc), param=field) from None
-        elif request.prompt is not None:
-            field = "prompt"
-            # A completion's prompt is the client's whole text (it may spell the template itself), as in vLLM.
-            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
-        elif request.prompt_token_ids is not None:
-            field = "prompt_token_ids"
-            ids = list(request.prompt_token_ids)
-            if ids and (min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size):
-                bad = next(t for t in ids if not 0 <= t < self.tokenizer.vocab_size)
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param=field
+    async def _prompt_token_ids(self, request: GatewayRequest, salt: str, tenant: Tenant) -> list[int]:
+        """The prompt's ids within `max_prompt_tokens` (InvalidRequestError or ContextLengthExceeded naming the
+        field): given ids are checked here, text is templated and tokenized in the prompt pool. Raising, it
+        releases the tenant's slot; if the caller is cancelled while the pool works on the prompt, only once that
+        work ends (a client that leaves and sends again cannot pile up work its limit would refuse). `salt`
+        scopes the tokenizer's memory of long texts (one tenant never times another's)."""
+        job = None
+        try:
+            if request.prompt_token_ids is not None:
+                return self._checked_token_ids(request.prompt_token_ids)
+            if request.messages is not None and not request.messages:
+                raise InvalidRequestError("must hold at least one message", param="messages")
+            if request.messages is None and request.prompt is None:
+                raise InvalidRequestError("one of prompt, messages or prompt_token_ids is required", param="prompt")
+            job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
+            return await asyncio.shield(job)
+        except BaseException:
+            if job is not None and not job.done():  # cancelled: the pool still works on it
+                job.add_done_callback(lambda _: self.concurrency.release(tenant))
+            else:
+                self.concurrency.release(tenant)
+            raise
+
+    def _tokenize(self, request: GatewayRequest, salt: str) -> list[int]:
+        """Template and tokenize `request`'s text (in the prompt pool), refused past the prompt-length limit
+        before it is tokenized whole when its length proves it (kvroute.tokenizer.Tokenizer.tokens_at_least: a
+        bound that never refuses a prompt that fits)."""
+        limit = self.limits.max_prompt_tokens
+        field = "messages" if request.messages is not None else "prompt"
+        try:
+            if request.messages is not None:
+                kwargs = dict(request.template_kwargs)
+                add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+                ids = self.tokenizer.encode_chat(
+                    request.messages, add_generation_prompt, cache_scope=salt, max_tokens=limit, **kwargs
                 )
-        else:
-            raise InvalidRequestError("one of prompt, messages or prompt_token_ids is required", param="prompt")
+            else:
+                # A completion's prompt is the client's whole text (it may spell the template itself), as in vLLM.
+                ids = self.tokenizer.encode(request.prompt or "", add_special_tokens=True, max_tokens=limit)
+        except PromptTooLong as exc:
+            raise ContextLengthExceeded(
+                f"the prompt has {exc.count} tokens; this gateway accepts at most {limit}", param=field
+            ) from None
+        except (ChatTemplateError, TypeError) as exc:
+            raise InvalidRequestError(str(exc), param=field) from None
         if not ids:
             raise InvalidRequestError("is empty; send at least one token", param=field)
-        if len(ids) > self.limits.max_prompt_tokens:
+        return ids
+
+    def _checked_token_ids(self, given: Sequence[int]) -> list[int]:
+        """A token-level client's ids: the length first (a list past the limit is not scanned), then the vocabulary."""
+        field = "prompt_token_ids"
+        if not given:
+            raise InvalidRequestError("is empty; send at least one token", param=field)
+        if len(given) > self.limits.max_prompt_tokens:
             raise ContextLengthExceeded(
-                f"the prompt has {len(ids)} tokens; this gateway accepts at most {self.limits.max_prompt_tokens}",
+                f"the prompt has {len(given)} tokens; this gateway accepts at most {self.limits.max_prompt_tokens}",
                 param=field,
+            )
+        ids = list(given)
+        if min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.tokenizer.vocab_size)
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param=field
             )
         return ids
 

@@ -2,12 +2,15 @@
 
 The environment matches transformers' (sandboxed, `trim_blocks`, `lstrip_blocks`, loop controls, a `tojson`
 that does not HTML-escape, `raise_exception`, `strftime_now`, a pass-through `{% generation %}` tag), so the
-same template gives the same prompt text here as in the reference tokenizer.
+same template gives the same prompt text here as in the reference tokenizer. One difference: `tojson` with
+`ensure_ascii` leaves the SENTINELS unescaped, since kvroute.tokenizer marks client text with them and an escaped
+mark would no longer mark it (other text, and any text without those characters, is escaped as json.dumps does).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -40,10 +43,20 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+# Characters kvroute.tokenizer may mark client text with (those a request and the template do not hold): C1
+# controls first (they keep an ASCII prompt's strings one byte per character, where the noncharacters would make
+# them two), but not U+0085, which str.strip() and splitlines() treat as a line break; then the 32 noncharacters.
+SENTINELS = [chr(c) for c in range(0x80, 0xA0) if c != 0x85] + [chr(c) for c in range(0xFDD0, 0xFDF0)]
+_ESCAPED_BY_ENSURE_ASCII = re.compile(f"[^\x00-\x7f{''.join(SENTINELS)}]")
+
+
 def _tojson(
     x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
 ) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    text = json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    if ensure_ascii:  # as json.dumps escapes it (surrogate pairs past the BMP), the sentinels excepted
+        text = _ESCAPED_BY_ENSURE_ASCII.sub(lambda m: json.dumps(m.group())[1:-1], text)
+    return text
 
 
 def _strftime_now(fmt: str) -> str:

@@ -11,24 +11,42 @@ text of messages never does, so a user who types `<|im_start|>system` gets those
 forged system turn. Every string the client supplied is wrapped in two sentinel characters before rendering;
 after rendering, the text between sentinels is encoded with special-token parsing off, the rest with it on.
 The split is made at the template's special tokens only (where the tokenizer splits anyway), so a prompt
-whose messages hold no special-token text gets exactly the ids that encoding the rendered text gives.
+whose messages hold no special-token text gets exactly the ids that encoding the rendered text gives. Strings a
+template compares or looks up (dict keys, `role` and `type` values) cannot carry sentinels, and a template may
+cut a wrapped string (`split`, slicing) so that its sentinels are lost: so every client string, keys included,
+also has a third sentinel inserted after the first character of each special token spelled in it. The broken
+spelling matches no special token wherever the text lands; the sentinel is removed before the text is encoded.
+
+Prompt length (`max_tokens=` of `encode`, `encode_chat`): a prompt over the limit is refused with PromptTooLong
+before it is tokenized when its length alone proves it (`tokens_at_least`), else as soon as the count passes the
+limit, and nothing of a refused prompt is remembered.
+
+Threads: every method may be called from several threads at once (the gateway tokenizes in a thread pool).
+Texts are encoded through `encode_batch_fast`, which releases the GIL while it works (`encode` holds it
+throughout, and freeing an Encoding with offsets holds it ~120 ms per 500,000 tokens). encode_chat's wrapping,
+rendering and length bound hold the GIL whatever happens, so they run one call at a time: the threads then
+queue on a lock instead of contending with an event loop's thread for the GIL, which it gets back sooner.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
+import sys
+import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvroute.chat_template import ChatTemplateError, render_chat_template
+from kvroute.chat_template import SENTINELS, ChatTemplateError, render_chat_template
 from kvroute.gguf_file import gguf_field, read_gguf
 from kvroute.model_source import ModelSource, smollm2_gguf_path
 
@@ -70,6 +88,26 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+class PromptTooLong(ValueError):
+    """A prompt has more tokens than the caller's `max_tokens`: `tokens` of them (`exact`), or at least
+    `tokens` (counted no further, or bounded from its length without tokenizing)."""
+
+    def __init__(self, tokens: int, limit: int, exact: bool) -> None:
+        self.tokens, self.limit, self.exact = tokens, limit, exact
+        super().__init__(f"the prompt has {self.count} tokens; at most {limit} are accepted")
+
+    @property
+    def count(self) -> str:
+        """`1234` or `at least 1234`."""
+        return str(self.tokens) if self.exact else f"at least {self.tokens}"
+
+
+class RunCacheUsage(NamedTuple):
+    entries: int
+    bytes: int  # the texts and their ids, as the cache holds them
+    budget: int  # the most bytes it holds
+
+
 class Tokenizer:
     """Text <-> ids and the chat template for one model. Build with `from_gguf` or `from_hf_dir`."""
 
@@ -90,12 +128,24 @@ class Tokenizer:
         self._text_backend = HFTokenizer.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
         self._token_bytes: dict[int, bytes] = {}
-        self._run_cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        self._run_cache_chars = 0
+        self._run_cache: OrderedDict[tuple[str, str], array] = OrderedDict()
+        self._run_cache_bytes = 0
+        self._run_cache_budget = DEFAULT_RUN_CACHE_BYTES
+        self._run_cache_lock = threading.Lock()
+        self._render_lock = threading.Lock()  # see the module's docstring (Threads)
         self._piece_splits: dict[str, list[tuple[str, int | None]]] = {}
-        self.special_token_ids = frozenset(
-            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, token in added.items() if token.special)
+        self._special_starts = _special_starts_pattern([t.content for t in added.values() if t.special])
+        self._longest_special = max((len(t.content) for t in added.values() if t.special), default=0)
+        # The most bytes, and the most word bytes, one token stands for (None: no sound length bound).
+        self.max_token_bytes, self.max_token_word_bytes = _token_byte_bounds(
+            backend, {t.content for t in added.values()}
         )
+        # Without a normalizer, and with no one-character special token, a text in which `_special_starts` finds
+        # nothing holds no special token for the tokenizer either.
+        specials = [t.content for t in added.values() if t.special]
+        self._specials_by_regex = self.max_token_bytes is not None and all(len(t) > 1 for t in specials)
 
     @classmethod
     def for_model(cls, source: ModelSource) -> Tokenizer:
@@ -154,15 +204,56 @@ class Tokenizer:
                 eos_ids.append(i)
         return cls(backend, chat_template, bos_token_id=token_id(config.get("bos_token")), eos_token_ids=eos_ids)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, *, max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|im_start|>`) map to their single ids.
         For trusted text only (a rendered template, a raw completion prompt the caller wrote in full); text
-        from a user inside a conversation goes through `encode_chat` or `encode_text`."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        from a user inside a conversation goes through `encode_chat` or `encode_text`. With `max_tokens`:
+        PromptTooLong past it (see the module's docstring)."""
+        if max_tokens is not None and (at_least := self.tokens_at_least(text, past=max_tokens)) > max_tokens:
+            raise PromptTooLong(at_least, max_tokens, exact=False)
+        encoding = _encode_ids(self.backend, text, add_special_tokens)
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise PromptTooLong(len(encoding), max_tokens, exact=True)
+        return encoding.ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` read as text only: a special token's spelling becomes ordinary tokens."""
-        return self._text_backend.encode(text, add_special_tokens=False).ids
+        return _encode_ids(self._text_backend, text, False).ids
+
+    def tokens_at_least(self, text: str, uncounted: Sequence[str] = (), past: int | None = None) -> int:
+        """A lower bound on the tokens of `text` however it is encoded, from its length alone (0 when this
+        tokenizer has no sound bound). `uncounted`: characters in `text` that are not part of it (encode_chat's
+        sentinels). `past`: once the byte bound alone is above it, that bound is returned (a refusal needs no more).
+
+        Sound for byte-level BPE without a normalizer (every GGUF this loader reads; Llama 3, Qwen2, SmolLM2):
+        each token stands for a contiguous run of the text's UTF-8 bytes, so a text of B bytes, W of them word
+        bytes (ASCII letters and digits, and every byte of a non-ASCII character), has at least
+        max(ceil(B / max_token_bytes), ceil(W / max_token_word_bytes)) tokens, the maxima taken over the whole
+        vocabulary, special and added tokens included (SmolLM2: 81 bytes, a run of spaces; 25 word bytes,
+        "ManagementPlaneProtection"). A BOS or other added markup only adds tokens. A tokenizer with a
+        normalizer (which may shrink the text) or another model gets 0: it is tokenized whole, still counted
+        before any ids are kept."""
+        if self.max_token_bytes is None or self.max_token_word_bytes is None or not text:
+            return 0
+        encoded = text.encode("utf-8", "surrogatepass")
+        marks = sum(text.count(c) * len(c.encode()) for c in uncounted)  # all non-ASCII: word bytes too
+        by_bytes = -(-(len(encoded) - marks) // self.max_token_bytes)
+        if past is not None and by_bytes > past:
+            return by_bytes
+        return max(by_bytes, -(-(_word_bytes(encoded) - marks) // self.max_token_word_bytes))
+
+    def limit_run_cache(self, max_bytes: int) -> None:
+        """Bound `encode_chat`'s memory of long text runs to `max_bytes` (texts and ids; 0 turns it off)."""
+        if max_bytes < 0:
+            raise ValueError(f"the tokenizer's run cache budget must be >= 0 bytes, got {max_bytes}")
+        with self._run_cache_lock:
+            self._run_cache_budget = max_bytes
+            self._evict()
+
+    @property
+    def run_cache_usage(self) -> RunCacheUsage:
+        with self._run_cache_lock:
+            return RunCacheUsage(len(self._run_cache), self._run_cache_bytes, self._run_cache_budget)
 
     def encode_chat(
         self,
@@ -170,48 +261,93 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         *,
         cache_scope: str | None = None,
+        max_tokens: int | None = None,
         **extra: Any,
     ) -> list[int]:
         """The prompt ids for `messages` through the chat template, with no special token taken from the
-        messages' (or `extra`'s, e.g. `tools`) strings: only the template's own markup becomes control tokens.
-        Raises ChatTemplateError (a ValueError) on input the template rejects.
+        messages' (or `extra`'s, e.g. `tools`) strings, keys included: only the template's own markup becomes
+        control tokens. Raises ChatTemplateError (a ValueError) on input the template rejects; with
+        `max_tokens`, PromptTooLong past it.
 
         With `cache_scope` (the gateway passes the tenant's cache salt), the ids of each long stretch of text
         between two of the template's special tokens (a system prompt, an earlier turn) are remembered for
-        later prompts of the same scope: the same text is not tokenized twice, and no scope can learn from
-        the timing whether another scope sent a text."""
+        later prompts of the same scope (within `limit_run_cache`'s budget, least recently used out first): the
+        same text is not tokenized twice, and no scope can learn from the timing whether another scope sent a
+        text. Only a prompt within `max_tokens` is remembered."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        open_mark, close_mark = _pick_sentinels(messages, extra, self.chat_template)
-        rendered = render_chat_template(
-            self.chat_template,
-            _wrap_strings(messages, open_mark, close_mark),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **_wrap_strings(extra, open_mark, close_mark),
-        )
+        with self._render_lock:
+            marks = _pick_sentinels(messages, extra, self.chat_template)
+            wrap = self._wrapper(marks)
+            rendered = render_chat_template(
+                self.chat_template,
+                wrap(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **wrap(extra),
+            )
+            if max_tokens is not None and (at_least := self.tokens_at_least(rendered, marks, max_tokens)) > max_tokens:
+                raise PromptTooLong(at_least, max_tokens, exact=False)
         ids: list[int] = []
-        text_run: list[str] = []  # template text and user text between two of the template's special tokens
-        for piece, is_user_text in _split_marked(rendered, open_mark, close_mark):
+        fresh: list[tuple[tuple[str, str], array]] = []  # runs to remember once the prompt is within the limit
+        for text, special_id in self._runs(rendered, marks):
+            room = None if max_tokens is None else max_tokens - len(ids) - (special_id is not None)
+            count = self._encode_run(text.replace(marks.inner, ""), cache_scope, room, ids, fresh)
+            if room is not None and count > room:  # the runs after this one are not tokenized
+                total = len(ids) + count + (special_id is not None)
+                raise PromptTooLong(total, max_tokens, exact=special_id is None)  # type: ignore[arg-type]
+            if special_id is not None:
+                ids.append(special_id)
+        self._remember(fresh)
+        return ids
+
+    def _wrapper(self, marks: _Sentinels) -> Callable[[Any], Any]:
+        """`value` with every client string wrapped in sentinels (dict keys and `role`/`type` values only broken
+        at special-token spellings: a template looks them up and compares them)."""
+
+        def broken(text: str) -> str:
+            return _break_special_tokens(text, self._special_starts, self._longest_special, marks.inner)
+
+        def wrap(value: Any, key: Any = None) -> Any:
+            if isinstance(value, str):
+                text = broken(value)
+                return text if key in _CONTROL_KEYS else _UserText(text, marks.open, marks.close)
+            if isinstance(value, dict):
+                return {broken(k) if isinstance(k, str) else k: wrap(v, k) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [wrap(v) for v in value]
+            return value
+
+        return wrap
+
+    def _runs(self, rendered: str, marks: _Sentinels) -> Iterator[tuple[str, int | None]]:
+        """The rendered prompt as (text run, the template's special token id that ends it, or None for the last
+        run): template text and user text between two of the template's special tokens, sentinels kept."""
+        text_run: list[str] = []
+        for piece, is_user_text in _split_marked(rendered, marks.open, marks.close):
             if is_user_text:
                 text_run.append(piece)
                 continue
             for text, special_id in self._split_at_special_tokens(piece):
                 text_run.append(text)
                 if special_id is not None:
-                    ids.extend(self._encode_run("".join(text_run), cache_scope))
+                    yield "".join(text_run), special_id
                     text_run.clear()
-                    ids.append(special_id)
-        ids.extend(self._encode_run("".join(text_run), cache_scope))
-        return ids
+        yield "".join(text_run), None
 
     def _split_at_special_tokens(self, piece: str) -> list[tuple[str, int | None]]:
         """A piece of template markup as (text, special token id or None) pairs, where the tokenizer itself
         finds special tokens. Remembered: a template renders the same few pieces for every prompt."""
         split = self._piece_splits.get(piece)
+        if (
+            split is None
+            and self._specials_by_regex
+            and not (self._special_starts and self._special_starts.search(piece))
+        ):
+            split = [(piece, None)]  # e.g. client text a template cut out of its sentinels: not tokenized twice
         if split is None:
-            encoding = self.backend.encode(piece, add_special_tokens=False)
+            encoding = _encode(self.backend, piece, False)
             split, start = [], 0
             for token_id, (begin, end) in zip(encoding.ids, encoding.offsets, strict=True):
                 if token_id in self.special_token_ids:
@@ -224,23 +360,54 @@ class Tokenizer:
                 self._piece_splits[piece] = split
         return split
 
-    def _encode_run(self, text: str, cache_scope: str | None) -> list[int]:
-        """`encode_text(text)`, remembered per scope for long texts (an LRU bounded in entries and characters)."""
-        if cache_scope is None or len(text) < _RUN_CACHE_MIN_CHARS:
-            return self.encode_text(text)
-        key = (cache_scope, text)
+    def _encode_run(
+        self,
+        text: str,
+        cache_scope: str | None,
+        room: int | None,
+        ids: list[int],
+        fresh: list[tuple[tuple[str, str], array]],
+    ) -> int:
+        """How many tokens `encode_text(text)` has; they are appended to `ids` unless they are more than
+        `room`. From the scope's memory for a long text it holds; a long text it does not goes to `fresh`, for
+        `_remember` once the whole prompt is accepted."""
+        key = (cache_scope, text) if cache_scope is not None and len(text) >= _RUN_CACHE_MIN_CHARS else None
+        if key is not None:
+            with self._run_cache_lock:
+                known = self._run_cache.get(key)
+                if known is not None:
+                    self._run_cache.move_to_end(key)
+            if known is not None:
+                if room is None or len(known) <= room:
+                    ids.extend(known)
+                return len(known)
+        encoding = _encode_ids(self._text_backend, text, False)
+        if room is not None and len(encoding) > room:  # counted without building the list of ids
+            return len(encoding)
+        run_ids = encoding.ids
+        ids.extend(run_ids)
+        if key is not None:
+            fresh.append((key, array("I", run_ids)))
+        return len(run_ids)
+
+    def _remember(self, fresh: list[tuple[tuple[str, str], array]]) -> None:
+        if not fresh:
+            return
+        with self._run_cache_lock:
+            cache = self._run_cache
+            for key, run_ids in fresh:
+                if key in cache:  # another thread encoded it meanwhile
+                    continue
+                cache[key] = run_ids
+                self._run_cache_bytes += _entry_bytes(key, run_ids)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used out until the cache is within its entries and bytes (the lock held)."""
         cache = self._run_cache
-        ids = cache.get(key)
-        if ids is not None:
-            cache.move_to_end(key)
-            return ids
-        ids = self.encode_text(text)
-        cache[key] = ids
-        self._run_cache_chars += len(text)
-        while len(cache) > _RUN_CACHE_ENTRIES or self._run_cache_chars > _RUN_CACHE_CHARS:
-            (_, evicted), _ = cache.popitem(last=False)
-            self._run_cache_chars -= len(evicted)
-        return ids
+        while cache and (len(cache) > _RUN_CACHE_ENTRIES or self._run_cache_bytes > self._run_cache_budget):
+            key, run_ids = cache.popitem(last=False)
+            self._run_cache_bytes -= _entry_bytes(key, run_ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -349,17 +516,25 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
-# encode_chat's memory of long text runs: tokenizing 16 KB of text costs ~20 ms here, a lookup ~10 µs.
+# encode_chat's memory of long text runs: tokenizing 16 KB of text costs ~20 ms here, a lookup ~10 µs. Its
+# budget is in bytes held (a run's text and its ids at 4 bytes each): 64 MiB fills the 1,024 entries with runs
+# of ~8,000 tokens of English (32 KB of text, 32 KB of ids).
 _RUN_CACHE_MIN_CHARS = 256
 _RUN_CACHE_ENTRIES = 1024
-_RUN_CACHE_CHARS = 32 * 2**20
+DEFAULT_RUN_CACHE_BYTES = 64 * 2**20
+# _break_special_tokens scans a long string in pieces of this many characters: each regex call holds the GIL.
+_SCAN_CHARS = 65536
 _PIECE_CACHE_ENTRIES = 4096
 _PIECE_CACHE_MAX_CHARS = 1024
-# Unicode noncharacters: valid in strings, reserved for a program's internal use, never assigned a glyph.
-_SENTINEL_CANDIDATES = [chr(c) for c in range(0xFDD0, 0xFDF0)]
-# Keys whose values a chat template compares or dispatches on; their values are left as they are (a template
-# that tests `message['role'] == 'user'` must still see "user"). Front doors validate these values.
+# Keys whose values a chat template compares or dispatches on: their values get no wrapping sentinels (a
+# template that tests `message['role'] == 'user'` must still see "user"), only broken special-token spellings.
 _CONTROL_KEYS = frozenset({"role", "type"})
+
+
+class _Sentinels(NamedTuple):
+    open: str  # before a client's string
+    close: str  # after it
+    inner: str  # after the first character of a special token spelled in a client's string
 
 
 class _UserText(str):
@@ -396,23 +571,100 @@ def _all_strings(value: Any) -> Iterator[str]:
             yield from _all_strings(item)
 
 
-def _pick_sentinels(messages: Any, extra: Any, template: str) -> tuple[str, str]:
-    """Two sentinel characters that appear in none of the request's strings nor in the template."""
+def _pick_sentinels(messages: Any, extra: Any, template: str) -> _Sentinels:
+    """Three sentinel characters that appear in none of the request's strings nor in the template."""
     seen = "".join(_all_strings([messages, extra, template]))
-    free = [c for c in _SENTINEL_CANDIDATES if c not in seen][:2]
-    if len(free) < 2:
-        raise ChatTemplateError("messages: too many Unicode noncharacters (U+FDD0..U+FDEF) in the text")
-    return free[0], free[1]
+    free = list(itertools.islice((c for c in SENTINELS if c not in seen), 3))  # each test scans the text
+    if len(free) < 3:
+        raise ChatTemplateError("messages: too many C1 controls and Unicode noncharacters (U+FDD0..U+FDEF) in the text")
+    return _Sentinels(*free)
 
 
-def _wrap_strings(value: Any, open_mark: str, close_mark: str, key: str | None = None) -> Any:
-    if isinstance(value, str):
-        return value if key in _CONTROL_KEYS else _UserText(value, open_mark, close_mark)
-    if isinstance(value, dict):
-        return {k: _wrap_strings(v, open_mark, close_mark, k) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_wrap_strings(v, open_mark, close_mark) for v in value]
-    return value
+def _special_starts_pattern(spellings: list[str]) -> re.Pattern[str] | None:
+    """A regex matching the first character of every occurrence of a special token's spelling (overlapping
+    ones too: it consumes one character), written as a trie so each candidate position costs a few steps.
+    One-character special tokens cannot be broken and are left to the wrapping sentinels."""
+    tree: dict[str, dict] = {}
+    for spelling in spellings:
+        if len(spelling) > 1:
+            node = tree
+            for char in spelling:
+                node = node.setdefault(char, {})
+            node[""] = {}
+    if not tree:
+        return None
+
+    def alternatives(node: dict[str, dict]) -> str:
+        branches = [re.escape(char) + alternatives(child) for char, child in sorted(node.items()) if char]
+        if "" in node:  # a spelling ends here: the longer ones are optional
+            return f"(?:{'|'.join(branches)})?" if branches else ""
+        return branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+
+    return re.compile(
+        "|".join(f"{re.escape(first)}(?={alternatives(rest)})" for first, rest in sorted(tree.items())), re.S
+    )
+
+
+def _break_special_tokens(text: str, starts: re.Pattern[str] | None, longest: int, mark: str) -> str:
+    """`text` with `mark` after the first character of every special token spelled in it."""
+    if starts is None or len(text) < 2:
+        return text
+    cuts = []
+    for begin in range(0, len(text), _SCAN_CHARS):
+        end = begin + _SCAN_CHARS
+        for match in starts.finditer(text, begin, end + longest):  # a spelling that starts here ends in view
+            if match.start() >= end:
+                break
+            cuts.append(match.end())
+    if not cuts:
+        return text
+    return mark.join(text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True))
+
+
+def _encode(backend: HFTokenizer, text: str, add_special_tokens: bool) -> Any:
+    """`backend.encode(text)` through `encode_batch`, which releases the GIL while it works (same ids)."""
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
+def _encode_ids(backend: HFTokenizer, text: str, add_special_tokens: bool) -> Any:
+    """`_encode` without the offsets: the same ids, and freeing its result does not hold the GIL for long
+    (a 500,000-token Encoding with offsets takes ~120 ms to free, this one ~2 ms)."""
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+
+
+# What tokens_at_least does not count as word bytes: ASCII other than letters and digits.
+_NON_WORD_BYTES = bytes(b for b in range(128) if not chr(b).isalnum())
+
+
+def _word_bytes(data: bytes) -> int:
+    return len(data.translate(None, _NON_WORD_BYTES))
+
+
+def _token_byte_bounds(backend: HFTokenizer, added: set[str]) -> tuple[int | None, int | None]:
+    """The most UTF-8 bytes, and word bytes, of text one token stands for, where that bounds the tokens of a
+    text (byte-level BPE, no normalizer: see Tokenizer.tokens_at_least); None elsewhere."""
+    state = json.loads(backend.to_str())
+    pre = state.get("pre_tokenizer") or {}
+    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = (state.get("decoder") or {}).get("type") == "ByteLevel" and any(
+        p.get("type") == "ByteLevel" for p in pres
+    )
+    if state.get("normalizer") is not None or not byte_level or state["model"].get("type") != "BPE":
+        return None, None
+    spellings = [_spelled_bytes(token, token in added) for token in backend.get_vocab(with_added_tokens=True)]
+    return max(map(len, spellings)), max(map(_word_bytes, spellings))
+
+
+def _spelled_bytes(token: str, added: bool) -> bytes:
+    """The bytes a vocabulary entry stands for: spelled in the byte-level alphabet (one character per byte), an
+    added token as its text (and so is an entry outside the alphabet: more bytes, a weaker bound, still sound)."""
+    if added or not all(c in _BYTE_OF_CHAR for c in token):
+        return token.encode()
+    return bytes(_BYTE_OF_CHAR[c] for c in token)
+
+
+def _entry_bytes(key: tuple[str, str], run_ids: array) -> int:
+    return sys.getsizeof(key[1]) + sys.getsizeof(run_ids)
 
 
 def _split_marked(rendered: str, open_mark: str, close_mark: str) -> Iterator[tuple[str, bool]]:
