@@ -93,6 +93,7 @@ class Tokenizer:
         self._run_cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._run_cache_chars = 0
         self._piece_splits: dict[str, list[tuple[str, int | None]]] = {}
+        self._special_around: tuple[list[int], list[int]] | None = None  # add_special_tokens' ids, once known
         self.special_token_ids = frozenset(
             i for i, token in backend.get_added_tokens_decoder().items() if token.special
         )
@@ -241,6 +242,18 @@ class Tokenizer:
             (_, evicted), _ = cache.popitem(last=False)
             self._run_cache_chars -= len(evicted)
         return ids
+
+    def add_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """`ids` between the special tokens that `encode(text, add_special_tokens=True)` puts around a text
+        (a BOS for models that want one, nothing for most chat models): what vLLM's /tokenize gives for a
+        chat with `add_special_tokens: true`."""
+        if self._special_around is None:
+            plain = self.backend.encode("a", add_special_tokens=False).ids
+            full = self.backend.encode("a", add_special_tokens=True).ids
+            start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+            self._special_around = (full[:start], full[start + len(plain) :])
+        before, after = self._special_around
+        return [*before, *ids, *after]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
