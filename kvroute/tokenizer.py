@@ -155,6 +155,54 @@ class Tokenizer:
                 eos_ids.append(i)
         return cls(backend, chat_template, bos_token_id=token_id(config.get("bos_token")), eos_token_ids=eos_ids)
 
+    def save_hf_dir(self, directory: str | Path, model_max_length: int | None = None) -> list[Path]:
+        """Write this tokenizer as an HF tokenizer folder: `tokenizer.json` (the backend as it is),
+        `tokenizer_config.json` (the chat template, bos / eos, the added tokens, `model_max_length` when
+        given) and `special_tokens_map.json`; returns the files written. What transformers'
+        `AutoTokenizer.from_pretrained(directory)` (so vLLM's and SGLang's `--tokenizer`, guidellm, aiperf) and
+        `from_hf_dir` load back: the same ids, the same chat rendering, the same fingerprint. The class named
+        is the generic `PreTrainedTokenizerFast`, which takes `tokenizer.json` verbatim (a model's own class
+        may rebuild the pre-tokenizer)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        added = self.backend.get_added_tokens_decoder()
+
+        def token_entry(token: AddedToken) -> dict[str, Any]:
+            return {
+                "content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+                "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special,
+            }  # fmt: skip
+
+        named = {"bos_token": self.bos_token or None, "eos_token": self.eos_token or None}
+        special_map: dict[str, Any] = {
+            key: token_entry(added[self.backend.token_to_id(content)]) if self.backend.token_to_id(content) in added
+            else content
+            for key, content in named.items()
+            if content
+        }  # fmt: skip
+        others = [t.content for _, t in sorted(added.items()) if t.special and t.content not in named.values()]
+        if others:
+            special_map["additional_special_tokens"] = others
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": {str(i): token_entry(t) for i, t in sorted(added.items())},
+            **named,
+            "additional_special_tokens": others,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        files = {
+            "tokenizer.json": self.backend.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+            "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False),
+        }
+        for name, text in files.items():
+            (directory / name).write_text(text + "\n", encoding="utf-8")
+        return [directory / name for name in files]
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|im_start|>`) map to their single ids.
         For trusted text only (a rendered template, a raw completion prompt the caller wrote in full); text
