@@ -159,6 +159,11 @@ def test_the_engine_publishes_kv_events_where_the_gateway_reads_them_with_its_bl
         assert engine_flag(container, "--page-size") == "16"
 
 
+def test_notes_name_the_engine_fleet() -> None:
+    assert f"fleet state: vllm pods, found by DNS ({RELEASE}-worker)" in render("vllm").notes
+    assert "fleet state: bundled Redis" in render_defaults().notes
+
+
 def test_gpus_tensor_parallelism_and_engine_options_reach_the_pod() -> None:
     release = render("vllm-tp2")
     container = engine(release)
@@ -255,4 +260,5 @@ def test_kvroute_workers_are_unchanged_by_default() -> None:
 def render_defaults() -> Release:
     manifests = chart().render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)
     objects = [o for p, t in sorted(manifests.items()) if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
-    return Release(chart().merge_values({}), objects, "")
+    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    return Release(chart().merge_values({}), objects, notes)
