@@ -99,6 +99,8 @@ class ServesRequests(Protocol):
 
     def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str: ...
 
+    def max_model_len(self) -> int: ...
+
     def routable_workers(self) -> int: ...
 
 
@@ -274,8 +276,12 @@ class OpenAIServer:
     # -- the rest -----------------------------------------------------------------------------------------
 
     def _model_card(self) -> dict[str, Any]:
+        """vLLM's card: `max_model_len` is what a router reads to size requests (RequestPath.max_model_len)."""
         name = self.request_path.served_model_name
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "kvroute"}
+        return {
+            "id": name, "object": "model", "created": self.started, "owned_by": "kvroute", "root": name,
+            "parent": None, "max_model_len": self.request_path.max_model_len(),
+        }  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:
         return Response(orjson.dumps({"object": "list", "data": [self._model_card()]}), media_type=JSON)

@@ -60,6 +60,8 @@ def test_tokenize_a_prompt_gives_the_ids_a_completion_is_sent_with(stack: Gatewa
         "tokens": tokenizer.encode(text, add_special_tokens=True),
         "token_strs": None,
     }
+    (card,) = httpx.get(f"{stack.http_url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+    assert (card["id"], card["root"], card["max_model_len"]) == (SERVED_MODEL, SERVED_MODEL, 512)  # vLLM's card
     completion = post(f"{stack.http_url}/v1/completions", {"prompt": text, "max_tokens": 1}).json()
     assert completion["usage"]["prompt_tokens"] == body["count"]
     with_strs = post(f"{stack.http_url}/tokenize", {"prompt": text, "return_token_strs": True}).json()
@@ -207,6 +209,7 @@ def test_a_worker_front_door_answers_tokenize_and_serves_vllm_metrics(worker: st
     tokenizer = Tokenizer.for_model(resolve_model("sim"))
     body = post(f"{worker}/tokenize", {"messages": MESSAGES}).json()
     assert body["tokens"] == tokenizer.encode_chat(MESSAGES) and body["max_model_len"] == 384
+    assert httpx.get(f"{worker}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["max_model_len"] == 384
     assert post(f"{worker}/detokenize", {"tokens": body["tokens"][:3]}).json()["prompt"] == tokenizer.decode(
         body["tokens"][:3], skip_special_tokens=False
     )
