@@ -68,7 +68,16 @@ from gateway.errors import (
 from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
 from gateway.metrics import GatewayMetrics, label_value
-from gateway.request import Chunk, GatewayRequest, Generation, RouteInfo, Tenant, TokenLogprob, Usage
+from gateway.request import (
+    Chunk,
+    GatewayRequest,
+    Generation,
+    RouteInfo,
+    Tenant,
+    TokenizeResult,
+    TokenLogprob,
+    Usage,
+)
 from gateway.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.stop_strings import ChoiceText
@@ -284,8 +293,7 @@ class RequestPath:
         if self.draining:
             raise NoWorkerAvailable("the gateway is shutting down; send the request again", retry_after=1.0)
         tenant = self.auth.authenticate(request.api_key)
-        if request.model is not None and request.model != self.served_model_name:
-            raise ModelNotFound(f"the model {quoted(request.model)} does not exist", param="model")
+        self._check_model(request.model)
         self.limits.check_request(request)
         try:
             request.params.validate()
@@ -336,10 +344,7 @@ class RequestPath:
         try:
             if request.prompt_token_ids is not None:
                 return self._checked_token_ids(request.prompt_token_ids)
-            if request.messages is not None and not request.messages:
-                raise InvalidRequestError("must hold at least one message", param="messages")
-            if request.messages is None and request.prompt is None:
-                raise InvalidRequestError("one of prompt, messages or prompt_token_ids is required", param="prompt")
+            _check_prompt_fields(request)
             job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
             return await asyncio.shield(job)
         except BaseException:
@@ -362,9 +367,14 @@ class RequestPath:
                 ids = self.tokenizer.encode_chat(
                     request.messages, add_generation_prompt, cache_scope=salt, max_tokens=limit, **kwargs
                 )
+                if request.add_special_tokens:
+                    ids = self.tokenizer.add_special_tokens(ids)
             else:
                 # A completion's prompt is the client's whole text (it may spell the template itself), as in vLLM.
-                ids = self.tokenizer.encode(request.prompt or "", add_special_tokens=True, max_tokens=limit)
+                add_special_tokens = request.add_special_tokens is not False
+                ids = self.tokenizer.encode(
+                    request.prompt or "", add_special_tokens=add_special_tokens, max_tokens=limit
+                )
         except PromptTooLong as exc:
             raise ContextLengthExceeded(
                 f"the prompt has {exc.count} tokens; this gateway accepts at most {limit}", param=field
@@ -392,6 +402,47 @@ class RequestPath:
                 f"token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param=field
             )
         return ids
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ModelNotFound(f"the model {quoted(model)} does not exist", param="model")
+
+    # -- vLLM's /tokenize and /detokenize -------------------------------------------------------------------
+
+    async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
+        """The prompt ids `generate` would send for `request`, after the same checks (the key, the model, the
+        chat template, the prompt-length limit) and without routing: what vLLM's /tokenize answers, and what a
+        router compares with an engine's to check tokenizer parity. Templating and tokenizing run in the prompt
+        pool, as for `generate`. Raises GatewayError."""
+        tenant = self.auth.authenticate(request.api_key)
+        self._check_model(request.model)
+        if request.prompt_token_ids is not None:
+            return TokenizeResult(self._checked_token_ids(request.prompt_token_ids), self.max_model_len())
+        _check_prompt_fields(request)
+        salt = cache_salt(tenant, request.client_cache_salt)
+        ids = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
+        return TokenizeResult(ids, self.max_model_len())
+
+    def detokenize(self, api_key: str | None, model: str | None, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens written out (vLLM's /detokenize). At most as many ids as
+        a sequence holds (max_prompt_tokens + max_tokens), each in the vocabulary; raises GatewayError."""
+        self.auth.authenticate(api_key)
+        self._check_model(model)
+        limit = self.limits.max_prompt_tokens + self.limits.max_tokens
+        if len(token_ids) > limit:
+            raise InvalidRequestError(f"has {len(token_ids)} token ids; at most {limit} here", param="tokens")
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param=f"tokens[{i}]"
+                )
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def max_model_len(self) -> int:
+        """The longest sequence every matching worker takes (the smallest of their contexts); without one,
+        the gateway's own prompt-token limit."""
+        contexts = [m.max_model_len for m in self.fleet.members() if m.parity_ok]
+        return min(contexts) if contexts else self.limits.max_prompt_tokens
 
     async def _open(
         self, forward: _Forward, route_request: RouteRequest, choice: int, arrival: float, prefer: str | None = None
@@ -801,6 +852,14 @@ class _StreamingGeneration(Generation):
         tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
         self._span.end()
         path._generation_closed(self._tenant)
+
+
+def _check_prompt_fields(request: GatewayRequest) -> None:
+    """The text fields a prompt needs before it is templated: InvalidRequestError naming the field."""
+    if request.messages is not None and not request.messages:
+        raise InvalidRequestError("must hold at least one message", param="messages")
+    if request.messages is None and request.prompt is None:
+        raise InvalidRequestError("one of prompt, messages or prompt_token_ids is required", param="prompt")
 
 
 def _split_field(details: str) -> tuple[str | None, str]:
