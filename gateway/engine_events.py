@@ -29,9 +29,13 @@ Caller contract:
      longer holds them (or there is no replay socket) its entries are dropped and rebuilt from what follows.
      A sequence that goes back (to 0) is an engine restart: its entries are dropped and `on_restart(worker_id)`
      is called (the fleet state may treat it as a new incarnation).
-  5. Bad input never raises out of the subscriber and never changes the index: a malformed frame or batch,
-     an unknown tag, an oversize batch, a batch for a worker not in the book, a foreign rank or topic, a
-     stored run whose parent it never saw: each counted in `counters.dropped[reason]` and dropped.
+  5. Bad input never raises out of the subscriber and never puts a wrong entry in the index; each drop is
+     counted in `counters.dropped[reason]` and in the book's `FleetCounters.kv_event_drops` (served by the
+     gateway as `kvroute:gateway_kv_event_drops{worker, reason}`). A malformed frame, a batch for a worker not
+     in the book, a foreign rank or topic, a stored run whose parent it never saw: dropped, entries kept. A
+     malformed batch in sequence (not msgpack, an unknown tag, wrong types, over `MAX_BATCH_BYTES` or
+     `MAX_EVENTS_PER_BATCH`) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
+     follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches").
   6. `medium`: blocks held only on a tier other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) count as
      hits when `count_offloaded` is set, else not at all (the index holds a bit per holder, no weight).
   7. `EngineEventHub` is the llm-d layout: one SUB socket the gateway binds, that the engines' publishers
@@ -109,9 +113,15 @@ class EngineEventCounters:
     restarts: int = 0  # the sequence went back: the engine restarted
     parity_failures: int = 0  # events whose block size does not fit the pool's
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> batches or events dropped
+    # The fleet's FleetCounters.kv_event_drops, where every drop is counted too (the gateway's metrics).
+    worker_id: str = ""
+    book_drops: dict[tuple[str, str], int] | None = field(default=None, repr=False)
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
+        if self.book_drops is not None:
+            key = (self.worker_id, reason)
+            self.book_drops[key] = self.book_drops.get(key, 0) + count
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +256,7 @@ class EngineEventSubscriber:
         self.book = book
         self.source = source
         self.worker_id = source.worker_id
-        self.counters = EngineEventCounters()
+        self.counters = EngineEventCounters(worker_id=source.worker_id, book_drops=book.counters.kv_event_drops)
         self.last_event_at: float | None = None
         self.on_restart = on_restart
         self.replay_timeout = replay_timeout
@@ -431,6 +441,7 @@ class EngineEventSubscriber:
 
     def _parity_failure(self, block_size: int) -> None:
         self.counters.parity_failures += 1
+        self.counters.drop("block_size")
         if "parity" not in self._logged:
             self._logged.add("parity")
             logger.warning(
@@ -524,6 +535,7 @@ class EngineEventSubscriber:
 
     def _rebuild(self, expected: int, seq: int) -> None:
         self.counters.rebuilds += 1
+        self.counters.drop("lost_batches", seq - expected)
         log = logger.debug if "rebuild" in self._logged else logger.warning
         self._logged.add("rebuild")
         log(

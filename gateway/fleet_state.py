@@ -107,6 +107,8 @@ class FleetCounters:
     restarts: int = 0  # a known worker came back with a new incarnation
     resyncs: int = 0  # a worker's KV entries were replaced from a snapshot
     parity_mismatches: dict[str, int] = field(default_factory=dict)  # worker id -> mismatched incarnations seen
+    # (worker id, reason) -> engine KV event batches or events dropped (gateway.engine_events names the reasons)
+    kv_event_drops: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass

@@ -34,6 +34,7 @@ for bad input: not msgpack, wrong shapes or types, an unknown tag, more than `MA
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,7 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
 _decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 _SEQ_BYTES = 8
@@ -209,7 +211,11 @@ def _block_stored(f: dict[str, Any]) -> BlockStored:
     if parent is not None and not _is_hash(parent):
         raise KVEventDecodeError("BlockStored.parent_block_hash must be an integer, bytes or null")
     tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in tokens):
+    try:
+        array(_UINT32, tokens)  # checks every id in C: an integer in [0, 2**32)
+    except (TypeError, OverflowError):
+        raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)") from None
+    if not isinstance(tokens, list):
         raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)")
     block_size = f["block_size"]
     if not _is_int(block_size) or block_size < 1:

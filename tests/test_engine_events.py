@@ -411,6 +411,9 @@ def test_bad_input_is_counted_and_dropped_and_never_poisons_the_index() -> None:
         assert counters.dropped["foreign_rank"] == 1 and counters.dropped["unknown_parent"] == 1
         assert ghost.counters.dropped == {"unknown_worker": 1} and index.replicas == ("w",)
         assert counters.rebuilds == 8
+        # The fleet's counters (the gateway's kvroute:gateway_kv_event_drops) have every drop too.
+        drops = book.counters.kv_event_drops
+        assert drops[("w", "malformed")] == 9 and drops[("ghost", "unknown_worker")] == 1
 
     run(main())
 
