@@ -459,3 +459,65 @@ def test_the_kv_events_config_flag_takes_vllms_json_and_names_what_is_wrong() ->
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "endpont" in result.stderr
+
+
+@pytest.mark.slow
+def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -> None:
+    import grpc
+
+    from kvroute.model_source import resolve_model
+    from launch.worker import free_port
+    from proto import worker_pb2, worker_pb2_grpc
+
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "bind": True, "topic": f"kv@127.0.0.1:{port}@sim",
+        "endpoint": f"tcp://127.0.0.1:{events_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", str(port), "--block-size",
+         str(BLOCK), "--num-kv-blocks", "64", "--max-model-len", "256", "--kv-events-config", json.dumps(config)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("KV events on" in line for line in lines):
+            assert time.monotonic() < deadline and worker.poll() is None, "".join(lines)
+            lines.append(worker.stdout.readline())
+        assert f"tcp://127.0.0.1:{events_port}, replay on tcp://127.0.0.1:{replay_port}" in lines[-1]
+
+        async def main() -> None:
+            model_id = resolve_model("sim").model_id
+            fleet = book_for(model_id)
+            source = EngineEventSource(
+                "w", f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}", topic=config["topic"]
+            )
+            subscriber = EngineEventSubscriber(fleet, source)
+            await subscriber.start()
+            prompt = list(range(100, 132))
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = worker_pb2_grpc.WorkerStub(channel)
+                    for salt in ("", "tenant-b"):
+                        request = worker_pb2.GenerateRequest(
+                            request_id=f"r-{salt}", prompt_token_ids=prompt, cache_salt=salt,
+                            sampling=worker_pb2.SamplingParams(max_tokens=2),
+                        )  # fmt: skip
+                        async for _ in stub.Generate(request):
+                            pass
+                index = fleet.fleet.kv_index
+                for salt in ("", "tenant-b"):
+                    hashes = block_hashes(prompt, model_id=model_id, cache_salt=salt, block_size=BLOCK)
+                    await until(lambda h=hashes: index.match(h) == [len(h)], what=f"the blocks of salt {salt!r}")
+                assert subscriber.counters.dropped == {}
+            finally:
+                await subscriber.stop()
+
+        run(main())
+        worker.terminate()
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
