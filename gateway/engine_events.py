@@ -73,8 +73,10 @@ from kvroute.hashing import HASH_BYTES, BlockHash, extend_block_hashes, hash_blo
 
 logger = logging.getLogger(__name__)
 
-# Engine blocks remembered per worker (engine hash -> our hash): the size of a large GPU's cache in blocks.
-# Past it the oldest is forgotten, and dropped from the index, since its removal could no longer be read.
+# Engine blocks (SGLang: pages) remembered per worker, engine hash -> our hash: a large GPU's cache of 16-token
+# blocks. A fleet state that knows the engine's capacity (vLLM's num_gpu_blocks, SGLang's max_total_num_tokens
+# / page size) passes that instead. Past it the oldest is forgotten, and dropped from the index, since its
+# removal could no longer be read.
 DEFAULT_MAX_BLOCKS = 1 << 18
 # A replay is a few thousand batches at most (the engines' buffer_steps default is 10,000); these bound a
 # publisher that never ends one.

@@ -6,11 +6,17 @@ Ingest: vLLM 0.33-format batches (each a step's worth: BlockStored runs of new b
 BlockRemoved for evictions), encoded beforehand, then fed to `EngineEventSubscriber.handle` on one core: decode,
 re-hash every block with kvroute's hash, the engine-hash map and the FleetBook's index. The rate is in block
 events per second (a stored or a removed block each). `--zmq` sends the same batches over a loopback PUB/SUB
-pair into a started subscriber instead, so the socket's cost is in it too.
+pair into a started subscriber instead, so the socket's cost is in it too (the sender runs on the same event
+loop: a lower bound for the gateway's core). `--sglang-pages`: SGLang's shape, one BlockStored per 1-token page,
+aggregated into the pool's blocks.
 
 Memory: `--workers` workers each holding `--blocks` blocks, half of them shared by every worker (a common system
 prompt) and half their own, measured with tracemalloc around the book and the subscribers: bytes per cached
 (block, worker).
+
+Routing decision: `--route-workers` workers (64) each holding `--route-blocks` blocks (50,000) in the book's
+index, as 4,096-token prompts (chains of 256 blocks), one in ten chains held by every worker; the time of one
+`kv_aware` pick for a 4,096-token prompt that extends one worker's chain (median and p99 of 2,000).
 """
 
 from __future__ import annotations
@@ -38,11 +44,16 @@ def make_book(workers: list[str], block_size: int) -> FleetBook:
     return book
 
 
-def step_batches(count: int, block_size: int, run_blocks: int, seed: int = 0) -> tuple[list[bytes], int]:
+def step_batches(
+    count: int, block_size: int, run_blocks: int, seed: int = 0, page_size: int | None = None
+) -> tuple[list[bytes], int]:
     """`count` encoded batches of one engine: each stores 4 runs of `run_blocks` new blocks (chained onto the
     previous run of the same sequence, or a new sequence) and evicts as many old blocks as it stored beyond a
-    pool of 50,000. Returns the payloads and the block events in them."""
+    pool of 50,000. With `page_size` (SGLang) the engine's blocks are pages of that many tokens, one
+    BlockStored per page. Returns the payloads and the block events (engine blocks) in them."""
     rng = random.Random(seed)
+    page = page_size or block_size
+    run_pages = run_blocks * block_size // page
     payloads, events_total = [], 0
     next_hash, live = 1, []
     tails: list[int | None] = [None] * 8
@@ -50,13 +61,19 @@ def step_batches(count: int, block_size: int, run_blocks: int, seed: int = 0) ->
         events = []
         for _ in range(4):
             lane = rng.randrange(len(tails))
-            hashes = list(range(next_hash, next_hash + run_blocks))
-            next_hash += run_blocks
-            tokens = [rng.randrange(50_000) for _ in range(run_blocks * block_size)]
-            events.append(BlockStored(tuple(hashes), tails[lane], tuple(tokens), block_size, None, "GPU"))
+            hashes = list(range(next_hash, next_hash + run_pages))
+            next_hash += run_pages
+            tokens = [rng.randrange(50_000) for _ in range(run_pages * page)]
+            if page_size is None:
+                events.append(BlockStored(tuple(hashes), tails[lane], tuple(tokens), block_size, None, "GPU"))
+            else:
+                parents = [tails[lane], *hashes[:-1]]
+                for i, (h, parent) in enumerate(zip(hashes, parents, strict=True)):
+                    page_tokens = tuple(tokens[i * page : (i + 1) * page])
+                    events.append(BlockStored((h,), parent, page_tokens, page, None, "GPU"))
             tails[lane] = hashes[-1] if rng.random() < 0.9 else None
             live.extend(hashes)
-            events_total += run_blocks
+            events_total += run_pages
         if len(live) > 50_000:
             gone, live = live[: len(live) - 50_000], live[len(live) - 50_000 :]
             events.append(BlockRemoved(tuple(gone), "GPU"))
@@ -65,8 +82,8 @@ def step_batches(count: int, block_size: int, run_blocks: int, seed: int = 0) ->
     return payloads, events_total
 
 
-def ingest_rate(batches: int, block_size: int, run_blocks: int) -> tuple[float, int]:
-    payloads, events = step_batches(batches, block_size, run_blocks)
+def ingest_rate(batches: int, block_size: int, run_blocks: int, page_size: int | None = None) -> tuple[float, int]:
+    payloads, events = step_batches(batches, block_size, run_blocks, page_size=page_size)
     book = make_book(["w"], block_size)
     subscriber = EngineEventSubscriber(book, EngineEventSource("w", None))
     frames = [[b"", encode_seq(i), p] for i, p in enumerate(payloads)]
@@ -135,6 +152,34 @@ def index_memory(workers: int, blocks: int, block_size: int) -> float:
     return (after - before) / (workers * (blocks // 2) * 2)
 
 
+def routing_decision(workers: int, blocks: int, block_size: int) -> tuple[float, float]:
+    from gateway.router import RouteRequest, make_policy
+
+    rng = random.Random(7)
+    ids = [f"w{i:03d}" for i in range(workers)]
+    book = make_book(ids, block_size)
+    index = book.fleet.kv_index
+    chain = 256
+    shared = [[rng.randbytes(16) for _ in range(chain)] for _ in range(blocks // chain // 10)]
+    own: dict[str, list[list[bytes]]] = {}
+    for w in ids:
+        chains = [[rng.randbytes(16) for _ in range(chain)] for _ in range(blocks // chain - len(shared))]
+        own[w] = chains
+        for c in shared + chains:
+            index.add(w, c)
+    policy = make_policy("kv_aware")
+    times = []
+    for i in range(2000):
+        target = own[ids[i % workers]][i % len(own[ids[0]])]
+        request = RouteRequest(f"r{i}", target[:200] + [rng.randbytes(16) for _ in range(56)], 256 * block_size)
+        start = time.perf_counter()
+        decision = policy.pick(request, book.fleet)
+        times.append(time.perf_counter() - start)
+        assert decision.matched_blocks == 200, decision
+    times.sort()
+    return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=2000)
@@ -143,14 +188,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=20_000, help="cached blocks per worker (memory)")
     parser.add_argument("--zmq", action="store_true", help="also over a loopback PUB/SUB pair")
+    parser.add_argument("--sglang-pages", action="store_true", help="also SGLang's one event per 1-token page")
+    parser.add_argument("--route-workers", type=int, default=64)
+    parser.add_argument("--route-blocks", type=int, default=50_000, help="cached blocks per worker (routing)")
     args = parser.parse_args(argv)
     rate, held = ingest_rate(args.batches, args.block_size, args.run_blocks)
     print(f"ingest (decode + re-hash + index), one core: {rate:,.0f} block events/s ({held:,} blocks held)")
+    if args.sglang_pages:
+        rate, held = ingest_rate(args.batches // 8, args.block_size, args.run_blocks, page_size=1)
+        print(f"ingest of SGLang pages (1 token, aggregated): {rate:,.0f} page events/s ({held:,} blocks held)")
     if args.zmq:
         zrate = asyncio.run(ingest_rate_zmq(args.batches, args.block_size, args.run_blocks))
         print(f"ingest over loopback ZMQ PUB/SUB: {zrate:,.0f} block events/s")
     per = index_memory(args.workers, args.blocks, args.block_size)
     print(f"memory: {per:,.0f} bytes per cached (block, worker) ({args.workers} workers x {args.blocks:,} blocks)")
+    if args.route_workers:
+        median, p99 = routing_decision(args.route_workers, args.route_blocks, args.block_size)
+        print(
+            f"kv_aware pick, {args.route_workers} workers x {args.route_blocks:,} blocks: {median:.0f} µs median, "
+            f"{p99:.0f} µs p99"
+        )
 
 
 if __name__ == "__main__":
