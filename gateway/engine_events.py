@@ -27,8 +27,9 @@ Caller contract:
   4. Sequence numbers (one per batch, from 0 at the engine's start): a skip marks the worker stale in the
      book (routed by load) and asks the replay socket for the missing batches; where the engine's buffer no
      longer holds them (or there is no replay socket) its entries are dropped and rebuilt from what follows.
-     A sequence that goes back (to 0) is an engine restart: its entries are dropped and `on_restart(worker_id)`
-     is called (the fleet state may treat it as a new incarnation).
+     A sequence that goes back (to 0), or any but the next one after the SUB connection dropped, is an engine
+     restart: its entries are dropped and `on_restart(worker_id)` is called (the fleet state may treat it as a
+     new incarnation); the new process's batches are then replayed from 0.
   5. Bad input never raises out of the subscriber and never puts a wrong entry in the index; each drop is
      counted in `counters.dropped[reason]` and in the book's `FleetCounters.kv_event_drops` (served by the
      gateway as `kvroute:gateway_kv_event_drops{worker, reason}`). A malformed frame, a batch for a worker not
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from gateway.fleet_state import FleetBook
 from kvroute.engine_kv_events import (
@@ -270,6 +272,8 @@ class EngineEventSubscriber:
         self._held: list[tuple[int, bytes]] | None = None  # live batches kept while a replay runs
         self._held_overflow = False
         self._book_incarnation: int | None = None
+        self._link_lost = False  # the SUB connection dropped and has not come back yet
+        self._last: tuple[int, bytes] | None = None  # the last batch applied (seq, payload)
         self._logged: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
@@ -286,9 +290,11 @@ class EngineEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.source.events_endpoint)
         self._socket = sock
         self._tasks.append(asyncio.create_task(self._read(sock), name=f"kv-events {self.worker_id}"))
+        self._tasks.append(asyncio.create_task(self._watch(sock, monitor), name=f"kv-events {self.worker_id} link"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -302,6 +308,26 @@ class EngineEventSubscriber:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+
+    async def _watch(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """A lost connection: the engine may have restarted behind it, and its first batches gone out before
+        the socket reconnects (contract item 4). Routed by load until the connection is back; then its
+        replay from 0 tells: the same process still has the last batch applied here, a new one does not."""
+        try:
+            while True:
+                event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._expected is not None:
+                    self._link_lost = True
+                    member = self.book.member(self.worker_id)
+                    if member is not None:
+                        self.book.mark_stale(self.worker_id, member.incarnation)
+                elif event["event"] == zmq.EVENT_CONNECTED and self._link_lost:
+                    self._link_lost = False
+                    if self._held is None:
+                        self._begin_replay(0, check=self._last)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -336,22 +362,19 @@ class EngineEventSubscriber:
             return
         expected = self._expected
         if expected is not None and seq < expected:
-            self._restarted(seq)
+            self._restarted(f"its sequence went back to {seq} after {expected - 1}")
             expected = None
         if expected is None and seq != 0:
-            self._begin_replay(0, seq, payload)
+            self._begin_replay(0, (seq, payload))
         elif expected is not None and seq > expected:
             self.counters.gaps += 1
-            self._begin_replay(expected, seq, payload)
+            self._begin_replay(expected, (seq, payload))
         else:
             self._apply(seq, payload)
 
-    def _restarted(self, seq: int) -> None:
+    def _restarted(self, why: str) -> None:
         self.counters.restarts += 1
-        logger.warning(
-            "kv events: %s restarted (sequence back to %d after %d): its entries are dropped",
-            self.worker_id, seq, (self._expected or 1) - 1,
-        )  # fmt: skip
+        logger.warning("kv events: %s restarted (%s): its entries are dropped", self.worker_id, why)
         self._ingest.clear()
         self._expected = None
         self._mirror()
@@ -362,6 +385,7 @@ class EngineEventSubscriber:
         """Decode and apply one batch as the next in sequence, to the ingest and (`to_book`) the book; False
         (counted) when it was dropped."""
         self._expected = seq + 1
+        self._last = (seq, payload)
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
@@ -468,16 +492,21 @@ class EngineEventSubscriber:
 
     # -- gaps ------------------------------------------------------------------------------------------------
 
-    def _begin_replay(self, start: int, seq: int, payload: bytes) -> None:
+    def _begin_replay(
+        self, start: int, first: tuple[int, bytes] | None = None, *, check: tuple[int, bytes] | None = None
+    ) -> None:
+        """Replay from `start`, holding live batches (`first` the one that showed the gap) until it ends.
+        `check` (after a reconnect): the last batch applied, which the same engine process replays unchanged."""
         member = self.book.member(self.worker_id)
         if member is not None:
             self.book.mark_stale(self.worker_id, member.incarnation)
-        self._held = [(seq, payload)]
+        self._held = [first] if first is not None else []
         self._held_overflow = False
         if self.source.replay_endpoint is None:
-            self._finish_replay(start, [])
+            self._finish_replay(start, [], check)
             return
-        self._tasks.append(asyncio.create_task(self._replay(start), name=f"kv-replay {self.worker_id}"))
+        task = asyncio.create_task(self._replay(start, check), name=f"kv-replay {self.worker_id}")
+        self._tasks.append(task)
 
     def _hold_live(self, seq: int, payload: bytes) -> None:
         assert self._held is not None
@@ -486,7 +515,7 @@ class EngineEventSubscriber:
             self._held.clear()
         self._held.append((seq, payload))
 
-    async def _replay(self, start: int) -> None:
+    async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -512,15 +541,30 @@ class EngineEventSubscriber:
         finally:
             sock.close(linger=0)
             self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        self._finish_replay(start, replayed)
+        self._finish_replay(start, replayed, check)
 
-    def _finish_replay(self, start: int, replayed: list[tuple[int, bytes]]) -> None:
+    def _finish_replay(
+        self, start: int, replayed: list[tuple[int, bytes]], check: tuple[int, bytes] | None = None
+    ) -> None:
         """Apply the replayed batches and the live ones held meanwhile, in order from `start`; wherever one is
-        missing, drop the entries and rebuild from what follows; then mirror the result into the book."""
+        missing, drop the entries and rebuild from what follows; then mirror the result into the book. With
+        `check`, the replay (from 0) follows a reconnect: the same process goes on after its last batch
+        applied here; any other is a restart, applied from its first batch."""
         held, overflow = self._held or [], self._held_overflow
         self._held = None
         batches = dict(replayed)
         self.counters.replayed_batches += len(batches)
+        if check is not None:
+            last_seq, last_payload = check
+            if batches.get(last_seq) == last_payload:
+                start = last_seq + 1
+            else:
+                if replayed:
+                    self._restarted("a new process behind its endpoint: its replay lacks the last batch applied")
+                else:  # no replay to tell by: what it holds now is unknown
+                    self.counters.rebuilds += 1
+                    self._ingest.clear()
+                start = 0
         if overflow:
             batches = {s: p for s, p in batches.items() if s >= held[0][0]} if held else {}
         batches.update(held)

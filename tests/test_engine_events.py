@@ -287,6 +287,38 @@ def test_a_sequence_back_at_zero_is_a_restart_and_drops_the_old_entries() -> Non
     run(main())
 
 
+def test_a_worker_restarted_behind_the_same_endpoint_is_a_restart() -> None:
+    from launch.worker import free_port
+
+    events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+
+    async def main() -> None:
+        server, publisher = await start_worker(**events)
+        book = book_for(server.engine.engine.model_id)
+        restarted: list[str] = []
+        source = EngineEventSource("w", events["endpoint"], events["replay_endpoint"])
+        subscriber = EngineEventSubscriber(book, source, on_restart=restarted.append)
+        await subscriber.start()
+        try:
+            await traffic(server, publisher, rounds=1)
+            await until(lambda: subscriber.counters.batches == publisher.published, what="every batch")
+            old = await pool_hashes(server)
+            assert held(book, "w", old)
+            await stop_worker(server, publisher)
+            server, publisher = await start_worker(**events)  # a new process: its sequence starts at 0 again
+            await generate(server, list(range(800, 840)))
+            await caught_up(server, publisher)
+            new = await pool_hashes(server)
+            await until(lambda: held(book, "w", new), what="the new process's blocks only")
+            assert restarted == ["w"] and subscriber.counters.restarts == 1
+            assert not any(book.fleet.kv_index.holds("w", h) for h in old - new)
+        finally:
+            await subscriber.stop()
+            await stop_worker(server, publisher)
+
+    run(main())
+
+
 def test_all_blocks_cleared_drops_the_workers_entries() -> None:
     async def main() -> None:
         server, publisher = await start_worker()
