@@ -553,3 +553,23 @@ def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_offloaded_tiers_count_only_when_asked_and_keys_the_gateway_cannot_make_never_match() -> None:
+    tokens = tuple(range(8))
+    ours = block_hashes(list(tokens), model_id="m", block_size=BLOCK)
+    on_cpu = BlockStored((1, 2), None, tokens, BLOCK, None, "CPU")
+    for count_offloaded in (False, True):
+        book = book_for("m")
+        subscriber = EngineEventSubscriber(book, EngineEventSource("w", None), count_offloaded=count_offloaded)
+        subscriber.handle(_message(0, BlockStored((1, 2), None, tokens, BLOCK, None, "GPU"), on_cpu))
+        subscriber.handle(_message(1, BlockRemoved((1, 2), "GPU")))  # evicted from the GPU, kept on the CPU
+        assert held(book, "w", set(ours) if count_offloaded else set())
+    book = book_for("m")
+    subscriber = EngineEventSubscriber(book, EngineEventSource("w", None))
+    image = BlockStored((5, 6), None, tokens, BLOCK, None, "GPU", None, ((("mm-hash", 0),), None))
+    lora = BlockStored((7, 8), None, tokens, BLOCK, None, "GPU", "my-lora", (("my-lora",), None))
+    subscriber.handle(_message(0, image, lora))
+    index = book.fleet.kv_index
+    assert index.num_blocks("w") == 4 and index.match(ours) == [0]  # held, but no text prompt of the base model
+    assert index.match(block_hashes(list(tokens), model_id="my-lora", block_size=BLOCK)) == [2]
