@@ -155,7 +155,7 @@ class _Ingest:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.count_offloaded = count_offloaded
-        self.ours: dict[EngineHash, BlockHash] = {}  # insertion order = age, for the bound
+        self.ours: dict[EngineHash, BlockHash] = {}  # the engine's live blocks; insertion order = age, for the bound
         self.partial: dict[EngineHash, _Partial] = {}
         self.refs: dict[BlockHash, int] = {}  # copies held (an engine may hold two physical copies of one hash)
 
@@ -226,18 +226,23 @@ class _Ingest:
             removed.append(ours)
 
     def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> None:
+        """Take one BlockRemoved. A block's mapping goes with its last counted copy, so the map holds the
+        engine's live blocks only and its bound is never reached by churn."""
         counts = self._counts(event.medium)
         for engine_hash in event.block_hashes:
             if self.partial.pop(engine_hash, None) is not None:
                 continue
             ours = self.ours.get(engine_hash)
-            if ours is None or not counts:
+            if ours is None:
                 continue
             n = self.refs.get(ours, 0)
-            if n > 1:
+            if not counts:
+                if not n:
+                    del self.ours[engine_hash]
+            elif n > 1:
                 self.refs[ours] = n - 1
             elif n == 1:
-                del self.refs[ours]
+                del self.refs[ours], self.ours[engine_hash]
                 removed.append(ours)
 
 

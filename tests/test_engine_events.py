@@ -573,3 +573,15 @@ def test_offloaded_tiers_count_only_when_asked_and_keys_the_gateway_cannot_make_
     index = book.fleet.kv_index
     assert index.num_blocks("w") == 4 and index.match(ours) == [0]  # held, but no text prompt of the base model
     assert index.match(block_hashes(list(tokens), model_id="my-lora", block_size=BLOCK)) == [2]
+
+
+def test_churn_past_the_map_bound_keeps_a_long_lived_block() -> None:
+    book = book_for("m")
+    subscriber = EngineEventSubscriber(book, EngineEventSource("w", None), max_blocks=64)
+    hot = list(range(BLOCK))
+    subscriber.handle(_message(0, _stored([1], None, 0)))
+    for i in range(500):  # stored and evicted again and again: far more blocks than the bound over time
+        h = 1000 + i
+        subscriber.handle(_message(1 + 2 * i, _stored([h], None, 100 + BLOCK * i)))
+        subscriber.handle(_message(2 + 2 * i, BlockRemoved((h,))))
+    assert held(book, "w", set(block_hashes(hot, model_id="m", block_size=BLOCK)))
