@@ -278,6 +278,7 @@ class EngineEventSubscriber:
         self._held_overflow = False
         self._book_incarnation: int | None = None
         self._link_lost = False  # the SUB connection dropped and has not come back yet
+        self._replaying = False
         self._last: tuple[int, bytes] | None = None  # the last batch applied (seq, payload)
         self._logged: set[str] = set()
         self._tasks: list[asyncio.Task] = []
@@ -326,9 +327,11 @@ class EngineEventSubscriber:
                     member = self.book.member(self.worker_id)
                     if member is not None:
                         self.book.mark_stale(self.worker_id, member.incarnation)
+                    if self._held is None:  # what arrives before the replay has told is held, not applied
+                        self._held, self._held_overflow = [], False
                 elif event["event"] == zmq.EVENT_CONNECTED and self._link_lost:
                     self._link_lost = False
-                    if self._held is None:
+                    if not self._replaying:
                         self._begin_replay(0, check=self._last)
         finally:
             sock.disable_monitor()
@@ -505,8 +508,11 @@ class EngineEventSubscriber:
         member = self.book.member(self.worker_id)
         if member is not None:
             self.book.mark_stale(self.worker_id, member.incarnation)
-        self._held = [first] if first is not None else []
-        self._held_overflow = False
+        if self._held is None:
+            self._held, self._held_overflow = [], False
+        if first is not None:
+            self._held.append(first)
+        self._replaying = True
         if self.source.replay_endpoint is None:
             self._finish_replay(start, [], check)
             return
@@ -522,6 +528,7 @@ class EngineEventSubscriber:
 
     async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
+        complete = False  # the end marker came
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -539,6 +546,7 @@ class EngineEventSubscriber:
                         break
                     seq = decode_seq(frames[0])
                     if seq == END_SEQ:
+                        complete = True
                         break
                     replayed.append((seq, frames[1]))
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
@@ -546,17 +554,23 @@ class EngineEventSubscriber:
         finally:
             sock.close(linger=0)
             self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        self._finish_replay(start, replayed, check)
+        self._finish_replay(start, replayed, check, complete)
 
     def _finish_replay(
-        self, start: int, replayed: list[tuple[int, bytes]], check: tuple[int, bytes] | None = None
+        self,
+        start: int,
+        replayed: list[tuple[int, bytes]],
+        check: tuple[int, bytes] | None = None,
+        complete: bool = False,
     ) -> None:
         """Apply the replayed batches and the live ones held meanwhile, in order from `start`; wherever one is
         missing, drop the entries and rebuild from what follows; then mirror the result into the book. With
         `check`, the replay (from 0) follows a reconnect: the same process goes on after its last batch
         applied here; any other is a restart, applied from its first batch."""
         held, overflow = self._held or [], self._held_overflow
-        self._held = None
+        self._held = [] if self._link_lost else None  # lost again meanwhile: hold on until it is back
+        self._held_overflow = False
+        self._replaying = False
         batches = dict(replayed)
         self.counters.replayed_batches += len(batches)
         if check is not None:
@@ -564,9 +578,9 @@ class EngineEventSubscriber:
             if batches.get(last_seq) == last_payload:
                 start = last_seq + 1
             else:
-                if replayed:
+                if replayed and complete:
                     self._restarted("a new process behind its endpoint: its replay lacks the last batch applied")
-                else:  # no replay to tell by: what it holds now is unknown
+                else:  # no whole replay to tell by: what it holds now is unknown
                     self.counters.rebuilds += 1
                     self._ingest.clear()
                 start = 0

@@ -319,6 +319,80 @@ def test_a_worker_restarted_behind_the_same_endpoint_is_a_restart() -> None:
     run(main())
 
 
+class Proxy:
+    """A loopback TCP proxy whose connections a test can cut (a network blip between gateway and engine)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Close every connection and stop listening (until `start` again, on the same port)."""
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+def test_a_dropped_connection_to_the_same_engine_is_not_a_restart() -> None:
+    from launch.worker import free_port
+
+    events_port = free_port()
+
+    async def main() -> None:
+        server, publisher = await start_worker(endpoint=f"tcp://127.0.0.1:{events_port}")
+        proxy = Proxy(events_port)
+        await proxy.start()
+        book = book_for(server.engine.engine.model_id)
+        restarted: list[str] = []
+        source = EngineEventSource("w", f"tcp://127.0.0.1:{proxy.port}", publisher.replay_endpoint)
+        subscriber = EngineEventSubscriber(book, source, on_restart=restarted.append)
+        await subscriber.start()
+        try:
+            await asyncio.sleep(0.3)
+            await traffic(server, publisher, rounds=1)
+            await until(lambda: subscriber.counters.batches == publisher.published, what="every batch")
+            await proxy.cut()
+            await until(lambda: book.fleet.kv_index.is_stale("w"), what="routed by load while the link is down")
+            await generate(server, list(range(900, 940)))  # published while nobody receives it
+            await caught_up(server, publisher)
+            await proxy.start()
+            cached = await pool_hashes(server)
+            await until(lambda: held(book, "w", cached), timeout=10, what="the index after the reconnect")
+            assert restarted == [] and subscriber.counters.restarts == 0 and subscriber.counters.rebuilds == 0
+            assert subscriber.counters.replayed_batches > 0  # the missed batch came from the replay socket
+        finally:
+            await subscriber.stop()
+            await proxy.cut()
+            await stop_worker(server, publisher)
+
+    run(main())
+
+
 def test_all_blocks_cleared_drops_the_workers_entries() -> None:
     async def main() -> None:
         server, publisher = await start_worker()
