@@ -141,7 +141,7 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         raise KVEventDecodeError(f"batch of {len(payload)} bytes is over the {MAX_BATCH_BYTES}-byte bound")
     try:
         raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise KVEventDecodeError(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         raise KVEventDecodeError("an EventBatch is an array [ts, events, dp_rank?]")
@@ -159,8 +159,8 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         decoded = tuple(_decode_event(e) for e in events)
     except KVEventDecodeError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
-        raise KVEventDecodeError(f"malformed event: {exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, RecursionError) as exc:
+        raise KVEventDecodeError(f"malformed event: {exc!r}"[:200]) from None
     return EventBatch(float(ts), decoded, rank)
 
 

@@ -498,6 +498,7 @@ def test_bad_input_is_counted_and_dropped_and_never_poisons_the_index() -> None:
             msgspec.msgpack.encode([1.0, [["BlockStored", [5], None, [-1, 2, 3, 4], BLOCK, None, None]]]),
             b"\x92" + b"\xcb" + b"\x00" * 8 + b"\xdd" + (10**6).to_bytes(4, "big"),  # claims a million events
             b"\x00" * (MAX_BATCH_BYTES + 1),
+            b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 50_000 + b"\xc0",  # nested too deep
         ):
             send(payload)
             assert held(book, "w", set())
@@ -513,13 +514,13 @@ def test_bad_input_is_counted_and_dropped_and_never_poisons_the_index() -> None:
         last = block_hashes(list(range(1000 + 8 * 399, 1000 + 8 * 400)), model_id="m", block_size=BLOCK)
         assert index.match(last) == [2]
         counters = subscriber.counters
-        assert counters.dropped["frames"] == 1 and counters.dropped["malformed"] == 9
+        assert counters.dropped["frames"] == 1 and counters.dropped["malformed"] == 10
         assert counters.dropped["foreign_rank"] == 1 and counters.dropped["unknown_parent"] == 1
         assert ghost.counters.dropped == {"unknown_worker": 1} and index.replicas == ("w",)
-        assert counters.rebuilds == 8
+        assert counters.rebuilds == 9
         # The fleet's counters (the gateway's kvroute:gateway_kv_event_drops) have every drop too.
         drops = book.counters.kv_event_drops
-        assert drops[("w", "malformed")] == 9 and drops[("ghost", "unknown_worker")] == 1
+        assert drops[("w", "malformed")] == 10 and drops[("ghost", "unknown_worker")] == 1
 
     run(main())
 
