@@ -107,6 +107,8 @@ class FleetCounters:
     restarts: int = 0  # a known worker came back with a new incarnation
     resyncs: int = 0  # a worker's KV entries were replaced from a snapshot
     parity_mismatches: dict[str, int] = field(default_factory=dict)  # worker id -> mismatched incarnations seen
+    # (worker id, reason) -> engine KV event batches or events dropped (gateway.engine_events names the reasons)
+    kv_event_drops: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -268,6 +270,12 @@ class FleetBook:
         if not self._members[worker_id].parity_ok:
             return True
         return self.fleet.kv_index.apply(worker_id, events)
+
+    def mark_stale(self, worker_id: str, incarnation: int) -> None:
+        """A member's events were lost where the feeder numbers them itself (an engine's ZMQ sequence): its
+        entries are not scored (routed by load) until `resync`."""
+        if self.is_current(worker_id, incarnation):
+            self.fleet.kv_index.mark_stale(worker_id)
 
     def resync(self, worker_id: str, incarnation: int, seq: int, block_hashes: Iterable[BlockKey]) -> None:
         """Replace a member's entries with its snapshot as of event `seq`."""
