@@ -264,6 +264,11 @@ class FleetBook:
 
     # -- reports --------------------------------------------------------------------------------------
 
+    def heard(self, worker_id: str, incarnation: int) -> None:
+        """The member answered a check that carries no load report (an engine's /health)."""
+        if self.is_current(worker_id, incarnation):
+            self._heard[worker_id] = time.monotonic()
+
     def report_load(self, worker_id: str, incarnation: int, running: int, waiting: int, kv_usage: float) -> None:
         if not self.is_current(worker_id, incarnation):
             return

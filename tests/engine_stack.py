@@ -1,0 +1,168 @@
+"""A real gateway over kvroute workers that it treats as vLLM servers: each worker (sim model) serves its own
+OpenAI HTTP front door (launch.worker.start_http_front_door, what `kvroute worker --http-port` runs), and the
+gateway's fleet is gateway.engine_fleet.EngineFleetState over `vllm://127.0.0.1:<http port>` specs, so every
+request is forwarded over the HTTP backend. Like tests/gateway_stack.py it runs in a background thread's
+event loop; tests talk to it over real sockets and reach into it through `call(coroutine)`.
+
+    with EngineStack(EngineStackOptions(workers=2)) as stack:
+        httpx.post(f"{stack.http_url}/v1/completions", json={"prompt": "hi"})
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import uvloop
+
+from gateway.auth import Authenticator
+from gateway.cli_gateway import HttpServer
+from gateway.engine_fleet import EngineFleetState, EngineOptions, EventSourceFactory, Resolver, resolve_all
+from gateway.http_server import build_app
+from gateway.limits import Limits
+from gateway.metrics import GatewayMetrics
+from gateway.request_path import RequestPath, fleet_identity
+from gateway.router import make_policy
+from gateway.worker_spec import WorkerSpec, parse_worker_spec
+from kvroute.model_source import resolve_model
+from kvroute.tokenizer import Tokenizer
+from launch.worker import FrontDoor, free_port, start_http_front_door
+from tests.gateway_stack import API_KEYS, SERVED_MODEL
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.service import WorkerServer, start_worker_server
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineStackOptions:
+    workers: int = 2
+    sim_decode_ms_per_step: float = 2.0
+    policy: str = "kv_aware"
+    gateway_model: str = "sim"  # the gateway's tokenizer; another than the workers' fails tokenizer parity
+    api_keys: list[dict[str, Any]] | None = field(default_factory=lambda: list(API_KEYS))
+    engine: EngineOptions = field(
+        default_factory=lambda: EngineOptions(poll_interval=0.05, unreachable_after=0.5, no_events_after=0.5)
+    )
+    query: str = "?events=tcp://127.0.0.1:1"  # each spec's query (a port nothing publishes on: no events)
+    events: EventSourceFactory | None = None
+    resolve: Resolver = resolve_all
+    specs: Callable[[list[int]], list[str]] | None = None  # HTTP ports -> the gateway's specs (default: one each)
+
+
+class EngineStack:
+    def __init__(self, options: EngineStackOptions | None = None) -> None:
+        self.options = options or EngineStackOptions()
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-stack", daemon=True)
+        self.workers: list[WorkerServer] = []
+        self.front_doors: list[FrontDoor | None] = []
+        self.http_ports: list[int] = []
+        self.fleet: EngineFleetState
+        self.request_path: RequestPath
+        self.http: HttpServer
+
+    def __enter__(self) -> EngineStack:
+        self.thread.start()
+        try:
+            self.call(self._start(), timeout=120)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.call(self._stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http.port}"
+
+    def worker_id(self, index: int) -> str:
+        return f"127.0.0.1:{self.http_ports[index]}"
+
+    def kill(self, index: int) -> None:
+        """Stop worker `index` at once: its HTTP port and its gRPC port stop answering."""
+        self.call(self._kill(index))
+
+    async def _kill(self, index: int) -> None:
+        front_door = self.front_doors[index]
+        if front_door is not None:
+            self.front_doors[index] = None
+            front_door.http.force_exit()
+            await front_door.stop()
+            await self.workers[index].stop(drain_timeout=0)
+
+    async def _start(self) -> None:
+        o = self.options
+        loop = asyncio.get_running_loop()
+        for _ in range(o.workers):
+            engine = await loop.run_in_executor(None, _engine, o.sim_decode_ms_per_step)
+            grpc_port, http_port = free_port(), free_port()
+            self.workers.append(await start_worker_server(engine, port=grpc_port))
+            args = argparse.Namespace(
+                host="127.0.0.1", port=grpc_port, http_host=None, http_port=http_port, model="sim",
+                allow_derived_salt=False, auth_token_file=None,
+            )  # fmt: skip
+            self.front_doors.append(await start_http_front_door(engine, args))
+            self.http_ports.append(http_port)
+        source = resolve_model(o.gateway_model)
+        tokenizer = await loop.run_in_executor(None, Tokenizer.for_model, source)
+        texts = o.specs(self.http_ports) if o.specs else [f"vllm://127.0.0.1:{p}{o.query}" for p in self.http_ports]
+        specs: list[WorkerSpec] = [parse_worker_spec(t) for t in texts]
+        identity = fleet_identity(source.model_id, tokenizer)
+        self.fleet = EngineFleetState(
+            specs, identity, tokenizer, options=o.engine, events=o.events, resolve=o.resolve
+        )  # fmt: skip
+        await self._wait_workers_ready()
+        await self.fleet.start()
+        limits = Limits(max_prompt_tokens=2000, max_tokens=256, max_body_bytes=64 * 1024, max_n=4)
+        self.request_path = RequestPath(
+            self.fleet, make_policy(o.policy), tokenizer, source.model_id, SERVED_MODEL,
+            Authenticator(o.api_keys), limits, GatewayMetrics(SERVED_MODEL),
+        )  # fmt: skip
+        app = build_app(self.request_path, max_body_bytes=limits.max_body_bytes, default_max_tokens=limits.max_tokens)
+        self.http = HttpServer.start(app, "127.0.0.1", 0)
+
+    async def _wait_workers_ready(self) -> None:
+        """Until each worker's own front door routes to its worker (its /ready), at most 20 s."""
+        import httpx
+
+        async with httpx.AsyncClient() as client:
+            for port in self.http_ports:
+                for _ in range(400):
+                    response = await client.get(f"http://127.0.0.1:{port}/ready")
+                    if response.status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+
+    async def _stop(self) -> None:
+        if hasattr(self, "http"):
+            await self.http.stop()
+        if hasattr(self, "fleet"):
+            await self.fleet.stop()
+        if hasattr(self, "request_path"):
+            await self.request_path.close()
+        for index in range(len(self.front_doors)):
+            await self._kill(index)
+
+
+def _engine(decode_ms: float) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model="sim", num_kv_blocks=256, max_model_len=512, sim_decode_ms_per_step=decode_ms,
+            sim_prefill_us_per_token=1.0,
+        )
+    )  # fmt: skip

@@ -1,0 +1,209 @@
+"""The gateway over kvroute workers treated as vLLM servers (`vllm://` specs): the engine fleet state
+(membership, health, parity, no-events detection, DNS discovery) and the HTTP backend (streaming, chat kept
+as chat, cached tokens, tenant salts as `cache_salt`, cancellation, errors, a killed worker). Real workers,
+their real HTTP front doors, a real gateway; see tests/engine_stack.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import orjson
+import pytest
+
+from gateway.engine_fleet import UNVERIFIED, EngineOptions
+from proto import worker_pb2, worker_pb2_grpc
+from tests.engine_stack import EngineStack, EngineStackOptions
+from tests.gateway_stack import KEY, SMALL_KEY
+
+pytestmark = pytest.mark.timeout(120)
+LONG = " ".join(f"w{i}" for i in range(120))  # several full blocks of the sim tokenizer
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[EngineStack]:
+    with EngineStack(EngineStackOptions(workers=2, sim_decode_ms_per_step=10)) as running:
+        yield running
+
+
+def post(stack: EngineStack, path: str, body: dict, key: str = KEY) -> httpx.Response:
+    return httpx.post(f"{stack.http_url}{path}", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    for block in response.text.split("\n\n"):
+        if block.startswith("data: ") and block != "data: [DONE]":
+            events.append(orjson.loads(block[6:]))
+    assert response.text.rstrip().endswith("data: [DONE]")
+    return events
+
+
+def test_engine_workers_join_by_their_http_address(stack: EngineStack) -> None:
+    members = stack.fleet.members()
+    assert [m.worker_id for m in members] == sorted(stack.worker_id(i) for i in range(2))
+    assert {m.engine for m in members} == {"vllm"}
+    assert all(m.model_id == "sim" for m in members)  # the engine's served name, from its /v1/models
+
+
+def test_a_shared_prefix_lands_on_one_worker_with_cached_tokens(stack: EngineStack) -> None:
+    prompt = f"shared prefix {LONG} question"
+    workers, cached = set(), []
+    for _ in range(3):
+        response = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        workers.add(response.headers["x-kvroute-worker"])
+        cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(workers) == 1
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+
+
+def test_distinct_prefixes_spread(stack: EngineStack) -> None:
+    workers = set()
+    for i in range(12):
+        response = post(stack, "/v1/completions", {"prompt": f"topic {i} {LONG}", "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        workers.add(response.headers["x-kvroute-worker"])
+    assert len(workers) == 2
+
+
+def test_a_stream_passes_through_with_usage(stack: EngineStack) -> None:
+    body = {"prompt": f"stream {LONG}", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    response = post(stack, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    events = sse_events(response)
+    text_events = [e for e in events if e["choices"]]
+    assert text_events[-1]["choices"][0]["finish_reason"] == "length"
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 8 and "cached_tokens" in usage["prompt_tokens_details"]
+
+
+def test_a_chat_request_stays_a_chat_request(stack: EngineStack) -> None:
+    body = {"messages": [{"role": "user", "content": f"hello {LONG}"}], "max_tokens": 5, "stream": True}
+    response = post(stack, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    events = sse_events(response)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    whole = post(stack, "/v1/chat/completions", {**body, "stream": False}).json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"]
+    assert whole["usage"]["completion_tokens"] == 5
+
+
+def test_tenant_b_never_gets_cached_tokens_from_tenant_a(stack: EngineStack) -> None:
+    prompt = f"tenant secret {LONG}"
+    first = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=KEY)
+    again = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=KEY)
+    other = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=SMALL_KEY)
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_the_engines_refusal_is_a_400_naming_its_field(stack: EngineStack) -> None:
+    # The front door's model card names no max_model_len: the engine itself refuses the context.
+    response = post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 100_000})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens"
+
+
+def test_a_client_that_leaves_cancels_the_engines_request(stack: EngineStack) -> None:
+    body = {"prompt": f"long answer {LONG}", "max_tokens": 150, "stream": True, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
+        next(response.iter_bytes())
+        assert any(s.num_running for s in worker_stats(stack))
+    _wait(lambda: not any(s.num_running or s.num_waiting for s in worker_stats(stack)))
+    _wait(lambda: not any(stack.fleet.view().loads[w].in_flight for w in stack.fleet.view().replicas))
+
+
+def worker_stats(stack: EngineStack) -> list[worker_pb2.WorkerStats]:
+    stats = []
+    for worker in stack.workers:
+        with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stats.append(worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5))
+    return stats
+
+
+def test_a_worker_without_kv_events_is_flagged_and_routed_by_load(stack: EngineStack) -> None:
+    post(stack, "/v1/completions", {"prompt": f"flag me {LONG}", "max_tokens": 1})
+    time.sleep(stack.options.engine.no_events_after + 0.3)
+    response = post(stack, "/v1/completions", {"prompt": f"flag me {LONG}", "max_tokens": 1})
+    assert response.status_code == 200
+    assert "no_kv_events" in response.headers["x-kvroute-route"]
+    assert sum(stack.fleet.counters.no_kv_events.values()) >= 1
+
+
+def test_an_engine_that_cannot_tokenize_is_unscored(stack: EngineStack) -> None:
+    tokenize = httpx.post(f"http://127.0.0.1:{stack.http_ports[0]}/tokenize", json={"prompt": "x"})
+    if tokenize.status_code == 200:
+        assert all(m.parity_ok for m in stack.fleet.members())
+        return
+    assert all(not m.parity_ok and m.tokenizer_fingerprint == UNVERIFIED for m in stack.fleet.members())
+    response = post(stack, "/v1/completions", {"prompt": "routed by load", "max_tokens": 1})
+    assert response.status_code == 200 and "parity_mismatch" in response.headers["x-kvroute-route"]
+
+
+def test_a_tokenizer_mismatch_is_flagged_and_routed_by_load() -> None:
+    with EngineStack(EngineStackOptions(workers=1, gateway_model="tiny")) as stack:
+        member = stack.fleet.members()[0]
+        assert not member.parity_ok
+        assert stack.fleet.counters.parity_mismatches == {member.worker_id: 1}
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        response = post(stack, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        assert "flags=parity_mismatch" in response.headers["x-kvroute-route"]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_leaves_and_its_requests_succeed_elsewhere() -> None:
+    with EngineStack(EngineStackOptions(workers=2)) as stack:
+        prompt = f"sticky {LONG}"
+        first = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        victim = [i for i in range(2) if stack.worker_id(i) == first.headers["x-kvroute-worker"]][0]
+        stack.kill(victim)
+        again = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1})  # retried before a token
+        assert again.status_code == 200, again.text
+        assert again.headers["x-kvroute-worker"] == stack.worker_id(1 - victim)
+        deadline = time.monotonic() + 5
+        while stack.fleet.member(stack.worker_id(victim)) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stack.fleet.member(stack.worker_id(victim)) is None
+        assert stack.fleet.counters.leaves == 1
+
+
+def test_dns_discovery_joins_and_leaves_with_the_records() -> None:
+    records: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert host == "engines.test"
+        return list(records)
+
+    def specs(ports: list[int]) -> list[str]:
+        records.append("127.0.0.1")
+        return [f"vllm://engines.test:{ports[0]}?events=tcp://*:1&discover=dns"]
+
+    options = EngineStackOptions(
+        workers=1, specs=specs, resolve=resolve,
+        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
+    )  # fmt: skip
+    with EngineStack(options) as stack:
+        worker_id = stack.worker_id(0)
+        assert [m.worker_id for m in stack.fleet.members()] == [worker_id]
+        assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+        records.clear()
+        _wait(lambda: not stack.fleet.members())
+        assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 503
+        records.append("127.0.0.1")
+        _wait(lambda: bool(stack.fleet.members()))
+        assert stack.fleet.counters.joins == 2
+
+
+def _wait(condition: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.02)
+    assert condition()  # type: ignore[operator]
