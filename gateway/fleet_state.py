@@ -286,6 +286,12 @@ class FleetBook:
             return True
         return self.fleet.kv_index.apply(worker_id, events)
 
+    def mark_stale(self, worker_id: str, incarnation: int) -> None:
+        """A member's events were lost where the feeder numbers them itself (an engine's ZMQ sequence): its
+        entries are not scored (routed by load) until `resync`."""
+        if self.is_current(worker_id, incarnation):
+            self.fleet.kv_index.mark_stale(worker_id)
+
     def resync(self, worker_id: str, incarnation: int, seq: int, block_hashes: Iterable[BlockKey]) -> None:
         """Replace a member's entries with its snapshot as of event `seq`."""
         if not self.is_current(worker_id, incarnation):

@@ -126,6 +126,11 @@ class KVIndex:
         self._last_seq[replica] = 0
         self._set_stale(replica, False)
 
+    def mark_stale(self, replica: str) -> None:
+        """Events were lost (the caller saw a gap in its own source's numbering): the replica matches nothing
+        until `resync`."""
+        self._set_stale(replica, True)
+
     def _renumber(self) -> None:
         order = [self._bit[r].bit_length() - 1 for r in self.replicas]
         self._slot_order = None if order == list(range(len(order))) else order

@@ -1,0 +1,594 @@
+"""The gateway's subscriber to stock engines' KV events (vLLM, SGLang, and kvroute workers started with
+`--kv-events-config`), over ZMQ, feeding a `FleetBook` (gateway/fleet_state.py) through the KV event records
+the index already takes, so the policies and the index do not change (DESIGN §4). The wire format is
+`kvroute.engine_kv_events`.
+
+Entry point (what an engine fleet state does with one worker):
+
+    source = EngineEventSource(worker_id, "tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
+    subscriber = EngineEventSubscriber(book, source, on_restart=...)
+    await subscriber.start()          # after book.admit(worker_id, ...): events for a non-member are dropped
+    subscriber.last_event_at          # time.monotonic() of its last well-formed batch, None before the first
+    subscriber.counters               # EngineEventCounters: batches, blocks, and every drop by reason
+    await subscriber.stop()           # before (or right after) book.leave(worker_id, ...)
+
+Caller contract:
+  1. One subscriber per routing target: a worker, or one data-parallel rank of one (each rank is its own cache
+     and publishes on the endpoint's port + rank; `EngineEventSource.data_parallel_rank` names the rank, and
+     batches stamped with another rank are counted and dropped). Create and use it on the book's event loop.
+  2. The book's identity is the pool's: every stored block is re-hashed from the event's `token_ids` with
+     `kvroute.hashing` under the pool's model id (a LoRA block under its `lora_name`), the salt the event
+     names (vLLM's `extra_keys`, SGLang's `cache_salt`) and the pool's block size; the engine's own hash
+     values only name blocks within its stream (a bounded engine-hash -> our-hash map, so `BlockRemoved`
+     evicts). Nothing depends on PYTHONHASHSEED or `--prefix-caching-hash-algo`.
+  3. Block size: an engine whose block size divides the pool's is aggregated into the pool's blocks (SGLang's
+     pages, 1 token by default); any other is a parity failure: logged once, counted (`parity_failures`),
+     its events dropped. `parity_failed` says so, for the fleet state to route that worker by load.
+  4. Sequence numbers (one per batch, from 0 at the engine's start): a skip marks the worker stale in the
+     book (routed by load) and asks the replay socket for the missing batches; where the engine's buffer no
+     longer holds them (or there is no replay socket) its entries are dropped and rebuilt from what follows.
+     A sequence that goes back (to 0) is an engine restart: its entries are dropped and `on_restart(worker_id)`
+     is called (the fleet state may treat it as a new incarnation).
+  5. Bad input never raises out of the subscriber and never changes the index: a malformed frame or batch,
+     an unknown tag, an oversize batch, a batch for a worker not in the book, a foreign rank or topic, a
+     stored run whose parent it never saw: each counted in `counters.dropped[reason]` and dropped.
+  6. `medium`: blocks held only on a tier other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) count as
+     hits when `count_offloaded` is set, else not at all (the index holds a bit per holder, no weight).
+  7. `EngineEventHub` is the llm-d layout: one SUB socket the gateway binds, that the engines' publishers
+     connect to, keyed by topic (`kv@<ip>:<port>@<model>`): `hub.add(topic, subscriber)` for a subscriber
+     made with `events_endpoint=None`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from gateway.fleet_state import FleetBook
+from kvroute.engine_kv_events import (
+    END_SEQ,
+    GPU_MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    EventBatch,
+    KVEventDecodeError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
+from kvroute.hashing import HASH_BYTES, BlockHash, extend_block_hashes, hash_block, root_hash
+
+logger = logging.getLogger(__name__)
+
+# Engine blocks remembered per worker (engine hash -> our hash): the size of a large GPU's cache in blocks.
+# Past it the oldest is forgotten, and dropped from the index, since its removal could no longer be read.
+DEFAULT_MAX_BLOCKS = 1 << 18
+# A replay is a few thousand batches at most (the engines' buffer_steps default is 10,000); these bound a
+# publisher that never ends one.
+REPLAY_TIMEOUT_S = 2.0
+MAX_REPLAY_BATCHES = 20_000
+# Live batches kept while a replay is in flight; past it they are lost too, and the worker rebuilt after.
+MAX_HELD_BATCHES = 20_000
+# Messages handled per wake-up before the loop yields to requests.
+_BURST = 64
+
+
+@dataclass(frozen=True)
+class EngineEventSource:
+    """Where one routing target publishes: its PUB endpoint (None when it connects to an EngineEventHub),
+    its replay endpoint (None: gaps are rebuilt, not replayed), its topic ("" takes every topic on the
+    socket) and its data-parallel rank."""
+
+    worker_id: str
+    events_endpoint: str | None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    data_parallel_rank: int = 0
+
+
+@dataclass
+class EngineEventCounters:
+    """What one subscriber received and dropped since start (all monotonic)."""
+
+    batches: int = 0  # well-formed batches applied
+    stored_blocks: int = 0  # engine blocks in BlockStored events applied
+    removed_blocks: int = 0
+    cleared: int = 0
+    gaps: int = 0  # a sequence number skipped
+    replayed_batches: int = 0
+    rebuilds: int = 0  # entries dropped because batches were lost for good
+    restarts: int = 0  # the sequence went back: the engine restarted
+    parity_failures: int = 0  # events whose block size does not fit the pool's
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> batches or events dropped
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    """A KV event record as gateway.kv_index applies it (`KVEventLike`)."""
+
+    seq: int
+    kind: str
+    block_hashes: tuple[BlockHash, ...] = ()
+
+
+@dataclass(slots=True)
+class _Partial:
+    """An engine page that does not end one of the pool's blocks: the last full block before it and the
+    tokens since (fewer than a block)."""
+
+    anchor: BlockHash
+    tokens: tuple[int, ...]
+    foreign: tuple = ()
+
+
+class _Ingest:
+    """One engine stream's blocks re-hashed with kvroute's hash: the truth the book's entries mirror."""
+
+    def __init__(self, model_id: str, block_size: int, max_blocks: int, count_offloaded: bool) -> None:
+        self.model_id = model_id
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.count_offloaded = count_offloaded
+        self.ours: dict[EngineHash, BlockHash] = {}  # insertion order = age, for the bound
+        self.partial: dict[EngineHash, _Partial] = {}
+        self.refs: dict[BlockHash, int] = {}  # copies held (an engine may hold two physical copies of one hash)
+
+    def held(self) -> list[BlockHash]:
+        return list(self.refs)
+
+    def clear(self) -> None:
+        self.ours.clear()
+        self.partial.clear()
+        self.refs.clear()
+
+    def _counts(self, medium: str | None) -> bool:
+        return medium in GPU_MEDIA or self.count_offloaded
+
+    def stored(self, event: BlockStored, added: list[BlockHash], removed: list[BlockHash]) -> str | None:
+        """Take one BlockStored; new holdings go to `added` (and forgotten ones to `removed`). Returns the
+        reason it was dropped, or None."""
+        size = event.block_size
+        if size != self.block_size and self.block_size % size:
+            return "block_size"
+        parent = event.parent_block_hash
+        lora = event.lora_name
+        if parent is None:
+            anchor, pending, foreign = root_hash(lora or self.model_id, event.cache_salt()), (), ()
+        elif parent in self.ours:
+            anchor, pending, foreign = self.ours[parent], (), ()
+        elif parent in self.partial:
+            p = self.partial[parent]
+            anchor, pending, foreign = p.anchor, p.tokens, p.foreign
+        else:
+            return "unknown_parent"
+        counts = self._counts(event.medium)
+        hashes, tokens = event.block_hashes, event.token_ids
+        if size == self.block_size and not pending and not event.extra_keys:
+            for engine_hash, ours in zip(hashes, extend_block_hashes(anchor, tokens, size), strict=True):
+                self._hold(engine_hash, ours, counts, added, removed)
+            return None
+        for i, engine_hash in enumerate(hashes):
+            pending = pending + tokens[i * size : (i + 1) * size]
+            foreign = foreign + event.foreign_keys(i)
+            if len(pending) < self.block_size:
+                self.partial[engine_hash] = _Partial(anchor, pending, foreign)
+                continue
+            ours = hash_block(anchor, pending)
+            if foreign:  # keys the gateway cannot reproduce: a hash no text prompt ever has, still chainable
+                ours = hashlib.blake2b(ours + repr(foreign).encode(), digest_size=HASH_BYTES).digest()
+            self._hold(engine_hash, ours, counts, added, removed)
+            anchor, pending, foreign = ours, (), ()
+        return None
+
+    def _hold(self, engine_hash: EngineHash, ours: BlockHash, counts: bool, added: list, removed: list) -> None:
+        self.ours[engine_hash] = ours
+        if counts:
+            n = self.refs.get(ours, 0)
+            self.refs[ours] = n + 1
+            if not n:
+                added.append(ours)
+        if len(self.ours) + len(self.partial) > self.max_blocks:
+            self._forget_oldest(removed)
+
+    def _forget_oldest(self, removed: list[BlockHash]) -> None:
+        if self.partial:
+            del self.partial[next(iter(self.partial))]
+            return
+        oldest = next(iter(self.ours))
+        ours = self.ours.pop(oldest)
+        if self.refs.pop(ours, 0):
+            removed.append(ours)
+
+    def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> None:
+        counts = self._counts(event.medium)
+        for engine_hash in event.block_hashes:
+            if self.partial.pop(engine_hash, None) is not None:
+                continue
+            ours = self.ours.get(engine_hash)
+            if ours is None or not counts:
+                continue
+            n = self.refs.get(ours, 0)
+            if n > 1:
+                self.refs[ours] = n - 1
+            elif n == 1:
+                del self.refs[ours]
+                removed.append(ours)
+
+
+class EngineEventSubscriber:
+    """One routing target's KV events into a FleetBook (module docstring: the caller contract)."""
+
+    def __init__(
+        self,
+        book: FleetBook,
+        source: EngineEventSource,
+        *,
+        on_restart: Callable[[str], None] | None = None,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        count_offloaded: bool = False,
+        replay_timeout: float = REPLAY_TIMEOUT_S,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.book = book
+        self.source = source
+        self.worker_id = source.worker_id
+        self.counters = EngineEventCounters()
+        self.last_event_at: float | None = None
+        self.on_restart = on_restart
+        self.replay_timeout = replay_timeout
+        identity = book.identity
+        self._ingest = _Ingest(identity.model_id, identity.block_size, max_blocks, count_offloaded)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._topic = source.topic.encode()
+        self._expected: int | None = None  # the next engine seq; None before the first batch or after a restart
+        self._held: list[tuple[int, bytes]] | None = None  # live batches kept while a replay runs
+        self._held_overflow = False
+        self._book_incarnation: int | None = None
+        self._logged: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._socket: zmq.asyncio.Socket | None = None
+
+    @property
+    def parity_failed(self) -> bool:
+        """An event's block size did not fit the pool's (contract item 3): route this worker by load."""
+        return self.counters.parity_failures > 0
+
+    async def start(self) -> None:
+        """Connect the SUB socket (none when fed by an EngineEventHub) and start reading."""
+        if self.source.events_endpoint is None:
+            return
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sock.connect(self.source.events_endpoint)
+        self._socket = sock
+        self._tasks.append(asyncio.create_task(self._read(sock), name=f"kv-events {self.worker_id}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            self.handle(frames)
+            for _ in range(_BURST):
+                try:
+                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.handle(frames)
+            await asyncio.sleep(0)
+
+    # -- one message ---------------------------------------------------------------------------------------
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One PUB message `[topic, seq, payload]` (the hub and the reader call this; so may a test)."""
+        if len(frames) != 3:
+            self._drop("frames", f"a message is 3 frames [topic, seq, payload], got {len(frames)}")
+            return
+        topic, seq_frame, payload = frames
+        if self._topic and topic != self._topic:
+            self._drop("topic", f"topic {topic[:60]!r} is not {self._topic!r}")
+            return
+        try:
+            seq = decode_seq(seq_frame)
+        except KVEventDecodeError as exc:
+            self._drop("malformed", str(exc))
+            return
+        if self._held is not None:
+            self._hold_live(seq, payload)
+            return
+        expected = self._expected
+        if expected is not None and seq < expected:
+            self._restarted(seq)
+            expected = None
+        if expected is None and seq != 0:
+            self._begin_replay(0, seq, payload)
+        elif expected is not None and seq > expected:
+            self.counters.gaps += 1
+            self._begin_replay(expected, seq, payload)
+        else:
+            self._apply(seq, payload)
+
+    def _restarted(self, seq: int) -> None:
+        self.counters.restarts += 1
+        logger.warning(
+            "kv events: %s restarted (sequence back to %d after %d): its entries are dropped",
+            self.worker_id, seq, (self._expected or 1) - 1,
+        )  # fmt: skip
+        self._ingest.clear()
+        self._expected = None
+        self._mirror()
+        if self.on_restart is not None:
+            self.on_restart(self.worker_id)
+
+    def _apply(self, seq: int, payload: bytes, *, to_book: bool = True) -> bool:
+        """Decode and apply one batch as the next in sequence, to the ingest and (`to_book`) the book; False
+        (counted) when it was dropped."""
+        self._expected = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as exc:
+            self._drop("malformed", str(exc))
+            return False
+        member = self.book.member(self.worker_id)
+        if member is None:
+            self._drop("unknown_worker", f"{self.worker_id} is not in the fleet")
+            return False
+        rank = batch.data_parallel_rank
+        if rank is not None and rank != self.source.data_parallel_rank:
+            self._drop("foreign_rank", f"rank {rank}'s batch; this subscriber reads {self.source.data_parallel_rank}'s")
+            return False
+        self.last_event_at = time.monotonic()
+        added, removed, cleared = self._ingest_batch(batch)
+        self.counters.batches += 1
+        if not to_book:
+            return True
+        if member.incarnation != self._book_incarnation:
+            self._mirror()  # a (re)admission reset the book's entries for this worker
+            return True
+        changes = []
+        seq_out = self.book.last_seq(self.worker_id)
+        if cleared:
+            seq_out += 1
+            changes.append(_Change(seq_out, "cleared"))
+        if removed:
+            seq_out += 1
+            changes.append(_Change(seq_out, "removed", tuple(removed)))
+        if added:
+            seq_out += 1
+            changes.append(_Change(seq_out, "stored", tuple(added)))
+        if changes and not self.book.apply_events(self.worker_id, member.incarnation, changes):
+            self._mirror()
+        return True
+
+    def _ingest_batch(self, batch: EventBatch) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """The batch into the ingest; the net holdings it added and removed, and whether it began with a
+        clear (everything before it gone)."""
+        ingest, counters = self._ingest, self.counters
+        added: list[BlockHash] = []
+        removed: list[BlockHash] = []
+        cleared = False
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if event.group_idx:
+                    counters.drop("kv_cache_group")
+                    continue
+                reason = ingest.stored(event, added, removed)
+                if reason == "block_size":
+                    self._parity_failure(event.block_size)
+                elif reason is not None:
+                    counters.drop(reason)
+                else:
+                    counters.stored_blocks += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                if event.group_idx:
+                    counters.drop("kv_cache_group")
+                    continue
+                ingest.removed(event, removed)
+                counters.removed_blocks += len(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                ingest.clear()
+                added.clear()
+                removed.clear()
+                cleared = True
+                counters.cleared += 1
+        if added and removed:  # a block stored then removed within the batch, or the reverse: settle by the end
+            held = ingest.refs
+            gone = {h for h in removed if h not in held}
+            added = [h for h in added if h in held]
+            removed = list(gone)
+        return added, removed, cleared
+
+    def _parity_failure(self, block_size: int) -> None:
+        self.counters.parity_failures += 1
+        if "parity" not in self._logged:
+            self._logged.add("parity")
+            logger.warning(
+                "kv events: %s publishes blocks of %d tokens, the pool hashes blocks of %d: its events are "
+                "dropped and it is routed by load (start the engine with --block-size %d)",
+                self.worker_id, block_size, self._ingest.block_size, self._ingest.block_size,
+            )  # fmt: skip
+
+    def _mirror(self) -> None:
+        """Make the book's entries for this worker exactly the ingest's holdings."""
+        member = self.book.member(self.worker_id)
+        if member is None:
+            return
+        self.book.resync(self.worker_id, member.incarnation, self.book.last_seq(self.worker_id), self._ingest.held())
+        self._book_incarnation = member.incarnation
+
+    def _drop(self, reason: str, message: str) -> None:
+        self.counters.drop(reason)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("kv events from %s dropped (%s): %s", self.worker_id, reason, message[:200])
+
+    # -- gaps ------------------------------------------------------------------------------------------------
+
+    def _begin_replay(self, start: int, seq: int, payload: bytes) -> None:
+        member = self.book.member(self.worker_id)
+        if member is not None:
+            self.book.mark_stale(self.worker_id, member.incarnation)
+        self._held = [(seq, payload)]
+        self._held_overflow = False
+        if self.source.replay_endpoint is None:
+            self._finish_replay(start, [])
+            return
+        self._tasks.append(asyncio.create_task(self._replay(start), name=f"kv-replay {self.worker_id}"))
+
+    def _hold_live(self, seq: int, payload: bytes) -> None:
+        assert self._held is not None
+        if len(self._held) >= MAX_HELD_BATCHES:
+            self._held_overflow = True
+            self._held.clear()
+        self._held.append((seq, payload))
+
+    async def _replay(self, start: int) -> None:
+        replayed: list[tuple[int, bytes]] = []
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.source.replay_endpoint)
+            await sock.send_multipart([b"", encode_seq(start)])
+            async with asyncio.timeout(self.replay_timeout):
+                while len(replayed) < MAX_REPLAY_BATCHES:
+                    frames = await sock.recv_multipart()
+                    if frames and frames[0] == b"":
+                        frames = frames[1:]
+                    if len(frames) == 3:  # [topic, seq, payload] (vLLM 0.33, SGLang); older vLLM: [seq, payload]
+                        frames = frames[1:]
+                    if len(frames) != 2:
+                        self._drop("replay_frames", f"a replay reply is [seq, payload], got {len(frames)} frames")
+                        break
+                    seq = decode_seq(frames[0])
+                    if seq == END_SEQ:
+                        break
+                    replayed.append((seq, frames[1]))
+        except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
+            self._drop("replay", f"replay from {self.source.replay_endpoint} failed: {exc!r}")
+        finally:
+            sock.close(linger=0)
+            self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        self._finish_replay(start, replayed)
+
+    def _finish_replay(self, start: int, replayed: list[tuple[int, bytes]]) -> None:
+        """Apply the replayed batches and the live ones held meanwhile, in order from `start`; wherever one is
+        missing, drop the entries and rebuild from what follows; then mirror the result into the book."""
+        held, overflow = self._held or [], self._held_overflow
+        self._held = None
+        batches = dict(replayed)
+        self.counters.replayed_batches += len(batches)
+        if overflow:
+            batches = {s: p for s, p in batches.items() if s >= held[0][0]} if held else {}
+        batches.update(held)
+        expected = start
+        for seq in sorted(batches):
+            if seq < expected:
+                continue
+            if seq > expected:
+                self._rebuild(expected, seq)
+            self._apply(seq, batches[seq], to_book=False)
+            expected = seq + 1
+        self._expected = expected
+        self._mirror()
+
+    def _rebuild(self, expected: int, seq: int) -> None:
+        self.counters.rebuilds += 1
+        logger.warning(
+            "kv events: %s batches %d..%d are lost (not in the replay buffer): its entries are dropped and "
+            "rebuilt from what follows",
+            self.worker_id, expected, seq - 1,
+        )  # fmt: skip
+        self._ingest.clear()
+
+
+class EngineEventHub:
+    """One bound SUB socket that engines' publishers connect to (llm-d's layout), dispatching each message by
+    its topic to the subscriber added for it; a topic no subscriber has is counted and dropped."""
+
+    def __init__(self, bind_endpoint: str, *, context: zmq.asyncio.Context | None = None) -> None:
+        self.bind_endpoint = bind_endpoint
+        self.dropped: dict[str, int] = {}
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._subscribers: dict[bytes, EngineEventSubscriber] = {}
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self.endpoint: str | None = None  # as bound (the port chosen for tcp://host:0 filled in)
+
+    def add(self, topic: str, subscriber: EngineEventSubscriber) -> None:
+        if subscriber.source.events_endpoint is not None:
+            raise ValueError("a hub's subscribers have events_endpoint=None: the hub reads for them")
+        self._subscribers[topic.encode()] = subscriber
+
+    def remove(self, topic: str) -> None:
+        self._subscribers.pop(topic.encode(), None)
+
+    async def start(self) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if self.bind_endpoint.endswith(":0"):
+            port = sock.bind_to_random_port(self.bind_endpoint.rsplit(":", 1)[0])
+            self.endpoint = f"{self.bind_endpoint.rsplit(':', 1)[0]}:{port}"
+        else:
+            sock.bind(self.bind_endpoint)
+            self.endpoint = self.bind_endpoint
+        self._socket = sock
+        self._task = asyncio.create_task(self._read(sock), name="kv-events hub")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        for subscriber in self._subscribers.values():
+            await subscriber.stop()
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            self._dispatch(await sock.recv_multipart())
+            for _ in range(_BURST):
+                try:
+                    frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(frames)
+            await asyncio.sleep(0)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        subscriber = self._subscribers.get(frames[0]) if frames else None
+        if subscriber is None:
+            self.dropped["unknown_topic"] = self.dropped.get("unknown_topic", 0) + 1
+            return
+        subscriber.handle(frames)
