@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions ─► parse (openai_protocol) ─► GatewayRequest
         ─► RequestPath.generate ─► Generation ─► JSON body, or server-sent events ending in `data: [DONE]`
+    POST /tokenize, /detokenize (vLLM's bodies) ─► RequestPath.tokenize / detokenize ─► JSON body
     GET /v1/models, /v1/models/{id}, /health (alive), /ready (a routable worker), /openapi.json
 
 Prometheus metrics are not on this port: they list workers and per-app series that API clients have no
@@ -13,8 +14,8 @@ gateway budget of 2 ms p50; what it would add here (body parsing, the OpenAPI do
 below with the same pydantic models (figures in the README).
 
 The contract every response keeps:
-- With API keys configured, a /v1/ request without a valid key gets 401 before its body is read
-  (`AuthenticateFirst`), whatever else is wrong with it.
+- With API keys configured, a /v1/, /tokenize or /detokenize request without a valid key gets 401 before its
+  body is read (`AuthenticateFirst`), whatever else is wrong with it.
 - Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}` with the status of the
   `GatewayError` (gateway.errors): 400 naming the field (never a 422), 401, 404, 413 (the body limit is
   enforced while reading, before the body is held whole), 429 with Retry-After, 503. Any other exception is
@@ -34,7 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import orjson
@@ -44,7 +45,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import Authenticator
@@ -57,31 +58,44 @@ from gateway.openai_protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
     ModelList,
+    OpenAIModel,
     RequestHeaders,
     SamplingFields,
+    TokenizeRequest,
     bearer_token,
     client_request_id_of,
     parse_request,
 )
-from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob, Usage
+from gateway.request import Chunk, GatewayRequest, Generation, TokenizeResult, TokenLogprob, Usage
+from kvroute.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = Limits().max_body_bytes
 JSON = "application/json"
 T = TypeVar("T")
+M = TypeVar("M", bound=OpenAIModel)
+# Where a client must present its API key (AuthenticateFirst): the OpenAI API and vLLM's tokenizer endpoints.
+AUTHENTICATED_PREFIX = "/v1/"
+AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class ServesRequests(Protocol):
     """What the front door needs of gateway.request_path.RequestPath."""
 
     served_model_name: str
+    tokenizer: Tokenizer  # /tokenize's token_strs
     auth: Authenticator  # checked before a /v1/ request is read (AuthenticateFirst)
     metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
 
     async def generate(self, request: GatewayRequest) -> Generation: ...
+
+    def tokenize(self, request: GatewayRequest) -> TokenizeResult: ...
+
+    def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str: ...
 
     def routable_workers(self) -> int: ...
 
@@ -91,19 +105,23 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = None,
+    extra_routes: Sequence[BaseRoute] = (),
 ) -> Starlette:
     """The HTTP app over one request path. `max_body_bytes` bounds a request body (413 past it);
     `default_max_tokens` is a chat request's max_tokens when the client sets none (completions default to
-    OpenAI's 16)."""
+    OpenAI's 16); `extra_routes` are served beside (a worker's front door adds its engine's /metrics)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", server.get_model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/ready", server.ready, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
+        *extra_routes,
     ]
     return Starlette(
         routes=routes,
@@ -113,11 +131,11 @@ def build_app(
 
 
 class AuthenticateFirst:
-    """Every /v1/ request's API key is checked before anything else of the request is read, parsed or
-    routed: a client without a valid key gets 401 and learns nothing else (not the body limit, not which
-    fields are wrong, not the served model's name). /health, /ready, /metrics and /openapi.json stay open.
-    The request path authenticates again (it is the contract of every caller); a key is one SHA-256. The keys
-    are the request path's at each request, so a SIGHUP reload applies here too."""
+    """Every /v1/, /tokenize and /detokenize request's API key is checked before anything else of the request
+    is read, parsed or routed: a client without a valid key gets 401 and learns nothing else (not the body
+    limit, not which fields are wrong, not the served model's name). /health, /ready, /metrics and
+    /openapi.json stay open. The request path authenticates again (it is the contract of every caller); a key
+    is one SHA-256. The keys are the request path's at each request, so a SIGHUP reload applies here too."""
 
     def __init__(self, app: ASGIApp, request_path: ServesRequests) -> None:
         self.app = app
@@ -129,7 +147,9 @@ class AuthenticateFirst:
         return self.request_path.auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.auth.open and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        authenticated = path.startswith(AUTHENTICATED_PREFIX) or path in AUTHENTICATED_PATHS
+        if scope["type"] == "http" and not self.auth.open and authenticated:
             headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-request-id")}
             authorization = headers.get(b"authorization")
             try:
@@ -207,6 +227,45 @@ class OpenAIServer:
         try:
             body = await renderer.whole()
         except GatewayError as exc:
+            return error_response(exc, headers)
+        return Response(orjson.dumps(body), media_type=JSON, headers=headers)
+
+    # -- vLLM's tokenizer endpoints -----------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: `{"count", "max_model_len", "tokens", "token_strs"}` (token_strs null unless
+        return_token_strs), the ids a generation with the same prompt or messages is sent with."""
+
+        def answer(wire: TokenizeRequest) -> dict[str, Any]:
+            result = self.request_path.tokenize(wire.to_gateway_request(request_headers(request)))
+            ids = result.token_ids
+            token_strs = (
+                [self.request_path.tokenizer.token_text(i) or "" for i in ids] if wire.return_token_strs else None
+            )
+            return {"count": len(ids), "max_model_len": result.max_model_len, "tokens": ids, "token_strs": token_strs}
+
+        return await self._tokenizer_endpoint(request, TokenizeRequest, answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: `{"prompt"}`, the text of the ids with special tokens written out."""
+
+        def answer(wire: DetokenizeRequest) -> dict[str, Any]:
+            api_key = bearer_token(request.headers.get("authorization"))
+            return {"prompt": self.request_path.detokenize(api_key, wire.model, wire.tokens)}
+
+        return await self._tokenizer_endpoint(request, DetokenizeRequest, answer)
+
+    async def _tokenizer_endpoint(
+        self, request: Request, wire_type: type[M], answer: Callable[[M], dict[str, Any]]
+    ) -> Response:
+        """Read and parse the body as `wire_type` (the body limit, OpenAI's error shape), then `answer` it."""
+        headers = {"x-request-id": client_request_id_of(request.headers.get("x-request-id")) or uuid.uuid4().hex}
+        try:
+            body = answer(parse_request(wire_type, await read_body(request, self.max_body_bytes)))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except GatewayError as exc:
+            self.request_path.metrics.errors.labels(type(exc).__name__).inc()
             return error_response(exc, headers)
         return Response(orjson.dumps(body), media_type=JSON, headers=headers)
 

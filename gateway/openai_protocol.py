@@ -331,11 +331,80 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+# -- /tokenize and /detokenize (vLLM's, also served by SGLang at the same paths) ------------------------------
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize body: either a `prompt` (its TokenizeCompletionRequest) or `messages` (its
+    TokenizeChatRequest), with their fields and defaults. The ids are the ones a generation request with the
+    same prompt or messages is sent with (gateway.request_path.RequestPath.tokenize)."""
+
+    model: str | None = Field(None, description="the served model's name; omitted = it")
+    prompt: str | None = Field(None, description="a text, tokenized as a completion's prompt")
+    messages: list[ChatMessage] | None = Field(None, description="a conversation, rendered as a chat's prompt")
+    add_special_tokens: bool | None = Field(
+        None, description="add the tokenizer's special tokens (a BOS); default true for a prompt, false for messages"
+    )
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="not supported: only false")
+    return_token_strs: bool = Field(False, description="also return each token's string (`token_strs`)")
+    tools: list[dict[str, Any]] | None = Field(None, description="messages: tool definitions for the template")
+    chat_template: str | None = Field(None, description="not supported: the model's own template is used")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    mm_processor_kwargs: dict[str, Any] | None = Field(None, description="not supported: a text-only model")
+
+    def to_gateway_request(self, headers: RequestHeaders) -> GatewayRequest:
+        """The internal request of the prompt or messages; raises InvalidRequestError naming the field."""
+        for name in ("chat_template", "mm_processor_kwargs"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError("is not supported by this server", param=name)
+        if self.continue_final_message:
+            raise InvalidRequestError("is not supported by this server (only false)", param="continue_final_message")
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("send exactly one of prompt and messages", param="prompt")
+        common = {"api_key": headers.api_key, "model": self.model, "add_special_tokens": self.add_special_tokens}
+        if self.prompt is not None:
+            return GatewayRequest(prompt=self.prompt, kind="completion", **common)
+        assert self.messages is not None
+        if not self.messages:
+            raise InvalidRequestError("is empty; send at least one message", param="messages")
+        template_kwargs = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.tools is not None:
+            template_kwargs["tools"] = self.tools
+        messages = [_template_message(i, message) for i, message in enumerate(self.messages)]
+        return GatewayRequest(messages=messages, template_kwargs=template_kwargs, kind="chat", **common)
+
+
+class TokenizeResponse(BaseModel):
+    count: int = Field(description="how many token ids")
+    max_model_len: int = Field(description="the longest sequence (prompt and output) the serving workers take")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(None, description="each token's string, with return_token_strs")
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = Field(None, description="the served model's name; omitted = it")
+    tokens: list[TokenId] = Field(description="token ids, special tokens included in the text")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # -- parsing ---------------------------------------------------------------------------------------------------
 
 _FIELD_NAMES = frozenset(
     name
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions, ResponseFormat)
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        ContentPart,
+        StreamOptions,
+        ResponseFormat,
+        TokenizeRequest,
+        DetokenizeRequest,
+    )  # fmt: skip
     for name in model.model_fields
 )
 

@@ -50,12 +50,23 @@ class GatewayRequest:
     client_cache_salt: str = ""  # mixed in under the tenant's salt, never replacing it
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. `tools`, passed to the chat template
     skip_special_tokens: bool = True
+    # The special tokens (a BOS) around the prompt's ids: None = the default, on for a prompt and off for
+    # messages (whose template writes its own), as vLLM's; /tokenize's clients may set it.
+    add_special_tokens: bool | None = None
     stream: bool = False
     kind: Literal["chat", "completion", "tokens"] = "completion"
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent from the client, if any
     # The JSON body as the client sent it (HTTP front door only): what an HTTP engine is sent, so the fields
     # only the engine understands (tools, response_format, its own extensions) reach it (gateway.backends).
     api_body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """What /tokenize answers: the prompt's ids and the longest sequence the fleet's workers take."""
+
+    token_ids: list[int]
+    max_model_len: int
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,16 @@ from gateway.errors import (
 from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
 from gateway.metrics import GatewayMetrics, label_value
-from gateway.request import Chunk, GatewayRequest, Generation, RouteInfo, Tenant, TokenLogprob, Usage
+from gateway.request import (
+    Chunk,
+    GatewayRequest,
+    Generation,
+    RouteInfo,
+    Tenant,
+    TokenizeResult,
+    TokenLogprob,
+    Usage,
+)
 from gateway.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.stop_strings import ChoiceText
@@ -277,8 +286,7 @@ class RequestPath:
         if self.draining:
             raise NoWorkerAvailable("the gateway is shutting down; send the request again", retry_after=1.0)
         tenant = self.auth.authenticate(request.api_key)
-        if request.model is not None and request.model != self.served_model_name:
-            raise ModelNotFound(f"the model {quoted(request.model)} does not exist", param="model")
+        self._check_model(request.model)
         self.limits.check_request(request)
         try:
             request.params.validate()
@@ -335,10 +343,12 @@ class RequestPath:
                 ids = self.tokenizer.encode_chat(request.messages, add_generation_prompt, cache_scope=salt, **kwargs)
             except (ChatTemplateError, TypeError) as exc:
                 raise InvalidRequestError(str(exc), param=field) from None
+            if request.add_special_tokens:
+                ids = self.tokenizer.add_special_tokens(ids)
         elif request.prompt is not None:
             field = "prompt"
             # A completion's prompt is the client's whole text (it may spell the template itself), as in vLLM.
-            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens is not False)
         elif request.prompt_token_ids is not None:
             field = "prompt_token_ids"
             ids = list(request.prompt_token_ids)
@@ -357,6 +367,42 @@ class RequestPath:
                 param=field,
             )
         return ids
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ModelNotFound(f"the model {quoted(model)} does not exist", param="model")
+
+    # -- vLLM's /tokenize and /detokenize -------------------------------------------------------------------
+
+    def tokenize(self, request: GatewayRequest) -> TokenizeResult:
+        """The prompt ids `generate` would send for `request`, after the same checks (the key, the model, the
+        chat template, the prompt-length limit) and without routing: what vLLM's /tokenize answers, and what a
+        router compares with an engine's to check tokenizer parity. Raises GatewayError."""
+        tenant = self.auth.authenticate(request.api_key)
+        self._check_model(request.model)
+        ids = self._prompt_token_ids(request, cache_salt(tenant, request.client_cache_salt))
+        return TokenizeResult(ids, self.max_model_len())
+
+    def detokenize(self, api_key: str | None, model: str | None, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens written out (vLLM's /detokenize). At most as many ids as
+        a sequence holds (max_prompt_tokens + max_tokens), each in the vocabulary; raises GatewayError."""
+        self.auth.authenticate(api_key)
+        self._check_model(model)
+        limit = self.limits.max_prompt_tokens + self.limits.max_tokens
+        if len(token_ids) > limit:
+            raise InvalidRequestError(f"has {len(token_ids)} token ids; at most {limit} here", param="tokens")
+        for i, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param=f"tokens[{i}]"
+                )
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def max_model_len(self) -> int:
+        """The longest sequence every matching worker takes (the smallest of their contexts); without one,
+        the gateway's own prompt-token limit."""
+        contexts = [m.max_model_len for m in self.fleet.members() if m.parity_ok]
+        return min(contexts) if contexts else self.limits.max_prompt_tokens
 
     async def _open(
         self, forward: _Forward, route_request: RouteRequest, choice: int, arrival: float, prefer: str | None = None

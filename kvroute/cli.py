@@ -21,6 +21,10 @@ SUBCOMMANDS = {
     "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
     "bench": ("loadtest.bench", "send a workload to a live fleet (or compare routers) and report latencies"),
     "sweep": ("loadtest.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),
+    "export-tokenizer": (
+        "kvroute.export_tokenizer",
+        "write a model's tokenizer as an HF folder (tokenizer.json, tokenizer_config.json) for other tools",
+    ),
 }
 
 

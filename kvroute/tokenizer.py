@@ -93,6 +93,7 @@ class Tokenizer:
         self._run_cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._run_cache_chars = 0
         self._piece_splits: dict[str, list[tuple[str, int | None]]] = {}
+        self._special_around: tuple[list[int], list[int]] | None = None  # add_special_tokens' ids, once known
         self.special_token_ids = frozenset(
             i for i, token in backend.get_added_tokens_decoder().items() if token.special
         )
@@ -153,6 +154,54 @@ class Tokenizer:
             if i not in eos_ids:
                 eos_ids.append(i)
         return cls(backend, chat_template, bos_token_id=token_id(config.get("bos_token")), eos_token_ids=eos_ids)
+
+    def save_hf_dir(self, directory: str | Path, model_max_length: int | None = None) -> list[Path]:
+        """Write this tokenizer as an HF tokenizer folder: `tokenizer.json` (the backend as it is),
+        `tokenizer_config.json` (the chat template, bos / eos, the added tokens, `model_max_length` when
+        given) and `special_tokens_map.json`; returns the files written. What transformers'
+        `AutoTokenizer.from_pretrained(directory)` (so vLLM's and SGLang's `--tokenizer`, guidellm, aiperf) and
+        `from_hf_dir` load back: the same ids, the same chat rendering, the same fingerprint. The class named
+        is the generic `PreTrainedTokenizerFast`, which takes `tokenizer.json` verbatim (a model's own class
+        may rebuild the pre-tokenizer)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        added = self.backend.get_added_tokens_decoder()
+
+        def token_entry(token: AddedToken) -> dict[str, Any]:
+            return {
+                "content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+                "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special,
+            }  # fmt: skip
+
+        named = {"bos_token": self.bos_token or None, "eos_token": self.eos_token or None}
+        special_map: dict[str, Any] = {
+            key: token_entry(added[self.backend.token_to_id(content)]) if self.backend.token_to_id(content) in added
+            else content
+            for key, content in named.items()
+            if content
+        }  # fmt: skip
+        others = [t.content for _, t in sorted(added.items()) if t.special and t.content not in named.values()]
+        if others:
+            special_map["additional_special_tokens"] = others
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": {str(i): token_entry(t) for i, t in sorted(added.items())},
+            **named,
+            "additional_special_tokens": others,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        files = {
+            "tokenizer.json": self.backend.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+            "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False),
+        }
+        for name, text in files.items():
+            (directory / name).write_text(text + "\n", encoding="utf-8")
+        return [directory / name for name in files]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text (`<|im_start|>`) map to their single ids.
@@ -241,6 +290,18 @@ class Tokenizer:
             (_, evicted), _ = cache.popitem(last=False)
             self._run_cache_chars -= len(evicted)
         return ids
+
+    def add_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """`ids` between the special tokens that `encode(text, add_special_tokens=True)` puts around a text
+        (a BOS for models that want one, nothing for most chat models): what vLLM's /tokenize gives for a
+        chat with `add_special_tokens: true`."""
+        if self._special_around is None:
+            plain = self.backend.encode("a", add_special_tokens=False).ids
+            full = self.backend.encode("a", add_special_tokens=True).ids
+            start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+            self._special_around = (full[:start], full[start + len(plain) :])
+        before, after = self._special_around
+        return [*before, *ids, *after]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

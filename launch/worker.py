@@ -9,6 +9,12 @@ answers HTTP exactly as a gateway does, and other routers (smg, vllm-router) can
 HTTP ports for a side-by-side comparison. It lives here, not in worker/, because worker/ and gateway/ never
 import each other. API keys apply as in the gateway ($KVROUTE_API_KEYS, with $KVROUTE_CACHE_SALT_SECRET_FILE
 or `--allow-derived-salt`), and the front door presents the worker's own token (`--auth-token-file`) to it.
+
+So that the worker can stand in a vLLM pool (routed by kvroute's `vllm://` workers, llm-d, Dynamo or a
+Gateway API Inference Extension picker), the HTTP port also serves vLLM's `POST /tokenize` and
+`POST /detokenize` (the gateway's own, gateway.http_server) and `GET /metrics`: the worker's engine metrics
+under vLLM's names (worker.metrics, the same registry as `--metrics-port`), where vLLM serves them, on its
+API port; 503 until the worker's gRPC server is up.
 """
 
 from __future__ import annotations
@@ -24,9 +30,14 @@ from kvroute.cli import UserError
 from worker import cli_worker
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+
     from gateway.cli_gateway import HttpServer
     from gateway.request_path import RequestPath
     from worker.engine import LLMEngine
+    from worker.metrics import WorkerMetrics
+    from worker.service import WorkerServer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,15 +64,35 @@ async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
     """The worker's own serve (signals, drain, exit codes), with the HTTP front door beside it."""
     front_door = await start_http_front_door(engine, args)
     try:
-        return await cli_worker.serve(engine, args)
+        return await cli_worker.serve(engine, args, on_serving=front_door.engine_metrics.serve_from)
     finally:
         await front_door.stop()
+
+
+class EngineMetricsRoute:
+    """`GET /metrics` on the front door: the worker's registry in the text format, once the worker serves."""
+
+    def __init__(self) -> None:
+        self.metrics: WorkerMetrics | None = None
+
+    def serve_from(self, server: WorkerServer) -> None:
+        self.metrics = server.metrics
+
+    async def endpoint(self, request: Request) -> Response:
+        from starlette.responses import Response
+
+        from worker.metrics import TEXT_FORMAT
+
+        if self.metrics is None:
+            return Response(b"the worker is not serving yet\n", status_code=503, media_type="text/plain")
+        return Response(self.metrics.text_format(), media_type=TEXT_FORMAT)
 
 
 @dataclass
 class FrontDoor:
     http: HttpServer
     request_path: RequestPath
+    engine_metrics: EngineMetricsRoute
 
     async def stop(self) -> None:
         await self.http.stop()
@@ -70,6 +101,8 @@ class FrontDoor:
 
 
 async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> FrontDoor:
+    from starlette.routing import Route
+
     from gateway import http_server
     from gateway.auth import Authenticator
     from gateway.cli_gateway import HttpServer
@@ -94,11 +127,16 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
         GatewayMetrics(args.model), block_size=block_size, clients=WorkerClients(token),
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
-    app = http_server.build_app(request_path, default_max_tokens=limits.max_tokens)
+    engine_metrics = EngineMetricsRoute()
+    app = http_server.build_app(
+        request_path,
+        default_max_tokens=limits.max_tokens,
+        extra_routes=[Route("/metrics", engine_metrics.endpoint, methods=["GET"])],
+    )
     host = args.http_host or args.host
     http = HttpServer.start(app, host, args.http_port)
     print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)
-    return FrontDoor(http, request_path)
+    return FrontDoor(http, request_path, engine_metrics)
 
 
 def dial_host(host: str) -> str:

@@ -42,7 +42,13 @@ VLLM_SERIES = [
     "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
     "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
     "vllm:request_params_max_tokens_count", "vllm:iteration_tokens_total_count", "vllm:cache_config_info",
+    "vllm:lora_requests_info",
 ]  # fmt: skip
+# The info series' labels that Gateway API Inference Extension pickers read (block size, pool size; LoRA).
+INFO_LABELS = {
+    "vllm:cache_config_info": {"block_size": "16", "num_gpu_blocks": "64"},
+    "vllm:lora_requests_info": {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""},
+}
 
 
 def metrics_worker(stack: GatewayStack) -> WorkerServer:
@@ -97,12 +103,15 @@ def test_a_real_prometheus_stores_vllm_and_kvroute_names(tmp_path: Path) -> None
                 )
                 assert response.status == 200
             stack.call(_generate(worker.port))
-            names = scrape_with_prometheus(tmp_path, worker.metrics_port, stack.metrics_http.port)
+            names, labels = scrape_with_prometheus(tmp_path, worker.metrics_port, stack.metrics_http.port)
         finally:
             stack.call(worker.stop(drain_timeout=0))
     missing = [name for name in [*VLLM_SERIES, "kvroute:gateway_requests_total"] if name not in names]
     assert not missing, f"stored names lack {missing}; stored: {sorted(names)}"
     assert not [n for n in names if n.startswith(("vllm_", "kvroute_"))], "no name stored escaped"
+    for name, expected in INFO_LABELS.items():
+        stored = labels[name]
+        assert {key: stored.get(key, "") for key in expected} == expected, stored
 
 
 async def _generate(port: int) -> None:
@@ -118,9 +127,12 @@ async def _generate(port: int) -> None:
             pass
 
 
-def scrape_with_prometheus(tmp_path: Path, worker_port: int, gateway_port: int) -> set[str]:
+def scrape_with_prometheus(
+    tmp_path: Path, worker_port: int, gateway_port: int
+) -> tuple[set[str], dict[str, dict[str, str]]]:
     """Run Prometheus on a free loopback port, scraping both targets every second, until each has been
-    scraped with the series in; returns every metric name it stored."""
+    scraped with the series in; returns every metric name it stored, and the stored labels of one series of
+    each INFO_LABELS name (Prometheus drops a label whose value is empty)."""
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
@@ -146,7 +158,11 @@ def scrape_with_prometheus(tmp_path: Path, worker_port: int, gateway_port: int) 
             except (urllib.error.URLError, OSError):
                 up, names = [], set()
             if len(up) == 2 and {"vllm:request_decode_time_seconds_count", "kvroute:gateway_requests_total"} <= names:
-                return names
+                labels = {}
+                for name in INFO_LABELS:
+                    series = query(url, "/api/v1/series", **{"match[]": name})
+                    labels[name] = series[0] if series else {}
+                return names, labels
             assert time.monotonic() < deadline, f"Prometheus had not scraped both targets in 30 s: {up}"
             time.sleep(0.3)
     finally:

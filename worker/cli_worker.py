@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvroute.cli import UserError
@@ -213,20 +214,25 @@ def auth_token(args: argparse.Namespace) -> str | None:
         raise UserError(str(exc)) from exc
 
 
-async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
+async def serve(
+    engine: LLMEngine, args: argparse.Namespace, on_serving: Callable[[WorkerServer], None] | None = None
+) -> int:
     """Serve until a signal (drain: 0), a second signal during the drain (130) or the engine's death (1).
+    `on_serving` is called with the server once it listens (launch.worker's front door serves its metrics).
     Spans are exported over OTLP when the standard OTEL_EXPORTER_OTLP_ENDPOINT variables are set."""
     from kvroute.tracing import flush_tracing, setup_tracing
 
     setup_tracing("kvroute-worker")
     try:
-        return await _serve(engine, args)
+        return await _serve(engine, args, on_serving)
     finally:
         flush_tracing()
 
 
-async def _serve(engine: LLMEngine, args: argparse.Namespace) -> int:
+async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callable[[WorkerServer], None] | None) -> int:
     server = await start_server(engine, args)
+    if on_serving is not None:
+        on_serving(server)
     metrics = ""
     if server.metrics.address is not None:
         metrics = f", metrics on {server.metrics.address[0]}:{server.metrics.address[1]}/metrics"

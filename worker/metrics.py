@@ -42,6 +42,7 @@ E2E_BUCKETS = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
     *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
+TEXT_FORMAT = CONTENT_TYPE_PLAIN_0_0_4
 REQUEST_LATENCY_BUCKETS = E2E_BUCKETS  # vLLM's queue, prefill, decode and inference times share them
 
 
@@ -116,6 +117,13 @@ class WorkerMetrics:
                 registry=self.registry,
             )  # fmt: skip
             info.labels(**cache_config).set(1)
+        # What Gateway API Inference Extension pickers read for LoRA affinity; this engine serves no adapters,
+        # so the lists are empty and max_lora 0 (vLLM sets the value to the time of its last update).
+        lora = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry,
+        )  # fmt: skip
+        lora.labels(max_lora="0", running_lora_adapters="", waiting_lora_adapters="").set_to_current_time()
         self.time_to_first_token = self._histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
@@ -187,6 +195,10 @@ class WorkerMetrics:
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
+
+    def text_format(self) -> bytes:
+        """The registry in the Prometheus text format 0.0.4 (`TEXT_FORMAT`), as /metrics serves it."""
+        return generate_latest(self.registry)
 
     def serve(self, port: int, host: str) -> int:
         """Serve /metrics on host:port from a daemon thread, in the text format 0.0.4 whatever the Accept
