@@ -366,7 +366,7 @@ async def _http_error(response: httpx.Response) -> grpc.aio.AioRpcError:
         error = orjson.loads(raw).get("error") or orjson.loads(raw)
         if isinstance(error, dict):
             text, param = error.get("message") or message, error.get("param")
-            message = f"{param}: {text}" if param else str(text)
+            message = f"{param}: {text}" if param and not str(text).startswith(f"{param}: ") else str(text)
     code = _STATUS_CODES.get(response.status_code)
     if code is None:
         code = grpc.StatusCode.INVALID_ARGUMENT if response.status_code < 500 else grpc.StatusCode.INTERNAL

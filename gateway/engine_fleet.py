@@ -86,14 +86,15 @@ class EventSource(Protocol):
     """A worker's KV-event subscriber (gateway.engine_events): feeds the book, says when it last heard."""
 
     last_event_at: float | None  # time.monotonic() of the last event applied; None: none yet
+    parity_failed: bool  # an event's block size did not fit the pool's: its events are dropped
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
 
-# (spec, worker id, incarnation, book) -> the worker's subscriber, started when it joins, stopped when it leaves.
-EventSourceFactory = Callable[[WorkerSpec, str, int, FleetBook], EventSource]
+# (spec, worker id, book, on_restart) -> the worker's subscriber, started when it joins, stopped when it leaves.
+EventSourceFactory = Callable[[WorkerSpec, str, FleetBook, Callable[[str], None]], EventSource]
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
@@ -104,6 +105,14 @@ class EngineOptions:
     http_timeout: float = 1.0
     no_events_after: float = 10.0
     resolve_interval: float = 5.0
+
+
+def subscribe(spec: WorkerSpec, worker_id: str, book: FleetBook, on_restart: Callable[[str], None]) -> EventSource:
+    """The default EventSourceFactory: gateway.engine_events' ZMQ subscriber to the spec's endpoints."""
+    from gateway.engine_events import EngineEventSource, EngineEventSubscriber
+
+    source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic)
+    return EngineEventSubscriber(book, source, on_restart=on_restart)
 
 
 async def resolve_all(host: str, port: int) -> list[str]:
@@ -122,7 +131,7 @@ class EnginePoller:
         client: httpx.AsyncClient,
         tokenizer: Tokenizer,
         options: EngineOptions,
-        events: EventSourceFactory | None,
+        events: EventSourceFactory,
     ) -> None:
         self.spec = spec
         self.worker_id = spec.address
@@ -210,9 +219,21 @@ class EnginePoller:
         self.awaiting_since, self.silent = None, False
         if self.spec.events is None:
             self._flag_silent("its spec names no events= endpoint")
-        elif self.events_factory is not None:
-            self.source = self.events_factory(self.spec, self.worker_id, incarnation, self.book)
+        else:
+            self.source = self.events_factory(self.spec, self.worker_id, self.book, self._restarted)
             await self.source.start()
+
+    def _restarted(self, worker_id: str) -> None:
+        """The engine's event sequence went back to 0: it restarted. It is readmitted as a new incarnation
+        (its entries dropped, its requests in flight ended as lost), as a kvroute worker's restart is."""
+        member = self.book.member(worker_id)
+        if member is None:
+            return
+        self.book.admit(
+            worker_id, member.address, secrets.randbits(63), member.model_id, member.block_size,
+            member.max_model_len, member.hash_fingerprint, member.tokenizer_fingerprint, member.engine,
+        )  # fmt: skip
+        self.awaiting_since = None
 
     async def _tokenizer_parity(self, served: str) -> str:
         """The gateway's tokenizer fingerprint if the engine's /tokenize agrees on every canary, else a
@@ -399,8 +420,8 @@ class EngineFleetState(BookkeepingFleetState):
 
     `start()` checks every worker once (so those that answer are members when it returns) and then keeps
     polling each in the background; `stop()` ends the polling, the subscribers and the HTTP client.
-    `events`: makes each engine worker's KV-event subscriber when it joins (None: no events are read, and
-    workers sent full-block prompts are flagged `no_kv_events`). `resolve`: host, port -> addresses, for
+    `events`: makes each engine worker's KV-event subscriber when it joins (default: `subscribe`, over
+    ZMQ). `resolve`: host, port -> addresses, for
     `discover=dns` specs (default: the system resolver). `token`: what kvroute workers are shown."""
 
     def __init__(
@@ -410,7 +431,7 @@ class EngineFleetState(BookkeepingFleetState):
         tokenizer: Tokenizer,
         *,
         options: EngineOptions | None = None,
-        events: EventSourceFactory | None = None,
+        events: EventSourceFactory = subscribe,
         resolve: Resolver = resolve_all,
         token: str | None = None,
     ) -> None:
@@ -477,8 +498,12 @@ class EngineFleetState(BookkeepingFleetState):
 
     def flags(self, worker_id: str) -> tuple[str, ...]:
         poller = self._engine_poller(worker_id)
-        silent = ("no_kv_events",) if poller is not None and poller.silent else ()
-        return (*super().flags(worker_id), *silent)
+        flags = super().flags(worker_id)
+        if poller is None:
+            return flags
+        if poller.source is not None and poller.source.parity_failed and not flags:
+            flags = ("parity_mismatch",)
+        return (*flags, "no_kv_events") if poller.silent else flags
 
     def _engine_poller(self, worker_id: str) -> EnginePoller | None:
         return next((p for p in self._pollers() if p.worker_id == worker_id), None)

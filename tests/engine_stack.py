@@ -21,7 +21,7 @@ import uvloop
 
 from gateway.auth import Authenticator
 from gateway.cli_gateway import HttpServer
-from gateway.engine_fleet import EngineFleetState, EngineOptions, EventSourceFactory, Resolver, resolve_all
+from gateway.engine_fleet import EngineFleetState, EngineOptions, EventSourceFactory, Resolver, resolve_all, subscribe
 from gateway.http_server import build_app
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
@@ -44,13 +44,13 @@ class EngineStackOptions:
     workers: int = 2
     sim_decode_ms_per_step: float = 2.0
     policy: str = "kv_aware"
-    gateway_model: str = "sim"  # the gateway's tokenizer; another than the workers' fails tokenizer parity
+    gateway_tokenizer: Tokenizer | None = None  # default: the workers' own (sim's); another fails parity
     api_keys: list[dict[str, Any]] | None = field(default_factory=lambda: list(API_KEYS))
     engine: EngineOptions = field(
         default_factory=lambda: EngineOptions(poll_interval=0.05, unreachable_after=0.5, no_events_after=0.5)
     )
     query: str = "?events=tcp://127.0.0.1:1"  # each spec's query (a port nothing publishes on: no events)
-    events: EventSourceFactory | None = None
+    events: EventSourceFactory = subscribe
     resolve: Resolver = resolve_all
     specs: Callable[[list[int]], list[str]] | None = None  # HTTP ports -> the gateway's specs (default: one each)
 
@@ -118,8 +118,8 @@ class EngineStack:
             )  # fmt: skip
             self.front_doors.append(await start_http_front_door(engine, args))
             self.http_ports.append(http_port)
-        source = resolve_model(o.gateway_model)
-        tokenizer = await loop.run_in_executor(None, Tokenizer.for_model, source)
+        source = resolve_model("sim")
+        tokenizer = o.gateway_tokenizer or await loop.run_in_executor(None, Tokenizer.for_model, source)
         texts = o.specs(self.http_ports) if o.specs else [f"vllm://127.0.0.1:{p}{o.query}" for p in self.http_ports]
         specs: list[WorkerSpec] = [parse_worker_spec(t) for t in texts]
         identity = fleet_identity(source.model_id, tokenizer)
