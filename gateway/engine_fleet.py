@@ -264,12 +264,10 @@ class EnginePoller:
         text = await self._metrics_text()
         if text is None:
             return None
-        for family in _families(text):
-            if family.name in ("vllm:cache_config_info", "vllm:cache_config"):
-                for sample in family.samples:
-                    value = sample.labels.get("block_size", "")
-                    if value.isdigit():
-                        return int(value)
+        for sample in _samples(text, ("vllm:cache_config_info",)):
+            value = sample.labels.get("block_size", "")
+            if value.isdigit():
+                return int(value)
         return None
 
     async def _report_load(self) -> None:
@@ -278,18 +276,16 @@ class EnginePoller:
         if member is None or text is None:
             return
         running_name, waiting_name, usage_name = LOAD_METRICS[self.spec.engine]
-        running = waiting = 0.0
-        usage = 0.0
-        for family in _families(text):
-            for sample in family.samples:
-                if not math.isfinite(sample.value):
-                    continue
-                if sample.name == running_name:
-                    running += sample.value
-                elif sample.name == waiting_name:
-                    waiting += sample.value
-                elif sample.name == usage_name:
-                    usage = max(usage, sample.value)
+        running = waiting = usage = 0.0
+        for sample in _samples(text, LOAD_METRICS[self.spec.engine]):
+            if not math.isfinite(sample.value) or sample.value < 0:
+                continue
+            if sample.name == running_name:
+                running += sample.value
+            elif sample.name == waiting_name:
+                waiting += sample.value
+            elif sample.name == usage_name:
+                usage = max(usage, sample.value)
         self.book.report_load(member.worker_id, member.incarnation, int(running), int(waiting), min(usage, 1.0))
 
     async def _metrics_text(self) -> str | None:
@@ -364,11 +360,17 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _families(text: str) -> Any:
+def _samples(text: str, names: tuple[str, ...]) -> list[Any]:
+    """The samples of the series `names` on a text-format metrics page. Only their lines are parsed: an
+    engine's page is mostly histograms, and parsing all of it at every poll would cost a gateway core."""
+    lines = [line for line in text.splitlines() if line.startswith(names)]
     try:
-        yield from text_string_to_metric_families(text)
-    except (ValueError, TypeError, IndexError) as exc:  # a page that does not parse gives what parsed before
+        return [
+            sample for family in text_string_to_metric_families("\n".join(lines) + "\n") for sample in family.samples
+        ]
+    except (ValueError, TypeError, IndexError) as exc:
         logger.debug("fleet: an engine's metrics page does not parse: %s", exc)
+        return []
 
 
 class _DnsGroup:

@@ -116,7 +116,9 @@ class EngineStack:
                 host="127.0.0.1", port=grpc_port, http_host=None, http_port=http_port, model="sim",
                 allow_derived_salt=False, auth_token_file=None,
             )  # fmt: skip
-            self.front_doors.append(await start_http_front_door(engine, args))
+            front_door = await start_http_front_door(engine, args)
+            front_door.engine_metrics.serve_from(self.workers[-1])  # its /metrics: the worker's vllm: series
+            self.front_doors.append(front_door)
             self.http_ports.append(http_port)
         source = resolve_model("sim")
         tokenizer = o.gateway_tokenizer or await loop.run_in_executor(None, Tokenizer.for_model, source)

@@ -118,7 +118,8 @@ def test_a_client_that_leaves_cancels_the_engines_request(stack: EngineStack) ->
     body = {"prompt": f"long answer {LONG}", "max_tokens": 150, "stream": True, "ignore_eos": True}
     headers = {"authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
-        next(response.iter_bytes())
+        chunks = response.iter_bytes()  # kept until the client leaves: a dropped iterator closes the stream
+        next(chunks)
         assert any(s.num_running for s in worker_stats(stack))
     _wait(lambda: not any(s.num_running or s.num_waiting for s in worker_stats(stack)))
     _wait(lambda: not any(stack.fleet.view().loads[w].in_flight for w in stack.fleet.view().replicas))
@@ -130,6 +131,18 @@ def worker_stats(stack: EngineStack) -> list[worker_pb2.WorkerStats]:
         with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stats.append(worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5))
     return stats
+
+
+def test_load_comes_from_the_engines_own_metrics(stack: EngineStack) -> None:
+    # A request sent to the engine directly, past the gateway: only the engine's vllm: metrics tell of it.
+    worker_id = stack.worker_id(0)
+    body = {"prompt": f"direct {LONG}", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{stack.http_ports[0]}/v1/completions", json=body) as response:
+        chunks = response.iter_bytes()  # kept: a dropped iterator closes the stream
+        next(chunks)
+        _wait(lambda: stack.fleet.view().loads[worker_id].in_flight >= 1)
+        assert stack.fleet.book.in_flight(worker_id) == 0
+    _wait(lambda: stack.fleet.view().loads[worker_id].in_flight == 0)
 
 
 def test_a_worker_without_kv_events_is_flagged_and_routed_by_load(stack: EngineStack) -> None:
