@@ -353,7 +353,12 @@ class EngineEventSubscriber:
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
+            # What the batch changed is unknown (a removal in it would leave a block we no longer hold): drop
+            # the entries and rebuild from what follows, as for a batch the replay cannot give back.
             self._drop("malformed", str(exc))
+            self._rebuild(seq, seq + 1)
+            if to_book:
+                self._mirror()
             return False
         member = self.book.member(self.worker_id)
         if member is None:
@@ -519,8 +524,10 @@ class EngineEventSubscriber:
 
     def _rebuild(self, expected: int, seq: int) -> None:
         self.counters.rebuilds += 1
-        logger.warning(
-            "kv events: %s batches %d..%d are lost (not in the replay buffer): its entries are dropped and "
+        log = logger.debug if "rebuild" in self._logged else logger.warning
+        self._logged.add("rebuild")
+        log(
+            "kv events: %s batches %d..%d are lost (not replayable, or malformed): its entries are dropped and "
             "rebuilt from what follows",
             self.worker_id, expected, seq - 1,
         )  # fmt: skip

@@ -20,7 +20,7 @@ bounded memory, and its reader sees the gap and resyncs.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -101,6 +101,8 @@ class KVEvent:
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: tuple[BlockKey, ...] = ()
     parent_hash: BlockKey | None = None
+    token_ids: tuple[int, ...] = ()  # a `stored` run's tokens, when the caller gave them (vLLM's events carry them)
+    cache_salt: str = ""  # the salt a `stored` run's sequence was hashed under
 
 
 class BlockPool:
@@ -177,29 +179,45 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_blocks(self, blocks: list[KVBlock], hashes: list[BlockKey], parent: BlockKey | None) -> None:
+    def cache_blocks(
+        self,
+        blocks: list[KVBlock],
+        hashes: list[BlockKey],
+        parent: BlockKey | None,
+        token_ids: Sequence[int] = (),
+        cache_salt: str = "",
+    ) -> None:
         """Register consecutive full blocks of one sequence under their hashes; `parent` is the hash of the
-        block before `blocks[0]` (None when it is the sequence's first).
+        block before `blocks[0]` (None when it is the sequence's first). `token_ids`, when given, are the
+        blocks' tokens (an equal number per block) and `cache_salt` the sequence's salt: each `stored` event
+        carries its run's share of them, for publishers whose format names the tokens (vLLM's).
 
         A block already registered, or whose hash another block holds, is skipped (one physical block per
         hash). The new blocks are announced as one `stored` event per contiguous run, each with the hash
         just before the run as its parent, so a reader can chain every event onto what it already holds."""
         if not self.enable_caching:
             return
+        per_block = len(token_ids) // len(blocks) if blocks else 0
         run: list[BlockKey] = []
+        run_start = 0
         run_parent = parent
-        for block, block_hash in zip(blocks, hashes, strict=True):
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             if block.block_hash is not None or block_hash in self.cached:
                 if run:
-                    self._emit("stored", tuple(run), run_parent)
+                    self._emit_stored(run, run_parent, token_ids[run_start * per_block : i * per_block], cache_salt)
                     run = []
                 run_parent = block_hash
+                run_start = i + 1
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
             run.append(block_hash)
         if run:
-            self._emit("stored", tuple(run), run_parent)
+            self._emit_stored(run, run_parent, token_ids[run_start * per_block : len(blocks) * per_block], cache_salt)
+
+    def _emit_stored(self, run: list[BlockKey], parent: BlockKey | None, tokens: Sequence[int], salt: str) -> None:
+        self.event_seq += 1
+        self._events.append(KVEvent(self.event_seq, "stored", tuple(run), parent, tuple(tokens), salt))
 
     def reset_cache(self) -> bool:
         """Forget every cached hash (weights changed, an operator asked); only when no block is in use."""

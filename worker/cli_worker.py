@@ -96,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-snapshot-burst", type=float, default=8.0, help="KV snapshot reads at once, >= 1")
     parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish KV events as vLLM does, vLLM's JSON: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv@IP:PORT@MODEL"}\'',
+    )
+    parser.add_argument(
         "--sim-prefill-us-per-token", type=float, default=defaults.sim_prefill_us_per_token, help="--model sim only"
     )
     parser.add_argument(
@@ -131,6 +138,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine the flags describe (UserError on a bad flag); launch.worker reuses it."""
     from worker.engine import LLMEngine
 
+    kv_events_config(args)
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if port is not None and not 0 <= port < 65536:
             raise UserError(f"{flag} must be in [0, 65536), got {port}")
@@ -150,6 +158,20 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         return LLMEngine(engine_config(args))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
+
+
+def kv_events_config(args: argparse.Namespace):
+    """`--kv-events-config` parsed (worker.kv_event_publisher.KVEventsConfig), None when absent or not
+    publishing; UserError for JSON vLLM would not take."""
+    if not getattr(args, "kv_events_config", None):
+        return None
+    from worker.kv_event_publisher import KVEventsConfig
+
+    try:
+        config = KVEventsConfig.from_json(args.kv_events_config)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    return config if config.publishes else None
 
 
 def check_device(spec: str) -> None:
@@ -242,6 +264,19 @@ async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callab
         flush=True,
     )
     print(f"kvroute worker: dtype {engine.dtype_reason}; attention {engine.attention_backend}", file=sys.stderr)
+    publisher = None
+    events_config = kv_events_config(args)
+    if events_config is not None:
+        from worker.kv_event_publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(server.engine, events_config, engine.config.block_size)
+        try:
+            publisher.start()
+        except ValueError as exc:
+            await server.stop(drain_timeout=0)
+            raise UserError(str(exc)) from exc
+        replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+        print(f"kvroute worker: KV events on {publisher.endpoint}{replay}", flush=True)
     reporter = None
     if args.redis:
         from kvroute.credentials import redis_password
@@ -263,6 +298,8 @@ async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callab
     finally:
         if reporter is not None:
             await reporter.stop()
+        if publisher is not None:
+            publisher.stop()
 
 
 async def run_until_exit(server: WorkerServer, args: argparse.Namespace) -> int:

@@ -114,15 +114,20 @@ class KVCacheManager:
         self.num_hashed.setdefault(req_id, len(computed))
         return new_blocks
 
-    def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockKey]) -> None:
-        """Offer the request's blocks 0..len(block_hashes)-1 to the prefix cache (they are full)."""
+    def cache_blocks(
+        self, req_id: str, block_hashes: Sequence[BlockKey], token_ids: Sequence[int] = (), cache_salt: str = ""
+    ) -> None:
+        """Offer the request's blocks 0..len(block_hashes)-1 to the prefix cache (they are full). `token_ids`
+        (the sequence's tokens so far) and `cache_salt`, when given, go into the `stored` events."""
         blocks = self.req_blocks[req_id]
         start = self.num_hashed[req_id]
         end = min(len(block_hashes), len(blocks))
         if end <= start:
             return
         parent = block_hashes[start - 1] if start > 0 else None
-        self.pool.cache_blocks(blocks[start:end], list(block_hashes[start:end]), parent)
+        bs = self.block_size
+        tokens = token_ids[start * bs : end * bs] if len(token_ids) >= end * bs else ()
+        self.pool.cache_blocks(blocks[start:end], list(block_hashes[start:end]), parent, tokens, cache_salt)
         self.num_hashed[req_id] = end
 
     def free(self, req_id: str) -> None:
