@@ -49,7 +49,9 @@ class EngineStackOptions:
     engine: EngineOptions = field(
         default_factory=lambda: EngineOptions(poll_interval=0.05, unreachable_after=0.5, no_events_after=0.5)
     )
-    query: str = "?events=tcp://127.0.0.1:1"  # each spec's query (a port nothing publishes on: no events)
+    # Each worker publishes its KV events (worker.kv_event_publisher, vLLM's wire format, with replay) on
+    # loopback ports its spec names; without, each spec names a port nothing publishes on: no events.
+    kv_events: bool = False
     events: EventSourceFactory = subscribe
     resolve: Resolver = resolve_all
     specs: Callable[[list[int]], list[str]] | None = None  # HTTP ports -> the gateway's specs (default: one each)
@@ -63,6 +65,9 @@ class EngineStack:
         self.workers: list[WorkerServer] = []
         self.front_doors: list[FrontDoor | None] = []
         self.http_ports: list[int] = []
+        self.event_ports: list[tuple[int, int]] = []  # (events, replay) per worker, with kv_events
+        self.publishers: list[Any] = []
+        self.engines: list[LLMEngine] = []
         self.fleet: EngineFleetState
         self.request_path: RequestPath
         self.http: HttpServer
@@ -93,6 +98,28 @@ class EngineStack:
     def worker_id(self, index: int) -> str:
         return f"127.0.0.1:{self.http_ports[index]}"
 
+    def spec(self, index: int) -> str:
+        """Worker `index`'s spec as the gateway is given it."""
+        if not self.options.kv_events:
+            return f"vllm://127.0.0.1:{self.http_ports[index]}?events=tcp://127.0.0.1:1"
+        events, replay = self.event_ports[index]
+        return (
+            f"vllm://127.0.0.1:{self.http_ports[index]}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"
+        )
+
+    def _publish(self, index: int) -> Any:
+        from worker.kv_event_publisher import KVEventPublisher, KVEventsConfig
+
+        events, replay = self.event_ports[index]
+        config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{events}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay}", bind=True,
+        )  # fmt: skip
+        server = self.workers[index]
+        publisher = KVEventPublisher(server.engine, config, self.engines[index].config.block_size)
+        publisher.start()
+        return publisher
+
     def kill(self, index: int) -> None:
         """Stop worker `index` at once: its HTTP port and its gRPC port stop answering."""
         self.call(self._kill(index))
@@ -103,6 +130,8 @@ class EngineStack:
             self.front_doors[index] = None
             front_door.http.force_exit()
             await front_door.stop()
+            if self.publishers:
+                self.publishers[index].stop()
             await self.workers[index].stop(drain_timeout=0)
 
     async def _start(self) -> None:
@@ -110,6 +139,7 @@ class EngineStack:
         loop = asyncio.get_running_loop()
         for _ in range(o.workers):
             engine = await loop.run_in_executor(None, _engine, o.sim_decode_ms_per_step)
+            self.engines.append(engine)
             grpc_port, http_port = free_port(), free_port()
             self.workers.append(await start_worker_server(engine, port=grpc_port))
             args = argparse.Namespace(
@@ -120,9 +150,12 @@ class EngineStack:
             front_door.engine_metrics.serve_from(self.workers[-1])  # its /metrics: the worker's vllm: series
             self.front_doors.append(front_door)
             self.http_ports.append(http_port)
+            if o.kv_events:
+                self.event_ports.append((free_port(), free_port()))
+                self.publishers.append(self._publish(len(self.workers) - 1))
         source = resolve_model("sim")
         tokenizer = o.gateway_tokenizer or await loop.run_in_executor(None, Tokenizer.for_model, source)
-        texts = o.specs(self.http_ports) if o.specs else [f"vllm://127.0.0.1:{p}{o.query}" for p in self.http_ports]
+        texts = o.specs(self.http_ports) if o.specs else [self.spec(i) for i in range(o.workers)]
         specs: list[WorkerSpec] = [parse_worker_spec(t) for t in texts]
         identity = fleet_identity(source.model_id, tokenizer)
         self.fleet = EngineFleetState(

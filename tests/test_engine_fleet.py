@@ -45,23 +45,44 @@ def sse_events(response: httpx.Response) -> list[dict]:
     return events
 
 
+@pytest.fixture(scope="module")
+def evented() -> Iterator[EngineStack]:
+    """Workers that publish their KV events in vLLM's wire format, read by the gateway's subscribers."""
+    with EngineStack(EngineStackOptions(workers=2, sim_decode_ms_per_step=5, kv_events=True)) as running:
+        yield running
+
+
+def test_a_shared_prefix_is_routed_to_the_worker_whose_events_hold_it(evented: EngineStack) -> None:
+    prompt = f"evented prefix {LONG}"
+    first = post(evented, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    holder = first.headers["x-kvroute-worker"]
+    _wait(lambda: evented.fleet.view().kv_index.num_blocks(holder) > 0)
+    for i in range(4):
+        response = post(evented, "/v1/completions", {"prompt": f"{prompt} turn {i}", "max_tokens": 2})
+        assert response.headers["x-kvroute-worker"] == holder
+        route = dict(part.split("=", 1) for part in response.headers["x-kvroute-route"].split("; "))
+        assert int(route["matched_blocks"]) > 0, route
+        assert "flags" not in route
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_distinct_prefixes_spread_over_evented_workers(evented: EngineStack) -> None:
+    workers = {post(evented, "/v1/completions", {"prompt": f"spread {i} {LONG}", "max_tokens": 1}).headers[
+        "x-kvroute-worker"] for i in range(12)}  # fmt: skip
+    assert len(workers) == 2
+
+
+def test_evented_workers_are_never_flagged_silent(evented: EngineStack) -> None:
+    post(evented, "/v1/completions", {"prompt": f"heard {LONG}", "max_tokens": 1})
+    time.sleep(evented.options.engine.no_events_after + 0.3)
+    assert evented.fleet.counters.no_kv_events == {}
+
+
 def test_engine_workers_join_by_their_http_address(stack: EngineStack) -> None:
     members = stack.fleet.members()
     assert [m.worker_id for m in members] == sorted(stack.worker_id(i) for i in range(2))
     assert {m.engine for m in members} == {"vllm"}
     assert all(m.model_id == "sim" for m in members)  # the engine's served name, from its /v1/models
-
-
-def test_a_shared_prefix_lands_on_one_worker_with_cached_tokens(stack: EngineStack) -> None:
-    prompt = f"shared prefix {LONG} question"
-    workers, cached = set(), []
-    for _ in range(3):
-        response = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})
-        assert response.status_code == 200, response.text
-        workers.add(response.headers["x-kvroute-worker"])
-        cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-    assert len(workers) == 1
-    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
 
 
 def test_distinct_prefixes_spread(stack: EngineStack) -> None:
