@@ -59,12 +59,14 @@ from gateway.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
     OpenAIModel,
     RequestHeaders,
     SamplingFields,
     TokenizeRequest,
+    TokenizeResponse,
     bearer_token,
     client_request_id_of,
     parse_request,
@@ -97,6 +99,8 @@ class ServesRequests(Protocol):
 
     def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str: ...
 
+    def max_model_len(self) -> int: ...
+
     def routable_workers(self) -> int: ...
 
 
@@ -109,9 +113,11 @@ def build_app(
 ) -> Starlette:
     """The HTTP app over one request path. `max_body_bytes` bounds a request body (413 past it);
     `default_max_tokens` is a chat request's max_tokens when the client sets none (completions default to
-    OpenAI's 16); `extra_routes` are served beside (a worker's front door adds its engine's /metrics)."""
+    OpenAI's 16); `extra_routes` are matched first (a worker's front door serves its engine's /metrics and
+    its own /health)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
     routes = [
+        *extra_routes,
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
@@ -121,7 +127,6 @@ def build_app(
         Route("/health", server.health, methods=["GET"]),
         Route("/ready", server.ready, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
-        *extra_routes,
     ]
     return Starlette(
         routes=routes,
@@ -272,8 +277,12 @@ class OpenAIServer:
     # -- the rest -----------------------------------------------------------------------------------------
 
     def _model_card(self) -> dict[str, Any]:
+        """vLLM's card: `max_model_len` is what a router reads to size requests (RequestPath.max_model_len)."""
         name = self.request_path.served_model_name
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "kvroute"}
+        return {
+            "id": name, "object": "model", "created": self.started, "owned_by": "kvroute", "root": name,
+            "parent": None, "max_model_len": self.request_path.max_model_len(),
+        }  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:
         return Response(orjson.dumps({"object": "list", "data": [self._model_card()]}), media_type=JSON)
@@ -658,6 +667,10 @@ def openapi_document() -> dict[str, Any]:
             (ChatCompletionChunk, "serialization"),
             (ErrorResponse, "serialization"),
             (ModelList, "serialization"),
+            (TokenizeRequest, "validation"),
+            (TokenizeResponse, "serialization"),
+            (DetokenizeRequest, "validation"),
+            (DetokenizeResponse, "serialization"),
         ],
         ref_template="#/components/schemas/{model}",
     )
@@ -690,6 +703,17 @@ def openapi_document() -> dict[str, Any]:
             }
         }
 
+    def tokenizer_endpoint(summary: str, request: str, response: str) -> dict[str, Any]:
+        refusals = {status: errors[status] for status in ("400", "401", "404", "413")}
+        ok = {"description": "the result", "content": json_content(response)}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": json_content(request)},
+                "responses": {"200": ok, **refusals},
+            }
+        }
+
     def simple(summary: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "get": {
@@ -707,6 +731,12 @@ def openapi_document() -> dict[str, Any]:
             ),
             "/v1/chat/completions": generation(
                 "Answer a chat", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"
+            ),
+            "/tokenize": tokenizer_endpoint(
+                "The token ids a prompt or a chat is sent with (vLLM's)", "TokenizeRequest", "TokenizeResponse"
+            ),
+            "/detokenize": tokenizer_endpoint(
+                "The text of token ids, special tokens written out (vLLM's)", "DetokenizeRequest", "DetokenizeResponse"
             ),
             "/v1/models": simple("The served model", json_content("ModelList")),
             "/health": simple("Liveness"),

@@ -579,6 +579,9 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="the model served under this name (vLLM's)")
+    parent: str | None = None
+    max_model_len: int = Field(description="the longest sequence the serving workers take (vLLM's)")
 
 
 class ModelList(BaseModel):

@@ -12,9 +12,10 @@ or `--allow-derived-salt`), and the front door presents the worker's own token (
 
 So that the worker can stand in a vLLM pool (routed by kvroute's `vllm://` workers, llm-d, Dynamo or a
 Gateway API Inference Extension picker), the HTTP port also serves vLLM's `POST /tokenize` and
-`POST /detokenize` (the gateway's own, gateway.http_server) and `GET /metrics`: the worker's engine metrics
-under vLLM's names (worker.metrics, the same registry as `--metrics-port`), where vLLM serves them, on its
-API port; 503 until the worker's gRPC server is up.
+`POST /detokenize` (the gateway's own, gateway.http_server), and `GET /metrics` and `GET /health` of its own
+engine (`EngineRoutes`): the engine metrics under vLLM's names (worker.metrics, the same registry as
+`--metrics-port`) where vLLM serves them, on its API port, and a /health that turns 503 when the engine
+stops serving.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from worker import cli_worker
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
+    from starlette.routing import Route
 
     from gateway.cli_gateway import HttpServer
     from gateway.request_path import RequestPath
     from worker.engine import LLMEngine
-    from worker.metrics import WorkerMetrics
     from worker.service import WorkerServer
 
 
@@ -64,35 +65,57 @@ async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
     """The worker's own serve (signals, drain, exit codes), with the HTTP front door beside it."""
     front_door = await start_http_front_door(engine, args)
     try:
-        return await cli_worker.serve(engine, args, on_serving=front_door.engine_metrics.serve_from)
+        return await cli_worker.serve(engine, args, on_serving=front_door.engine_routes.serve_from)
     finally:
         await front_door.stop()
 
 
-class EngineMetricsRoute:
-    """`GET /metrics` on the front door: the worker's registry in the text format, once the worker serves."""
+class EngineRoutes:
+    """The front door's view of its own engine, as vLLM's server gives it (`routes`, matched before the
+    gateway app's own): `GET /metrics`, the worker's registry in the text format; `GET /health`, 200 while
+    the engine serves, 503 before the gRPC server is up, while it drains and once the engine is dead (a
+    router probing /health, as kvroute's `vllm://` workers and Kubernetes do, stops sending it requests)."""
 
     def __init__(self) -> None:
-        self.metrics: WorkerMetrics | None = None
+        self.server: WorkerServer | None = None
 
     def serve_from(self, server: WorkerServer) -> None:
-        self.metrics = server.metrics
+        self.server = server
 
-    async def endpoint(self, request: Request) -> Response:
+    def routes(self) -> list[Route]:
+        from starlette.routing import Route
+
+        return [Route("/metrics", self.metrics, methods=["GET"]), Route("/health", self.health, methods=["GET"])]
+
+    async def metrics(self, request: Request) -> Response:
         from starlette.responses import Response
 
         from worker.metrics import TEXT_FORMAT
 
-        if self.metrics is None:
+        if self.server is None:
             return Response(b"the worker is not serving yet\n", status_code=503, media_type="text/plain")
-        return Response(self.metrics.text_format(), media_type=TEXT_FORMAT)
+        return Response(self.server.metrics.text_format(), media_type=TEXT_FORMAT)
+
+    async def health(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        from worker.async_engine import Lifecycle
+
+        server = self.server
+        if server is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        if server.engine.state is Lifecycle.DEAD:
+            return JSONResponse({"status": "dead", "error": server.engine.error}, status_code=503)
+        if server.servicer.draining or server.engine.state is not Lifecycle.RUNNING:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
 
 @dataclass
 class FrontDoor:
     http: HttpServer
     request_path: RequestPath
-    engine_metrics: EngineMetricsRoute
+    engine_routes: EngineRoutes
 
     async def stop(self) -> None:
         await self.http.stop()
@@ -101,8 +124,6 @@ class FrontDoor:
 
 
 async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> FrontDoor:
-    from starlette.routing import Route
-
     from gateway import http_server
     from gateway.auth import Authenticator
     from gateway.cli_gateway import HttpServer
@@ -127,16 +148,12 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
         GatewayMetrics(args.model), block_size=block_size, clients=WorkerClients(token),
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
-    engine_metrics = EngineMetricsRoute()
-    app = http_server.build_app(
-        request_path,
-        default_max_tokens=limits.max_tokens,
-        extra_routes=[Route("/metrics", engine_metrics.endpoint, methods=["GET"])],
-    )
+    engine_routes = EngineRoutes()
+    app = http_server.build_app(request_path, default_max_tokens=limits.max_tokens, extra_routes=engine_routes.routes())
     host = args.http_host or args.host
     http = HttpServer.start(app, host, args.http_port)
     print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)
-    return FrontDoor(http, request_path, engine_metrics)
+    return FrontDoor(http, request_path, engine_routes)
 
 
 def dial_host(host: str) -> str:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,8 @@ def test_tokenize_a_prompt_gives_the_ids_a_completion_is_sent_with(stack: Gatewa
         "tokens": tokenizer.encode(text, add_special_tokens=True),
         "token_strs": None,
     }
+    (card,) = httpx.get(f"{stack.http_url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+    assert (card["id"], card["root"], card["max_model_len"]) == (SERVED_MODEL, SERVED_MODEL, 512)  # vLLM's card
     completion = post(f"{stack.http_url}/v1/completions", {"prompt": text, "max_tokens": 1}).json()
     assert completion["usage"]["prompt_tokens"] == body["count"]
     with_strs = post(f"{stack.http_url}/tokenize", {"prompt": text, "return_token_strs": True}).json()
@@ -134,18 +139,39 @@ def test_the_tokenizer_endpoints_ask_for_a_key_before_reading_the_body(stack: Ga
     assert too_big.status_code == 413
 
 
+def test_the_openapi_document_lists_the_tokenizer_endpoints(stack: GatewayStack) -> None:
+    doc = httpx.get(f"{stack.http_url}/openapi.json", timeout=10).json()
+    for path, request, response in (
+        ("/tokenize", "TokenizeRequest", "TokenizeResponse"),
+        ("/detokenize", "DetokenizeRequest", "DetokenizeResponse"),
+    ):
+        post_op = doc["paths"][path]["post"]
+        assert post_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(request)
+        assert post_op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(response)
+    schemas = doc["components"]["schemas"]
+    fields = set(schemas["TokenizeRequest"]["properties"])
+    assert {"prompt", "messages", "add_special_tokens", "return_token_strs"} <= fields
+    assert set(schemas["TokenizeResponse"]["properties"]) == {"count", "max_model_len", "tokens", "token_strs"}
+
+
 # -- the worker's own front door, a real `kvroute worker --http-port` process ------------------------------------
 
 
+@dataclass
+class WorkerProcess:
+    url: str
+    process: subprocess.Popen[str]
+
+
 @pytest.fixture(scope="module")
-def worker() -> Iterator[str]:
-    """A sim worker process with its HTTP port; yields its base URL, stops it after the module."""
+def worker_process() -> Iterator[WorkerProcess]:
+    """A sim worker process with its HTTP port (10 ms per decode step); stopped after the module."""
     http_port = free_port()
     env = {**os.environ, "KVROUTE_API_KEYS": json.dumps(API_KEYS)}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--http-port",
          str(http_port), "--num-kv-blocks", "48", "--block-size", "16", "--max-model-len", "384",
-         "--allow-derived-salt"],
+         "--sim-decode-ms-per-step", "10", "--allow-derived-salt"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{http_port}"
@@ -160,7 +186,7 @@ def worker() -> Iterator[str]:
                 pass
             assert time.monotonic() < deadline, "the worker's front door was not ready in 120 s"
             time.sleep(0.2)
-        yield url
+        yield WorkerProcess(url, process)
     finally:
         process.terminate()
         try:
@@ -168,6 +194,11 @@ def worker() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def worker(worker_process: WorkerProcess) -> str:
+    return worker_process.url
 
 
 @pytest.mark.slow
@@ -178,6 +209,7 @@ def test_a_worker_front_door_answers_tokenize_and_serves_vllm_metrics(worker: st
     tokenizer = Tokenizer.for_model(resolve_model("sim"))
     body = post(f"{worker}/tokenize", {"messages": MESSAGES}).json()
     assert body["tokens"] == tokenizer.encode_chat(MESSAGES) and body["max_model_len"] == 384
+    assert httpx.get(f"{worker}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["max_model_len"] == 384
     assert post(f"{worker}/detokenize", {"tokens": body["tokens"][:3]}).json()["prompt"] == tokenizer.decode(
         body["tokens"][:3], skip_special_tokens=False
     )
@@ -195,6 +227,33 @@ def test_a_worker_front_door_answers_tokenize_and_serves_vllm_metrics(worker: st
     assert cache_info["block_size"] == "16" and cache_info["num_gpu_blocks"] == "48" and value == 1
     (lora, _), *_ = samples["vllm:lora_requests_info"]
     assert lora == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    health = httpx.get(f"{worker}/health", timeout=10)
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+
+
+@pytest.mark.slow
+def test_a_draining_worker_answers_503_on_health_until_it_exits(worker_process: WorkerProcess) -> None:
+    """Last in the module: it stops the worker. A router probing /health (Kubernetes, kvroute's `vllm://`
+    workers) stops sending requests to a worker that drains, while its running requests finish."""
+    url = worker_process.url
+
+    def long_request() -> httpx.Response:
+        return post(f"{url}/v1/completions", {"prompt": "Hello there", "max_tokens": 300, "ignore_eos": True})
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(long_request)
+        deadline = time.monotonic() + 10
+        while metric_samples(httpx.get(f"{url}/metrics", timeout=5).text)["vllm:num_requests_running"][0][1] < 1:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.05)
+        worker_process.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still says ok while the worker drains"
+            time.sleep(0.05)
+        assert (health.status_code, health.json()["status"]) == (503, "draining")
+        assert running.result(timeout=30).status_code == 200, "the running request finishes"
+    assert worker_process.process.wait(30) == 0
 
 
 def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -224,3 +224,15 @@ prometheus.io/path: /metrics
 {{- add (int64 .Values.worker.preStopSleepSeconds) (int64 .Values.worker.drainTimeout) 15 }}
 {{- else }}{{ include "kvroute.int" .Values.worker.terminationGracePeriodSeconds }}{{ end }}
 {{- end }}
+
+{{/* The model name clients and the gateways send: model.servedModelName, else the model spec (as the gateway's). */}}
+{{- define "kvroute.servedModelName" -}}
+{{- default (include "kvroute.modelSpec" .) .Values.model.servedModelName }}
+{{- end }}
+
+{{/* worker.kind vllm | sglang: the gateways' one --workers spec, the engines' headless Service resolved by DNS
+on an interval; `*` in the ZMQ endpoints stands for each pod's address (gateway/worker_spec.py). */}}
+{{- define "kvroute.engineWorkers" -}}
+{{- $e := index .Values.worker .Values.worker.kind }}
+{{- printf "%s://%s.%s.svc:%s?events=tcp://*:%s&replay=tcp://*:%s&discover=dns" .Values.worker.kind (include "kvroute.worker.fullname" .) .Release.Namespace (include "kvroute.int" $e.port) (include "kvroute.int" $e.kvEventsPort) (include "kvroute.int" $e.replayPort) }}
+{{- end }}
