@@ -147,7 +147,7 @@ class EngineStack:
                 allow_derived_salt=False, auth_token_file=None,
             )  # fmt: skip
             front_door = await start_http_front_door(engine, args)
-            front_door.engine_metrics.serve_from(self.workers[-1])  # its /metrics: the worker's vllm: series
+            front_door.engine_routes.serve_from(self.workers[-1])  # its /metrics, /health: the engine's
             self.front_doors.append(front_door)
             self.http_ports.append(http_port)
             if o.kv_events:

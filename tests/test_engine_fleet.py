@@ -127,8 +127,9 @@ def test_tenant_b_never_gets_cached_tokens_from_tenant_a(stack: EngineStack) -> 
     assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_the_engines_refusal_is_a_400_naming_its_field(stack: EngineStack) -> None:
-    # The front door's model card names no max_model_len: the engine itself refuses the context.
+def test_a_request_past_the_engines_context_is_a_400_naming_its_field(stack: EngineStack) -> None:
+    # The context is the engine's max_model_len from its /v1/models card.
+    assert all(m.max_model_len == 512 for m in stack.fleet.members())
     response = post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 100_000})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
