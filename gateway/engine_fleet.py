@@ -18,6 +18,9 @@ Stated times, the embedded fleet's:
     requests lost: at most unreachable_after + http_timeout + poll_interval (3.25 s by default) after it
     stopped answering. `on_failure` (the request path could not reach it) checks it at once.
   - it rejoins at the first poll that answers, as a new incarnation (its old entries dropped).
+  - an engine that restarted within that time is readmitted as a new incarnation (its old entries dropped,
+    its requests in flight ended) when its KV-event sequence goes back to 0, or when the
+    `process_start_time_seconds` on its metrics page changes (vLLM's and SGLang's pages carry it).
   - `answering`: a health check answered within 2 x (poll_interval + http_timeout) = 2.5 s.
 
 Parity, before a worker's cached prefixes count (FleetBook.admit's rule: a mismatch is logged once per
@@ -78,6 +81,7 @@ CANARIES: tuple[str | list[dict[str, str]], ...] = (
         {"role": "user", "content": "What is 12 + 30? Answer in one word."},
     ],
 )
+START_TIME = "process_start_time_seconds"  # prometheus_client's, on vLLM's and SGLang's pages: a change is a restart
 UNVERIFIED = "unverified"  # the tokenizer fingerprint of an engine whose /tokenize could not be compared
 MAX_METRICS_BYTES = 4 * 1024 * 1024
 
@@ -143,6 +147,7 @@ class EnginePoller:
         self.source: EventSource | None = None
         self.awaiting_since: float | None = None  # first prompt of >= 1 block sent this incarnation
         self.silent = False  # flagged no_kv_events
+        self.started: float | None = None  # its process_start_time_seconds, where its metrics have it
         self._failing_since: float | None = None
         self._wake = asyncio.Event()
         self._halted = False
@@ -216,7 +221,7 @@ class EnginePoller:
             self.worker_id, self.spec.address, incarnation, served, block_size, max_model_len,
             hash_fingerprint(identity.model_id, block_size), tokenizer_fingerprint, self.spec.engine,
         )  # fmt: skip
-        self.awaiting_since, self.silent = None, False
+        self.awaiting_since, self.silent, self.started = None, False, None
         if self.spec.events is None:
             self._flag_silent("its spec names no events= endpoint")
         else:
@@ -277,15 +282,24 @@ class EnginePoller:
             return
         running_name, waiting_name, usage_name = LOAD_METRICS[self.spec.engine]
         running = waiting = usage = 0.0
-        for sample in _samples(text, LOAD_METRICS[self.spec.engine]):
+        started = None
+        for sample in _samples(text, (*LOAD_METRICS[self.spec.engine], START_TIME)):
             if not math.isfinite(sample.value) or sample.value < 0:
                 continue
-            if sample.name == running_name:
+            if sample.name == START_TIME:
+                started = sample.value
+            elif sample.name == running_name:
                 running += sample.value
             elif sample.name == waiting_name:
                 waiting += sample.value
             elif sample.name == usage_name:
                 usage = max(usage, sample.value)
+        if started is not None and self.started is not None and started != self.started:
+            logger.warning("fleet: %s restarted (its process start time changed): its entries are dropped",
+                           self.worker_id)  # fmt: skip
+            self._restarted(self.worker_id)
+            member = self.book.member(self.worker_id) or member
+        self.started = started
         self.book.report_load(member.worker_id, member.incarnation, int(running), int(waiting), min(usage, 1.0))
 
     async def _metrics_text(self) -> str | None:

@@ -65,6 +65,7 @@ class EngineStack:
         self.workers: list[WorkerServer] = []
         self.front_doors: list[FrontDoor | None] = []
         self.http_ports: list[int] = []
+        self.grpc_ports: list[int] = []
         self.event_ports: list[tuple[int, int]] = []  # (events, replay) per worker, with kv_events
         self.publishers: list[Any] = []
         self.engines: list[LLMEngine] = []
@@ -120,6 +121,11 @@ class EngineStack:
         publisher.start()
         return publisher
 
+    def restart(self, index: int) -> None:
+        """Worker `index` stops and a new one (an empty cache, its event sequence from 0) starts on its ports."""
+        self.call(self._kill(index))
+        self.call(self._start_worker(index))
+
     def kill(self, index: int) -> None:
         """Stop worker `index` at once: its HTTP port and its gRPC port stop answering."""
         self.call(self._kill(index))
@@ -134,25 +140,39 @@ class EngineStack:
                 self.publishers[index].stop()
             await self.workers[index].stop(drain_timeout=0)
 
+    async def _start_worker(self, index: int) -> None:
+        """Worker `index` on its ports (its engine, gRPC server, HTTP front door and, with kv_events, publisher)."""
+        o = self.options
+        engine = await asyncio.get_running_loop().run_in_executor(None, _engine, o.sim_decode_ms_per_step)
+        server = await start_worker_server(engine, port=self.grpc_ports[index])
+        args = argparse.Namespace(
+            host="127.0.0.1", port=self.grpc_ports[index], http_host=None, http_port=self.http_ports[index],
+            model="sim", allow_derived_salt=False, auth_token_file=None,
+        )  # fmt: skip
+        front_door = await start_http_front_door(engine, args)
+        front_door.engine_routes.serve_from(server)  # its /metrics and /health: the engine's own
+        if index == len(self.workers):
+            self.engines.append(engine)
+            self.workers.append(server)
+            self.front_doors.append(front_door)
+        else:
+            self.engines[index], self.workers[index], self.front_doors[index] = engine, server, front_door
+        if o.kv_events:
+            publisher = self._publish(index)
+            if index == len(self.publishers):
+                self.publishers.append(publisher)
+            else:
+                self.publishers[index] = publisher
+
     async def _start(self) -> None:
         o = self.options
         loop = asyncio.get_running_loop()
-        for _ in range(o.workers):
-            engine = await loop.run_in_executor(None, _engine, o.sim_decode_ms_per_step)
-            self.engines.append(engine)
-            grpc_port, http_port = free_port(), free_port()
-            self.workers.append(await start_worker_server(engine, port=grpc_port))
-            args = argparse.Namespace(
-                host="127.0.0.1", port=grpc_port, http_host=None, http_port=http_port, model="sim",
-                allow_derived_salt=False, auth_token_file=None,
-            )  # fmt: skip
-            front_door = await start_http_front_door(engine, args)
-            front_door.engine_routes.serve_from(self.workers[-1])  # its /metrics, /health: the engine's
-            self.front_doors.append(front_door)
-            self.http_ports.append(http_port)
+        for index in range(o.workers):
+            self.grpc_ports.append(free_port())
+            self.http_ports.append(free_port())
             if o.kv_events:
                 self.event_ports.append((free_port(), free_port()))
-                self.publishers.append(self._publish(len(self.workers) - 1))
+            await self._start_worker(index)
         source = resolve_model("sim")
         tokenizer = o.gateway_tokenizer or await loop.run_in_executor(None, Tokenizer.for_model, source)
         texts = o.specs(self.http_ports) if o.specs else [self.spec(i) for i in range(o.workers)]
