@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from gateway.cli_gateway import build_gateway
+from gateway.engine_fleet import EngineFleetState
 from gateway.worker_spec import WorkerSpec, parse_worker_spec, parse_worker_specs
+from kvroute.cli import UserError, build_parser
 
 
 def test_bare_and_kvroute_specs_are_grpc_workers() -> None:
@@ -63,3 +71,33 @@ def test_a_list_refuses_a_worker_named_twice() -> None:
     assert len(parse_worker_specs("a:1, vllm://a:1 ,,b:2")) == 3
     with pytest.raises(ValueError, match="named twice"):
         parse_worker_specs("a:1,kvroute://a:1")
+
+
+def gateway(*flags: str) -> Any:
+    argv = ["gateway", "--model", "sim", *flags]
+    return build_gateway(build_parser(argv).parse_args(argv))
+
+
+def test_kvroute_gateway_takes_engine_specs_in_workers_and_the_routing_config(tmp_path: Path) -> None:
+    assert type(gateway("--workers", "127.0.0.1:1").fleet).__name__ == "EmbeddedFleetState"
+    config = tmp_path / "routing.json"
+    config.write_text(json.dumps({"epsilon": 0.25, "workers": ["sglang://127.0.0.1:30000?events=tcp://127.0.0.1:2"]}))
+    built = gateway("--workers", "vllm://127.0.0.1:8000?events=tcp://127.0.0.1:1,127.0.0.1:2", "--routing-config",
+                    str(config))  # fmt: skip
+    assert isinstance(built.fleet, EngineFleetState)
+    assert [p.spec.engine for p in built.fleet.engine_pollers] == ["vllm", "sglang"]
+    assert [p.address for p in built.fleet.grpc_pollers] == ["127.0.0.1:2"]
+    assert built.request_path.policy.options.epsilon == 0.25
+
+
+@pytest.mark.parametrize(
+    ("flags", "fault"),
+    [
+        (("--workers", "vllm://h:8000?evnts=tcp://h:1"), "unknown query key 'evnts'"),
+        (("--workers", "vllm://h:8000", "--redis", "redis://127.0.0.1:1"), "--redis takes kvroute workers only"),
+        ((), "name the fleet"),
+    ],
+)
+def test_kvroute_gateway_refuses_a_bad_fleet_in_one_line(flags: tuple[str, ...], fault: str) -> None:
+    with pytest.raises(UserError, match=re.escape(fault)):
+        gateway(*flags)
