@@ -394,7 +394,8 @@ class _DnsGroup:
         self.spec = spec
         self.make = make
         self.resolve = resolve
-        self.pollers: dict[str, EnginePoller] = {}
+        self.pollers: dict[str, EnginePoller] = {}  # by resolved address
+        self.by_id: dict[str, EnginePoller] = {}  # the same, by worker id
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._failed = False
 
@@ -410,12 +411,14 @@ class _DnsGroup:
         self._failed = False
         for address in sorted(self.pollers.keys() - addresses):
             poller = self.pollers.pop(address)
+            self.by_id.pop(poller.worker_id, None)
             task = self.tasks.pop(address, None)
             await stop_pollers([poller], [task] if task else [])
             poller.leave(f"{address} is no longer an address of {self.spec.host}", lost=False)
             await poller.close()
         for address in sorted(addresses - self.pollers.keys()):
             poller = self.pollers[address] = self.make(self.spec.at(address))
+            self.by_id[poller.worker_id] = poller
             await poller.poll_once()
             if start_tasks:
                 self.tasks[address] = asyncio.create_task(poller.run(), name=f"poll {poller.worker_id}")
@@ -464,11 +467,9 @@ class EngineFleetState(BookkeepingFleetState):
         self.grpc_pollers = [WorkerPoller(s.address, self.book, grpc_options, token) for s in specs
                              if s.engine == "kvroute"]  # fmt: skip
         self.engine_pollers = [make(s) for s in specs if s.engine != "kvroute" and s.discover is None]
+        self._static = {p.worker_id: p for p in self.engine_pollers}
         self.dns_groups = [_DnsGroup(s, make, resolve) for s in specs if s.discover == "dns"]
         self._tasks: list[asyncio.Task[Any]] = []
-
-    def _pollers(self) -> list[EnginePoller]:
-        return [*self.engine_pollers, *(p for group in self.dns_groups for p in group.pollers.values())]
 
     async def start(self) -> None:
         await asyncio.gather(
@@ -522,4 +523,7 @@ class EngineFleetState(BookkeepingFleetState):
         return (*flags, "no_kv_events") if poller.silent else flags
 
     def _engine_poller(self, worker_id: str) -> EnginePoller | None:
-        return next((p for p in self._pollers() if p.worker_id == worker_id), None)
+        poller = self._static.get(worker_id)
+        if poller is None and self.dns_groups:
+            poller = next((g.by_id[worker_id] for g in self.dns_groups if worker_id in g.by_id), None)
+        return poller

@@ -14,8 +14,10 @@ import grpc
 import httpx
 import orjson
 import pytest
+from prometheus_client import generate_latest
 
 from gateway.engine_fleet import EngineOptions
+from gateway.metrics import label_value
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
 from proto import worker_pb2, worker_pb2_grpc
@@ -190,12 +192,20 @@ def test_load_comes_from_the_engines_own_metrics(stack: EngineStack) -> None:
 
 
 def test_a_worker_without_kv_events_is_flagged_and_routed_by_load(stack: EngineStack) -> None:
-    post(stack, "/v1/completions", {"prompt": f"flag me {LONG}", "max_tokens": 1})
+    sent_to: set[str] = set()
+    for i in range(20):  # a prompt of full blocks to every worker
+        sent_to.add(post(stack, "/v1/completions", {"prompt": f"flag {i} {LONG}", "max_tokens": 1}).headers[
+            "x-kvroute-worker"])  # fmt: skip
+        if len(sent_to) == 2:
+            break
     time.sleep(stack.options.engine.no_events_after + 0.3)
     response = post(stack, "/v1/completions", {"prompt": f"flag me {LONG}", "max_tokens": 1})
     assert response.status_code == 200
     assert "no_kv_events" in response.headers["x-kvroute-route"]
     assert sum(stack.fleet.counters.no_kv_events.values()) >= 1
+    exposition = generate_latest(stack.request_path.metrics.registry).decode()
+    worker = label_value(response.headers["x-kvroute-worker"])
+    assert f'kvroute:gateway_no_kv_events_total{{worker="{worker}"}} 1.0' in exposition
 
 
 def test_engines_that_tokenize_as_the_gateway_pass_parity(stack: EngineStack) -> None:
