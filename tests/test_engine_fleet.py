@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from gateway.engine_fleet import EngineOptions
+from gateway.http_server import merge_delta
 from gateway.metrics import label_value
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
@@ -141,6 +142,20 @@ def test_a_chat_request_stays_a_chat_request(stack: EngineStack) -> None:
     assert whole["usage"]["completion_tokens"] == 5
 
 
+def test_n_choices_and_logprobs_come_through_the_engine(stack: EngineStack) -> None:
+    body = {"prompt": f"two ways {LONG}", "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 2}
+    response = post(stack, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    # (the sim engine's alternatives are its sampled token only)
+    assert all(len(c["logprobs"]["tokens"]) == 3 and len(c["logprobs"]["top_logprobs"]) == 3 for c in choices)
+    assert response.json()["usage"]["completion_tokens"] == 6
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    content = post(stack, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(entry["token"] and "top_logprobs" in entry for entry in content)
+
+
 def test_tenant_b_never_gets_cached_tokens_from_tenant_a(stack: EngineStack) -> None:
     prompt = f"tenant secret {LONG}"
     first = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=KEY)
@@ -247,6 +262,21 @@ def test_a_killed_worker_leaves_and_its_requests_succeed_elsewhere() -> None:
         assert stack.fleet.counters.leaves == 1
 
 
+@pytest.mark.slow
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    with EngineStack(EngineStackOptions(workers=2, sim_decode_ms_per_step=20)) as stack:
+        body = {"prompt": f"interrupted {LONG}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
+            victim = [i for i in range(2) if stack.worker_id(i) == response.headers["x-kvroute-worker"]][0]
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            stack.kill(victim)
+            rest = list(lines)
+        events = [orjson.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert "error" in events[-1] and [line for line in rest if line][-1] == "data: [DONE]"
+
+
 def test_dns_discovery_joins_and_leaves_with_the_records() -> None:
     records: list[str] = []
 
@@ -279,3 +309,21 @@ def _wait(condition: object, timeout: float = 5.0) -> None:
     while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
         time.sleep(0.02)
     assert condition()  # type: ignore[operator]
+
+
+def test_chat_deltas_beyond_content_merge_into_one_message_as_a_client_merges_them() -> None:
+    message: dict = {"role": "assistant", "content": ""}
+    deltas = [
+        {"reasoning_content": "Look it "},
+        {"reasoning_content": "up.", "tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                                     "function": {"name": "find", "arguments": '{"q": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"order"}'}}, {"index": 1, "id": "c2",
+                        "function": {"name": "log", "arguments": "{}"}}]},
+    ]  # fmt: skip
+    for delta in deltas:
+        merge_delta(message, delta)
+    assert message["reasoning_content"] == "Look it up."
+    assert message["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "find", "arguments": '{"q": "order"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "log", "arguments": "{}"}},
+    ]
