@@ -172,13 +172,14 @@ class HttpBackend:
 def engine_request(job: ForwardJob, engine_model: str, choice: int) -> tuple[str, dict[str, Any]]:
     """The path and JSON body of one choice's request to an HTTP engine (the module docstring's rules)."""
     request, params = job.request, job.params
-    if request.kind == "chat" and request.api_body is not None:
-        path, body = "/v1/chat/completions", dict(request.api_body)
+    sent = orjson.loads(request.api_json) if request.api_json is not None else None  # valid: the front door read it
+    if request.kind == "chat" and sent is not None:
+        path, body = "/v1/chat/completions", sent
         body.pop("max_completion_tokens", None)
     else:
-        path, body = "/v1/completions", dict(request.api_body or {})
+        path, body = "/v1/completions", sent or {}
         body["prompt"] = job.prompt_ids
-        if request.api_body is None:  # a token-level request: its sampling is all there is
+        if sent is None:  # a token-level request: its sampling is all there is
             body.update(_sampling_body(params, request))
     body.update(
         model=engine_model, stream=True, stream_options={"include_usage": True}, n=1, max_tokens=params.max_tokens

@@ -149,6 +149,7 @@ class EnginePoller:
         self.silent = False  # flagged no_kv_events
         self.started: float | None = None  # its process_start_time_seconds, where its metrics have it
         self._failing_since: float | None = None
+        self._stopping: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._halted = False
 
@@ -358,7 +359,9 @@ class EnginePoller:
         if now - self._failing_since >= self.options.unreachable_after:
             if self.book.member(self.worker_id) is not None:
                 self.leave(f"unreachable at {self.spec.address} for {now - self._failing_since:.1f} s ({why})", True)
-                asyncio.get_running_loop().create_task(self._stop_source())
+                task = asyncio.get_running_loop().create_task(self._stop_source(), name=f"unsubscribe {self.worker_id}")
+                self._stopping.add(task)  # referenced until done: a task nobody holds may be collected mid-way
+                task.add_done_callback(self._stopping.discard)
 
     async def _stop_source(self) -> None:
         source, self.source = self.source, None

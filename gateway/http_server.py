@@ -198,7 +198,7 @@ class OpenAIServer:
             body = await read_body(request, self.max_body_bytes)
             wire = parse_request(wire_type, body)
             gateway_request = wire.to_gateway_request(request_headers(request), self.default_max_tokens)
-            gateway_request.api_body = orjson.loads(body)  # valid JSON: parse_request read it
+            gateway_request.api_json = body
         except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
             return Response(status_code=499)
         except GatewayError as exc:

@@ -56,9 +56,9 @@ class GatewayRequest:
     stream: bool = False
     kind: Literal["chat", "completion", "tokens"] = "completion"
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent from the client, if any
-    # The JSON body as the client sent it (HTTP front door only): what an HTTP engine is sent, so the fields
-    # only the engine understands (tools, response_format, its own extensions) reach it (gateway.backends).
-    api_body: dict[str, Any] | None = None
+    # The JSON body as the client sent it (HTTP front door only; parsed only when an HTTP engine is sent it, so
+    # the fields only the engine understands, such as tools, response_format or its own extensions, reach it).
+    api_json: bytes | None = None
 
 
 @dataclass(frozen=True)
