@@ -26,6 +26,7 @@ from gateway.http_server import build_app
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity
+from gateway.retry import StreamDeadlines
 from gateway.router import make_policy
 from gateway.worker_spec import WorkerSpec, parse_worker_spec
 from kvroute.model_source import resolve_model
@@ -55,6 +56,7 @@ class EngineStackOptions:
     events: EventSourceFactory = subscribe
     resolve: Resolver = resolve_all
     specs: Callable[[list[int]], list[str]] | None = None  # HTTP ports -> the gateway's specs (default: one each)
+    deadlines: StreamDeadlines | None = None
 
 
 class EngineStack:
@@ -186,7 +188,7 @@ class EngineStack:
         limits = Limits(max_prompt_tokens=2000, max_tokens=256, max_body_bytes=64 * 1024, max_n=4)
         self.request_path = RequestPath(
             self.fleet, make_policy(o.policy), tokenizer, source.model_id, SERVED_MODEL,
-            Authenticator(o.api_keys), limits, GatewayMetrics(SERVED_MODEL),
+            Authenticator(o.api_keys), limits, GatewayMetrics(SERVED_MODEL), deadlines=o.deadlines,
         )  # fmt: skip
         app = build_app(self.request_path, max_body_bytes=limits.max_body_bytes, default_max_tokens=limits.max_tokens)
         self.http = HttpServer.start(app, "127.0.0.1", 0)

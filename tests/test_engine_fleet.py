@@ -6,6 +6,9 @@ their real HTTP front doors, a real gateway; see tests/engine_stack.py."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +22,10 @@ from prometheus_client import generate_latest
 from gateway.engine_fleet import EngineOptions
 from gateway.http_server import merge_delta
 from gateway.metrics import label_value
+from gateway.retry import StreamDeadlines
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
+from launch.worker import free_port
 from proto import worker_pb2, worker_pb2_grpc
 from tests.engine_stack import EngineStack, EngineStackOptions
 from tests.gateway_stack import KEY, SMALL_KEY
@@ -275,6 +280,48 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event() -> Non
             rest = list(lines)
         events = [orjson.loads(line[6:]) for line in rest if line.startswith("data: {")]
         assert "error" in events[-1] and [line for line in rest if line][-1] == "data: [DONE]"
+
+
+@pytest.mark.slow
+def test_a_hung_engine_ends_the_stream_at_its_inter_token_deadline() -> None:
+    # A real `kvroute worker` process, stopped (SIGSTOP) mid-stream: a member still (its health checks have not
+    # failed long enough to leave), but no longer answering them, so the stream's deadline ends it.
+    grpc_port, http_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--host", "127.0.0.1", "--port",
+            str(grpc_port), "--http-port", str(http_port), "--sim-decode-ms-per-step", "20"]  # fmt: skip
+    worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: _ready(http_port), timeout=60)
+        options = EngineStackOptions(
+            workers=0, specs=lambda _: [f"vllm://127.0.0.1:{http_port}"],
+            engine=EngineOptions(poll_interval=0.05, unreachable_after=30.0, http_timeout=0.2),
+            deadlines=StreamDeadlines(first_token_s=5.0, inter_token_s=0.5),
+        )  # fmt: skip
+        with EngineStack(options) as stack:
+            body = {"prompt": f"hung {LONG}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            headers = {"authorization": f"Bearer {KEY}"}
+            with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                worker.send_signal(signal.SIGSTOP)
+                started = time.monotonic()
+                rest = [line for line in lines if line]
+            waited = time.monotonic() - started
+            worker.send_signal(signal.SIGCONT)
+        error = orjson.loads(rest[-2][6:])["error"]
+        assert error["code"] == "worker_timeout" and rest[-1] == "data: [DONE]", rest[-2:]
+        assert waited < 5.0
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        worker.terminate()
+        worker.wait(10)
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_dns_discovery_joins_and_leaves_with_the_records() -> None:
