@@ -27,11 +27,16 @@ Caller contract:
   4. Sequence numbers (one per batch, from 0 at the engine's start): a skip marks the worker stale in the
      book (routed by load) and asks the replay socket for the missing batches; where the engine's buffer no
      longer holds them (or there is no replay socket) its entries are dropped and rebuilt from what follows.
-     A sequence that goes back (to 0) is an engine restart: its entries are dropped and `on_restart(worker_id)`
-     is called (the fleet state may treat it as a new incarnation).
-  5. Bad input never raises out of the subscriber and never changes the index: a malformed frame or batch,
-     an unknown tag, an oversize batch, a batch for a worker not in the book, a foreign rank or topic, a
-     stored run whose parent it never saw: each counted in `counters.dropped[reason]` and dropped.
+     A sequence that goes back (to 0), or any but the next one after the SUB connection dropped, is an engine
+     restart: its entries are dropped and `on_restart(worker_id)` is called (the fleet state may treat it as a
+     new incarnation); the new process's batches are then replayed from 0.
+  5. Bad input never raises out of the subscriber and never puts a wrong entry in the index; each drop is
+     counted in `counters.dropped[reason]` and in the book's `FleetCounters.kv_event_drops` (served by the
+     gateway as `kvroute:gateway_kv_event_drops{worker, reason}`). A malformed frame, a batch for a worker not
+     in the book, a foreign rank or topic, a stored run whose parent it never saw: dropped, entries kept. A
+     malformed batch in sequence (not msgpack, an unknown tag, wrong types, over `MAX_BATCH_BYTES` or
+     `MAX_EVENTS_PER_BATCH`) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
+     follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches").
   6. `medium`: blocks held only on a tier other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) count as
      hits when `count_offloaded` is set, else not at all (the index holds a bit per holder, no weight).
   7. `EngineEventHub` is the llm-d layout: one SUB socket the gateway binds, that the engines' publishers
@@ -50,6 +55,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from gateway.fleet_state import FleetBook
 from kvroute.engine_kv_events import (
@@ -69,8 +75,10 @@ from kvroute.hashing import HASH_BYTES, BlockHash, extend_block_hashes, hash_blo
 
 logger = logging.getLogger(__name__)
 
-# Engine blocks remembered per worker (engine hash -> our hash): the size of a large GPU's cache in blocks.
-# Past it the oldest is forgotten, and dropped from the index, since its removal could no longer be read.
+# Engine blocks (SGLang: pages) remembered per worker, engine hash -> our hash: a large GPU's cache of 16-token
+# blocks. A fleet state that knows the engine's capacity (vLLM's num_gpu_blocks, SGLang's max_total_num_tokens
+# / page size) passes that instead. Past it the oldest is forgotten, and dropped from the index, since its
+# removal could no longer be read.
 DEFAULT_MAX_BLOCKS = 1 << 18
 # A replay is a few thousand batches at most (the engines' buffer_steps default is 10,000); these bound a
 # publisher that never ends one.
@@ -109,9 +117,15 @@ class EngineEventCounters:
     restarts: int = 0  # the sequence went back: the engine restarted
     parity_failures: int = 0  # events whose block size does not fit the pool's
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> batches or events dropped
+    # The fleet's FleetCounters.kv_event_drops, where every drop is counted too (the gateway's metrics).
+    worker_id: str = ""
+    book_drops: dict[tuple[str, str], int] | None = field(default=None, repr=False)
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
+        if self.book_drops is not None:
+            key = (self.worker_id, reason)
+            self.book_drops[key] = self.book_drops.get(key, 0) + count
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +155,7 @@ class _Ingest:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.count_offloaded = count_offloaded
-        self.ours: dict[EngineHash, BlockHash] = {}  # insertion order = age, for the bound
+        self.ours: dict[EngineHash, BlockHash] = {}  # the engine's live blocks; insertion order = age, for the bound
         self.partial: dict[EngineHash, _Partial] = {}
         self.refs: dict[BlockHash, int] = {}  # copies held (an engine may hold two physical copies of one hash)
 
@@ -212,18 +226,23 @@ class _Ingest:
             removed.append(ours)
 
     def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> None:
+        """Take one BlockRemoved. A block's mapping goes with its last counted copy, so the map holds the
+        engine's live blocks only and its bound is never reached by churn."""
         counts = self._counts(event.medium)
         for engine_hash in event.block_hashes:
             if self.partial.pop(engine_hash, None) is not None:
                 continue
             ours = self.ours.get(engine_hash)
-            if ours is None or not counts:
+            if ours is None:
                 continue
             n = self.refs.get(ours, 0)
-            if n > 1:
+            if not counts:
+                if not n:
+                    del self.ours[engine_hash]
+            elif n > 1:
                 self.refs[ours] = n - 1
             elif n == 1:
-                del self.refs[ours]
+                del self.refs[ours], self.ours[engine_hash]
                 removed.append(ours)
 
 
@@ -246,7 +265,7 @@ class EngineEventSubscriber:
         self.book = book
         self.source = source
         self.worker_id = source.worker_id
-        self.counters = EngineEventCounters()
+        self.counters = EngineEventCounters(worker_id=source.worker_id, book_drops=book.counters.kv_event_drops)
         self.last_event_at: float | None = None
         self.on_restart = on_restart
         self.replay_timeout = replay_timeout
@@ -258,6 +277,9 @@ class EngineEventSubscriber:
         self._held: list[tuple[int, bytes]] | None = None  # live batches kept while a replay runs
         self._held_overflow = False
         self._book_incarnation: int | None = None
+        self._link_lost = False  # the SUB connection dropped and has not come back yet
+        self._replaying = False
+        self._last: tuple[int, bytes] | None = None  # the last batch applied (seq, payload)
         self._logged: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
@@ -274,9 +296,11 @@ class EngineEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.source.events_endpoint)
         self._socket = sock
         self._tasks.append(asyncio.create_task(self._read(sock), name=f"kv-events {self.worker_id}"))
+        self._tasks.append(asyncio.create_task(self._watch(sock, monitor), name=f"kv-events {self.worker_id} link"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -290,6 +314,28 @@ class EngineEventSubscriber:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+
+    async def _watch(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """A lost connection: the engine may have restarted behind it, and its first batches gone out before
+        the socket reconnects (contract item 4). Routed by load until the connection is back; then its
+        replay from 0 tells: the same process still has the last batch applied here, a new one does not."""
+        try:
+            while True:
+                event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._expected is not None:
+                    self._link_lost = True
+                    member = self.book.member(self.worker_id)
+                    if member is not None:
+                        self.book.mark_stale(self.worker_id, member.incarnation)
+                    if self._held is None:  # what arrives before the replay has told is held, not applied
+                        self._held, self._held_overflow = [], False
+                elif event["event"] == zmq.EVENT_CONNECTED and self._link_lost:
+                    self._link_lost = False
+                    if not self._replaying:
+                        self._begin_replay(0, check=self._last)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -324,22 +370,19 @@ class EngineEventSubscriber:
             return
         expected = self._expected
         if expected is not None and seq < expected:
-            self._restarted(seq)
+            self._restarted(f"its sequence went back to {seq} after {expected - 1}")
             expected = None
         if expected is None and seq != 0:
-            self._begin_replay(0, seq, payload)
+            self._begin_replay(0, (seq, payload))
         elif expected is not None and seq > expected:
             self.counters.gaps += 1
-            self._begin_replay(expected, seq, payload)
+            self._begin_replay(expected, (seq, payload))
         else:
             self._apply(seq, payload)
 
-    def _restarted(self, seq: int) -> None:
+    def _restarted(self, why: str) -> None:
         self.counters.restarts += 1
-        logger.warning(
-            "kv events: %s restarted (sequence back to %d after %d): its entries are dropped",
-            self.worker_id, seq, (self._expected or 1) - 1,
-        )  # fmt: skip
+        logger.warning("kv events: %s restarted (%s): its entries are dropped", self.worker_id, why)
         self._ingest.clear()
         self._expected = None
         self._mirror()
@@ -350,6 +393,7 @@ class EngineEventSubscriber:
         """Decode and apply one batch as the next in sequence, to the ingest and (`to_book`) the book; False
         (counted) when it was dropped."""
         self._expected = seq + 1
+        self._last = (seq, payload)
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
@@ -431,6 +475,7 @@ class EngineEventSubscriber:
 
     def _parity_failure(self, block_size: int) -> None:
         self.counters.parity_failures += 1
+        self.counters.drop("block_size")
         if "parity" not in self._logged:
             self._logged.add("parity")
             logger.warning(
@@ -455,16 +500,24 @@ class EngineEventSubscriber:
 
     # -- gaps ------------------------------------------------------------------------------------------------
 
-    def _begin_replay(self, start: int, seq: int, payload: bytes) -> None:
+    def _begin_replay(
+        self, start: int, first: tuple[int, bytes] | None = None, *, check: tuple[int, bytes] | None = None
+    ) -> None:
+        """Replay from `start`, holding live batches (`first` the one that showed the gap) until it ends.
+        `check` (after a reconnect): the last batch applied, which the same engine process replays unchanged."""
         member = self.book.member(self.worker_id)
         if member is not None:
             self.book.mark_stale(self.worker_id, member.incarnation)
-        self._held = [(seq, payload)]
-        self._held_overflow = False
+        if self._held is None:
+            self._held, self._held_overflow = [], False
+        if first is not None:
+            self._held.append(first)
+        self._replaying = True
         if self.source.replay_endpoint is None:
-            self._finish_replay(start, [])
+            self._finish_replay(start, [], check)
             return
-        self._tasks.append(asyncio.create_task(self._replay(start), name=f"kv-replay {self.worker_id}"))
+        task = asyncio.create_task(self._replay(start, check), name=f"kv-replay {self.worker_id}")
+        self._tasks.append(task)
 
     def _hold_live(self, seq: int, payload: bytes) -> None:
         assert self._held is not None
@@ -473,8 +526,9 @@ class EngineEventSubscriber:
             self._held.clear()
         self._held.append((seq, payload))
 
-    async def _replay(self, start: int) -> None:
+    async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
+        complete = False  # the end marker came
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -492,6 +546,7 @@ class EngineEventSubscriber:
                         break
                     seq = decode_seq(frames[0])
                     if seq == END_SEQ:
+                        complete = True
                         break
                     replayed.append((seq, frames[1]))
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
@@ -499,15 +554,36 @@ class EngineEventSubscriber:
         finally:
             sock.close(linger=0)
             self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        self._finish_replay(start, replayed)
+        self._finish_replay(start, replayed, check, complete)
 
-    def _finish_replay(self, start: int, replayed: list[tuple[int, bytes]]) -> None:
+    def _finish_replay(
+        self,
+        start: int,
+        replayed: list[tuple[int, bytes]],
+        check: tuple[int, bytes] | None = None,
+        complete: bool = False,
+    ) -> None:
         """Apply the replayed batches and the live ones held meanwhile, in order from `start`; wherever one is
-        missing, drop the entries and rebuild from what follows; then mirror the result into the book."""
+        missing, drop the entries and rebuild from what follows; then mirror the result into the book. With
+        `check`, the replay (from 0) follows a reconnect: the same process goes on after its last batch
+        applied here; any other is a restart, applied from its first batch."""
         held, overflow = self._held or [], self._held_overflow
-        self._held = None
+        self._held = [] if self._link_lost else None  # lost again meanwhile: hold on until it is back
+        self._held_overflow = False
+        self._replaying = False
         batches = dict(replayed)
         self.counters.replayed_batches += len(batches)
+        if check is not None:
+            last_seq, last_payload = check
+            if batches.get(last_seq) == last_payload:
+                start = last_seq + 1
+            else:
+                if replayed and complete:
+                    self._restarted("a new process behind its endpoint: its replay lacks the last batch applied")
+                else:  # no whole replay to tell by: what it holds now is unknown
+                    self.counters.rebuilds += 1
+                    self._ingest.clear()
+                start = 0
         if overflow:
             batches = {s: p for s, p in batches.items() if s >= held[0][0]} if held else {}
         batches.update(held)
@@ -524,6 +600,7 @@ class EngineEventSubscriber:
 
     def _rebuild(self, expected: int, seq: int) -> None:
         self.counters.rebuilds += 1
+        self.counters.drop("lost_batches", seq - expected)
         log = logger.debug if "rebuild" in self._logged else logger.warning
         self._logged.add("rebuild")
         log(

@@ -26,8 +26,8 @@ Stated times, the embedded fleet's:
 Parity, before a worker's cached prefixes count (FleetBook.admit's rule: a mismatch is logged once per
 incarnation, counted in `kvroute:gateway_parity_mismatches`, and the worker is routed by load only):
   - tokenizer: the engine's `/tokenize` on `CANARIES` (plain texts with its special tokens, and a chat
-    through its chat template) must give the gateway's own ids; an engine that cannot answer is unverified,
-    which counts as a mismatch.
+    through its chat template; SGLang's `/tokenize` takes no messages, so for SGLang the plain texts only)
+    must give the gateway's own ids; an engine that cannot answer is unverified, which counts as a mismatch.
   - blocks: the block size it reports (vLLM's `vllm:cache_config_info`) must be the gateway's; an engine
     that reports none is taken at the gateway's (its events' block size is checked again per event).
   The hash itself cannot differ: the gateway re-hashes the token ids the events carry with its own hash.
@@ -245,6 +245,8 @@ class EnginePoller:
         """The gateway's tokenizer fingerprint if the engine's /tokenize agrees on every canary, else a
         fingerprint that differs from it (the reason logged)."""
         for canary in CANARIES:
+            if self.spec.engine == "sglang" and not isinstance(canary, str):
+                continue  # SGLang's /tokenize takes a prompt only: its chat template cannot be compared
             if isinstance(canary, str):
                 body: dict[str, Any] = {"model": served, "prompt": canary, "add_special_tokens": True}
                 ours = self.tokenizer.encode(canary, add_special_tokens=True)

@@ -117,6 +117,8 @@ class FleetCounters:
     resyncs: int = 0  # a worker's KV entries were replaced from a snapshot
     parity_mismatches: dict[str, int] = field(default_factory=dict)  # worker id -> mismatched incarnations seen
     no_kv_events: dict[str, int] = field(default_factory=dict)  # worker id -> times found publishing no KV events
+    # (worker id, reason) -> engine KV event batches or events dropped (gateway.engine_events names the reasons)
+    kv_event_drops: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass

@@ -111,6 +111,14 @@ class _LiveCollector(Collector):
         for change in ("joins", "leaves", "restarts", "resyncs"):
             changes.add_metric([change], getattr(counters, change))
         yield changes
+        drops = CounterMetricFamily(
+            "kvroute:gateway_kv_event_drops",
+            "Engine KV event batches or events dropped, by worker and reason (gateway.engine_events).",
+            labels=["worker", "reason"],
+        )
+        for (worker, reason), count in sorted(getattr(counters, "kv_event_drops", {}).items()):
+            drops.add_metric([label_value(worker), reason], count)
+        yield drops
 
 
 class GatewayMetrics:

@@ -34,6 +34,7 @@ for bad input: not msgpack, wrong shapes or types, an unknown tag, more than `MA
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,7 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
 _decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 _SEQ_BYTES = 8
@@ -139,7 +141,7 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         raise KVEventDecodeError(f"batch of {len(payload)} bytes is over the {MAX_BATCH_BYTES}-byte bound")
     try:
         raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise KVEventDecodeError(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         raise KVEventDecodeError("an EventBatch is an array [ts, events, dp_rank?]")
@@ -157,8 +159,8 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         decoded = tuple(_decode_event(e) for e in events)
     except KVEventDecodeError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
-        raise KVEventDecodeError(f"malformed event: {exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, RecursionError) as exc:
+        raise KVEventDecodeError(f"malformed event: {exc!r}"[:200]) from None
     return EventBatch(float(ts), decoded, rank)
 
 
@@ -209,7 +211,11 @@ def _block_stored(f: dict[str, Any]) -> BlockStored:
     if parent is not None and not _is_hash(parent):
         raise KVEventDecodeError("BlockStored.parent_block_hash must be an integer, bytes or null")
     tokens = f["token_ids"]
-    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in tokens):
+    try:
+        array(_UINT32, tokens)  # checks every id in C: an integer in [0, 2**32)
+    except (TypeError, OverflowError):
+        raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)") from None
+    if not isinstance(tokens, list):
         raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)")
     block_size = f["block_size"]
     if not _is_int(block_size) or block_size < 1:

@@ -7,7 +7,7 @@ ENGINE `sglang`: `sglang.srt.disaggregation.kv_events` imported from a `--no-dep
 (its directory and that of its few light imports on PYTHONPATH). ENGINE `vllm`: `vllm/distributed/kv_events.py`
 and `vllm/config/kv_events.py` of the vllm wheel, loaded by path from $KVROUTE_VLLM_SOURCES, with stubs only for
 the imports that are not about KV events (the logger, network helpers, the config decorator, a type alias): the
-package itself does not import without its GPU-side dependencies.
+package does not import from a `--no-deps` install (its import chain wants many of vLLM's dependencies).
 
 `publish`: the engine's own ZmqEventPublisher publishes the batches of SPEC (a list of batches, each a list of
 events `{"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared", ...fields}`) built with the engine's own

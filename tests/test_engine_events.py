@@ -287,6 +287,112 @@ def test_a_sequence_back_at_zero_is_a_restart_and_drops_the_old_entries() -> Non
     run(main())
 
 
+def test_a_worker_restarted_behind_the_same_endpoint_is_a_restart() -> None:
+    from launch.worker import free_port
+
+    events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+
+    async def main() -> None:
+        server, publisher = await start_worker(**events)
+        book = book_for(server.engine.engine.model_id)
+        restarted: list[str] = []
+        source = EngineEventSource("w", events["endpoint"], events["replay_endpoint"])
+        subscriber = EngineEventSubscriber(book, source, on_restart=restarted.append)
+        await subscriber.start()
+        try:
+            await traffic(server, publisher, rounds=1)
+            await until(lambda: subscriber.counters.batches == publisher.published, what="every batch")
+            old = await pool_hashes(server)
+            assert held(book, "w", old)
+            await stop_worker(server, publisher)
+            server, publisher = await start_worker(**events)  # a new process: its sequence starts at 0 again
+            await generate(server, list(range(800, 840)))
+            await caught_up(server, publisher)
+            new = await pool_hashes(server)
+            await until(lambda: held(book, "w", new), what="the new process's blocks only")
+            assert restarted == ["w"] and subscriber.counters.restarts == 1
+            assert not any(book.fleet.kv_index.holds("w", h) for h in old - new)
+        finally:
+            await subscriber.stop()
+            await stop_worker(server, publisher)
+
+    run(main())
+
+
+class Proxy:
+    """A loopback TCP proxy whose connections a test can cut (a network blip between gateway and engine)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Close every connection and stop listening (until `start` again, on the same port)."""
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+def test_a_dropped_connection_to_the_same_engine_is_not_a_restart() -> None:
+    from launch.worker import free_port
+
+    events_port = free_port()
+
+    async def main() -> None:
+        server, publisher = await start_worker(endpoint=f"tcp://127.0.0.1:{events_port}")
+        proxy = Proxy(events_port)
+        await proxy.start()
+        book = book_for(server.engine.engine.model_id)
+        restarted: list[str] = []
+        source = EngineEventSource("w", f"tcp://127.0.0.1:{proxy.port}", publisher.replay_endpoint)
+        subscriber = EngineEventSubscriber(book, source, on_restart=restarted.append)
+        await subscriber.start()
+        try:
+            await asyncio.sleep(0.3)
+            await traffic(server, publisher, rounds=1)
+            await until(lambda: subscriber.counters.batches == publisher.published, what="every batch")
+            await proxy.cut()
+            await until(lambda: book.fleet.kv_index.is_stale("w"), what="routed by load while the link is down")
+            await generate(server, list(range(900, 940)))  # published while nobody receives it
+            await caught_up(server, publisher)
+            await proxy.start()
+            cached = await pool_hashes(server)
+            await until(lambda: held(book, "w", cached), timeout=10, what="the index after the reconnect")
+            assert restarted == [] and subscriber.counters.restarts == 0 and subscriber.counters.rebuilds == 0
+            assert subscriber.counters.replayed_batches > 0  # the missed batch came from the replay socket
+        finally:
+            await subscriber.stop()
+            await proxy.cut()
+            await stop_worker(server, publisher)
+
+    run(main())
+
+
 def test_all_blocks_cleared_drops_the_workers_entries() -> None:
     async def main() -> None:
         server, publisher = await start_worker()
@@ -392,6 +498,7 @@ def test_bad_input_is_counted_and_dropped_and_never_poisons_the_index() -> None:
             msgspec.msgpack.encode([1.0, [["BlockStored", [5], None, [-1, 2, 3, 4], BLOCK, None, None]]]),
             b"\x92" + b"\xcb" + b"\x00" * 8 + b"\xdd" + (10**6).to_bytes(4, "big"),  # claims a million events
             b"\x00" * (MAX_BATCH_BYTES + 1),
+            b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 50_000 + b"\xc0",  # nested too deep
         ):
             send(payload)
             assert held(book, "w", set())
@@ -407,10 +514,13 @@ def test_bad_input_is_counted_and_dropped_and_never_poisons_the_index() -> None:
         last = block_hashes(list(range(1000 + 8 * 399, 1000 + 8 * 400)), model_id="m", block_size=BLOCK)
         assert index.match(last) == [2]
         counters = subscriber.counters
-        assert counters.dropped["frames"] == 1 and counters.dropped["malformed"] == 9
+        assert counters.dropped["frames"] == 1 and counters.dropped["malformed"] == 10
         assert counters.dropped["foreign_rank"] == 1 and counters.dropped["unknown_parent"] == 1
         assert ghost.counters.dropped == {"unknown_worker": 1} and index.replicas == ("w",)
-        assert counters.rebuilds == 8
+        assert counters.rebuilds == 9
+        # The fleet's counters (the gateway's kvroute:gateway_kv_event_drops) have every drop too.
+        drops = book.counters.kv_event_drops
+        assert drops[("w", "malformed")] == 10 and drops[("ghost", "unknown_worker")] == 1
 
     run(main())
 
@@ -456,3 +566,97 @@ def test_the_kv_events_config_flag_takes_vllms_json_and_names_what_is_wrong() ->
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "endpont" in result.stderr
+
+
+@pytest.mark.slow
+def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -> None:
+    import grpc
+
+    from kvroute.model_source import resolve_model
+    from launch.worker import free_port
+    from proto import worker_pb2, worker_pb2_grpc
+
+    port, events_port, replay_port = free_port(), free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "bind": True, "topic": f"kv@127.0.0.1:{port}@sim",
+        "endpoint": f"tcp://127.0.0.1:{events_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }  # fmt: skip
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", str(port), "--block-size",
+         str(BLOCK), "--num-kv-blocks", "64", "--max-model-len", "256", "--kv-events-config", json.dumps(config)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("KV events on" in line for line in lines):
+            assert time.monotonic() < deadline and worker.poll() is None, "".join(lines)
+            lines.append(worker.stdout.readline())
+        assert f"tcp://127.0.0.1:{events_port}, replay on tcp://127.0.0.1:{replay_port}" in lines[-1]
+
+        async def main() -> None:
+            model_id = resolve_model("sim").model_id
+            fleet = book_for(model_id)
+            source = EngineEventSource(
+                "w", f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}", topic=config["topic"]
+            )
+            subscriber = EngineEventSubscriber(fleet, source)
+            await subscriber.start()
+            prompt = list(range(100, 132))
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = worker_pb2_grpc.WorkerStub(channel)
+                    for salt in ("", "tenant-b"):
+                        request = worker_pb2.GenerateRequest(
+                            request_id=f"r-{salt}", prompt_token_ids=prompt, cache_salt=salt,
+                            sampling=worker_pb2.SamplingParams(max_tokens=2),
+                        )  # fmt: skip
+                        async for _ in stub.Generate(request):
+                            pass
+                index = fleet.fleet.kv_index
+                for salt in ("", "tenant-b"):
+                    hashes = block_hashes(prompt, model_id=model_id, cache_salt=salt, block_size=BLOCK)
+                    await until(lambda h=hashes: index.match(h) == [len(h)], what=f"the blocks of salt {salt!r}")
+                assert subscriber.counters.dropped == {}
+            finally:
+                await subscriber.stop()
+
+        run(main())
+        worker.terminate()
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_offloaded_tiers_count_only_when_asked_and_keys_the_gateway_cannot_make_never_match() -> None:
+    tokens = tuple(range(8))
+    ours = block_hashes(list(tokens), model_id="m", block_size=BLOCK)
+    on_cpu = BlockStored((1, 2), None, tokens, BLOCK, None, "CPU")
+    for count_offloaded in (False, True):
+        book = book_for("m")
+        subscriber = EngineEventSubscriber(book, EngineEventSource("w", None), count_offloaded=count_offloaded)
+        subscriber.handle(_message(0, BlockStored((1, 2), None, tokens, BLOCK, None, "GPU"), on_cpu))
+        subscriber.handle(_message(1, BlockRemoved((1, 2), "GPU")))  # evicted from the GPU, kept on the CPU
+        assert held(book, "w", set(ours) if count_offloaded else set())
+    book = book_for("m")
+    subscriber = EngineEventSubscriber(book, EngineEventSource("w", None))
+    image = BlockStored((5, 6), None, tokens, BLOCK, None, "GPU", None, ((("mm-hash", 0),), None))
+    lora = BlockStored((7, 8), None, tokens, BLOCK, None, "GPU", "my-lora", (("my-lora",), None))
+    subscriber.handle(_message(0, image, lora))
+    index = book.fleet.kv_index
+    assert index.num_blocks("w") == 4 and index.match(ours) == [0]  # held, but no text prompt of the base model
+    assert index.match(block_hashes(list(tokens), model_id="my-lora", block_size=BLOCK)) == [2]
+
+
+def test_churn_past_the_map_bound_keeps_a_long_lived_block() -> None:
+    book = book_for("m")
+    subscriber = EngineEventSubscriber(book, EngineEventSource("w", None), max_blocks=64)
+    hot = list(range(BLOCK))
+    subscriber.handle(_message(0, _stored([1], None, 0)))
+    for i in range(500):  # stored and evicted again and again: far more blocks than the bound over time
+        h = 1000 + i
+        subscriber.handle(_message(1 + 2 * i, _stored([h], None, 100 + BLOCK * i)))
+        subscriber.handle(_message(2 + 2 * i, BlockRemoved((h,))))
+    assert held(book, "w", set(block_hashes(hot, model_id="m", block_size=BLOCK)))
