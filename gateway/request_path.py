@@ -26,7 +26,7 @@ Every worker request is watched while the gateway waits on it (one watchdog task
     answering, died or restarted; not when it drains), it ends the same way at once;
   - `end_streams(message)` (the gateway's drain deadline, a second signal) ends every one with
     NoWorkerAvailable(message), code `gateway_shutting_down`, and starts no worker request after.
-Ending one cancels its gRPC call, which frees its blocks on the worker.
+Ending one cancels its backend call (gRPC: the call; HTTP: the connection), which frees its blocks on the worker.
 
 Errors before any output are GatewayErrors raised from `generate` (the front door answers with their
 status). Nothing here logs prompt text unless `log_prompts` is set.
@@ -599,7 +599,7 @@ class _WorkerStream:
     call: BackendCall  # a grpc.aio.UnaryStreamCall, or gateway.backends.HttpCall
     request_id: str
     incarnation: int  # of the worker it was sent to (a restart ends only the old incarnation's requests)
-    first: worker_pb2.GenerateResponse | None = None
+    first: worker_pb2.GenerateResponse | EngineDelta | None = None
     done: bool = False  # the worker's stream is over (finished, failed or cancelled): on_finish was called
     waiting_since: float | None = None  # time.monotonic() since the reader waits on the worker; None otherwise
     ended: _StreamEnded | None = None  # set when the gateway ended it
