@@ -4,6 +4,8 @@ either as gRPC workers (`host:port`) or as vLLM servers (`vllm://host:http-port?
 mode over a fresh fleet. A chat workload (sessions sharing a system prompt, each turn carrying the history)
 runs `--concurrency` sessions at a time through the gateway's OpenAI API; prints per mode the time to the first
 content token (p50, p99), the prompt tokens the workers computed (prompt - cached) and the share cached.
+With `--workers 1` a third mode, `direct`, sends the same workload to the worker's own HTTP front door, with no
+gateway in between: `vllm` less `direct` is what the gateway's HTTP backend adds.
 
     python -m loadtest.engine_backend_bench --workers 2 --sessions 16 --turns 4
 """
@@ -122,6 +124,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> Result:
                 f"127.0.0.1:{grpc_port}" if mode == "grpc" else
                 f"vllm://127.0.0.1:{http_port}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"
             )  # fmt: skip
+        if mode == "direct":  # the client at the worker's own HTTP front door: what the gateway adds, subtracted
+            url = f"http://127.0.0.1:{http_port}"
+            wait_ready(url, 1)
+            asyncio.run(workload(url, 2, 1, 1))
+            return asyncio.run(workload(url, args.sessions, args.turns, args.concurrency))
         port = free_port()
         stack.enter_context(process([
             "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
@@ -143,7 +150,7 @@ def main() -> None:
     parser.add_argument("--policy", default="kv_aware")
     args = parser.parse_args()
     print(f"{'backend':8} {'requests':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'prefill tokens':>15} {'cached':>7}")
-    for mode in ("grpc", "vllm"):
+    for mode in ("grpc", "vllm", *(("direct",) if args.workers == 1 else ())):
         result = run_mode(mode, args)
         ttft = sorted(result.ttft)
         p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
