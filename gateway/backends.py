@@ -47,6 +47,8 @@ from proto import worker_pb2
 # An engine's HTTP status -> the canonical code the request path books (see the module docstring).
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,  # the engine wants a key the gateway does not have: a setup error
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,  # the engine does not serve the model named: retried elsewhere, a breaker failure
     413: grpc.StatusCode.OUT_OF_RANGE,
     422: grpc.StatusCode.INVALID_ARGUMENT,
