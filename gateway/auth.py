@@ -54,9 +54,12 @@ def tenant_salt(tenant: str, secret: bytes | None = None) -> str:
 
 
 def cache_salt(tenant: Tenant, client_salt: str = "") -> str:
-    """The salt a request's blocks are hashed with: the tenant's, with the client's mixed in under it."""
-    if not client_salt:
-        return tenant.cache_salt
+    """The salt a request's blocks are hashed with: the tenant's, with the client's mixed in under it. A
+    tenant without a salt (the open tenant of a server without API keys) takes the client's as it is, as vLLM
+    does: so a kvroute worker's front door behind a gateway hashes with the salt the gateway sent as
+    `cache_salt`, the one its KV events carry and the gateway routes on."""
+    if not client_salt or not tenant.cache_salt:
+        return client_salt or tenant.cache_salt
     return f"{tenant.cache_salt}\x00{client_salt}"
 
 

@@ -2,6 +2,8 @@
 
     kvroute gateway --model smollm2 --workers 10.0.0.1:50051,10.0.0.2:50051      # embedded fleet state
     kvroute gateway --model smollm2 --redis redis://redis:6379 [--workers ...]   # Redis (workers = fallback)
+    kvroute gateway --model DIR --workers 'vllm://10.0.0.5:8000?events=tcp://10.0.0.5:5557&replay=tcp://10.0.0.5:5558'
+                                                                                  # stock engines (gateway.worker_spec)
 
 Signals:
   SIGTERM / SIGINT  drain: /ready turns 503 and gRPC health NOT_SERVING, new requests get 503 (UNAVAILABLE),
@@ -51,7 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="listen address of both front doors")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP API port (0: a free one)")
     parser.add_argument("--grpc-port", type=int, default=50050, help="gRPC Gateway + Worker + Health port (0: off)")
-    parser.add_argument("--workers", default="", help="worker addresses host:port,host:port (embedded fleet state)")
+    parser.add_argument(
+        "--workers",
+        default="",
+        help="worker specs, comma-separated: host:port (kvroute gRPC) or vllm:// / sglang:// "
+        "host:port?events=tcp://...&replay=tcp://...[&discover=dns] (their OpenAI HTTP servers)",
+    )
     parser.add_argument("--redis", default=None, help="Redis fleet state URL (redis://, rediss://, redis+sentinel://)")
     parser.add_argument("--policy", choices=POLICY_NAMES, default="kv_aware")
     parser.add_argument(
@@ -155,9 +162,6 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
             raise UserError(f"--{flag.replace('_', '-')} must be in [0, 65536), got {getattr(args, flag)}")
     if args.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
-    addresses = [a.strip() for a in args.workers.split(",") if a.strip()]
-    if not addresses and not args.redis:
-        raise UserError("name the fleet: --workers host:port,... and/or --redis URL")
     try:
         source = resolve_model(args.model)
         tokenizer = Tokenizer.for_model(source)
@@ -182,12 +186,17 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         deadlines = StreamDeadlines(args.first_token_timeout, args.inter_token_timeout)
         auth = Authenticator.from_config(args.api_keys_file, allow_derived_salt=args.allow_derived_salt)
         token = worker_token(args.worker_token_file, "--worker-token-file")
-        policy = make_policy(args.policy, **_routing_options(args.routing_config))
+        options = _routing_options(args.routing_config)
+        specs = _worker_specs(args.workers, options.pop("workers", []))
+        policy = make_policy(args.policy, **options)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
+    if not specs and not args.redis:
+        raise UserError("name the fleet: --workers host:port,... and/or --redis URL")
     served = args.served_model_name or args.model
     metrics = GatewayMetrics(served, tenant_labels=args.metrics_tenant_labels)
-    fleet = _fleet_state(args, addresses, fleet_identity(source.model_id, tokenizer, args.block_size), token)
+    identity = fleet_identity(source.model_id, tokenizer, args.block_size)
+    fleet = _fleet_state(args, specs, identity, tokenizer, token)
     request_path = RequestPath(
         fleet,
         policy,
@@ -218,10 +227,27 @@ def _routing_options(path: str | None) -> dict[str, Any]:
     return options
 
 
-def _fleet_state(args: argparse.Namespace, addresses: list[str], identity: Any, token: str | None) -> Any:
+def _worker_specs(flag: str, configured: Any) -> list[Any]:
+    """--workers and the routing config's `workers` (a list of specs), as parsed specs."""
+    from gateway.worker_spec import parse_worker_specs
+
+    if not isinstance(configured, list) or not all(isinstance(item, str) for item in configured):
+        raise ValueError("--routing-config: workers must be a list of worker specs (strings)")
+    return parse_worker_specs(",".join([flag, *configured]))
+
+
+def _fleet_state(args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None) -> Any:
     from gateway.embedded_fleet import EmbeddedFleetState, validate_address
     from kvroute.credentials import redis_password
 
+    addresses = [spec.address for spec in specs]
+    if any(spec.engine != "kvroute" for spec in specs):
+        if args.redis:
+            raise UserError("--redis takes kvroute workers only (host:port); vllm:// and sglang:// workers are read "
+                            "directly: leave out --redis")  # fmt: skip
+        from gateway.engine_fleet import EngineFleetState
+
+        return EngineFleetState(specs, identity, tokenizer, token=token)
     try:
         for address in addresses:
             validate_address(address)
@@ -424,7 +450,10 @@ def reload(gateway: Gateway, args: argparse.Namespace) -> None:
             )  # fmt: skip
     if args.routing_config:
         try:
-            policy = make_policy(args.policy, **_routing_options(args.routing_config))
+            options = _routing_options(args.routing_config)
+            if options.pop("workers", None) is not None:
+                logger.warning("SIGHUP: the routing config's workers are read at start only; restart to change them")
+            policy = make_policy(args.policy, **options)
         except (ValueError, TypeError) as exc:
             logger.error("SIGHUP: kept the routing config in force: %s", exc)
         else:

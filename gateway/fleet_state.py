@@ -24,6 +24,8 @@ Contract for the request path:
   6. `answering(worker_id)`: the worker answered this fleet state's own checks lately (a GetStats reply, a
      heartbeat that moved): alive, if perhaps busy. The request path asks it before it ends a stream whose
      deadline passed (gateway.retry.StreamDeadlines), so a worker busy with a long prefill is not cut.
+  7. `flags(worker_id)`: why the worker's cached prefixes are not scored (`parity_mismatch`,
+     `no_kv_events`), empty for a scored worker; the request path shows them in `x-kvroute-route`.
 Membership changes (a worker joins, its heartbeat expires, it restarts with a new incarnation) update the
 view and the KV index in place, never rebuilding them from nothing.
 """
@@ -49,6 +51,7 @@ class WorkerMember(WorkerDescription):
     """One live worker as the gateway knows it (its description from GetInfo or the Redis registry)."""
 
     parity_ok: bool  # both fingerprints equal the gateway's own: its KV entries are scored
+    engine: str = "kvroute"  # what it runs, so what it is forwarded over (gateway.worker_spec.ENGINES)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class FleetState(ABC):
     def members(self) -> list[WorkerMember]: ...
 
     @abstractmethod
-    def on_dispatch(self, worker_id: str) -> None: ...
+    def on_dispatch(self, worker_id: str, prompt_blocks: int = 0) -> None:
+        """A request with `prompt_blocks` full prompt blocks was sent to the worker (contract item 4)."""
 
     @abstractmethod
     def on_finish(self, worker_id: str) -> None: ...
@@ -94,6 +98,11 @@ class FleetState(ABC):
         than membership; the implementations below time the worker's answers."""
         return self.member(worker_id) is not None
 
+    def flags(self, worker_id: str) -> tuple[str, ...]:
+        """Why the worker's cached prefixes are not scored (contract item 7); () when they are."""
+        member = self.member(worker_id)
+        return ("parity_mismatch",) if member is not None and not member.parity_ok else ()
+
 
 # -- the books both implementations keep ------------------------------------------------------------------
 
@@ -107,6 +116,7 @@ class FleetCounters:
     restarts: int = 0  # a known worker came back with a new incarnation
     resyncs: int = 0  # a worker's KV entries were replaced from a snapshot
     parity_mismatches: dict[str, int] = field(default_factory=dict)  # worker id -> mismatched incarnations seen
+    no_kv_events: dict[str, int] = field(default_factory=dict)  # worker id -> times found publishing no KV events
     # (worker id, reason) -> engine KV event batches or events dropped (gateway.engine_events names the reasons)
     kv_event_drops: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -193,16 +203,18 @@ class FleetBook:
         max_model_len: int,
         hash_fingerprint: str,
         tokenizer_fingerprint: str,
+        engine: str = "kvroute",
     ) -> WorkerMember:
         """A worker as it describes itself: joins, restarts (new incarnation) or stays (a changed address
-        is taken). Parity is checked here: a mismatch is logged once per incarnation and counted."""
+        is taken). Parity is checked here: a mismatch is logged once per incarnation and counted. `engine`:
+        what it runs (kvroute, vllm, sglang)."""
         identity = self.identity
         parity_ok = hash_fingerprint == identity.hash_fingerprint and tokenizer_fingerprint == (
             identity.tokenizer_fingerprint
         )
         member = WorkerMember(
             worker_id, address, incarnation, model_id, block_size, max_model_len,
-            hash_fingerprint, tokenizer_fingerprint, parity_ok,
+            hash_fingerprint, tokenizer_fingerprint, parity_ok, engine,
         )  # fmt: skip
         old = self._members.get(worker_id)
         if old == member:
@@ -254,6 +266,11 @@ class FleetBook:
 
     # -- reports --------------------------------------------------------------------------------------
 
+    def heard(self, worker_id: str, incarnation: int) -> None:
+        """The member answered a check that carries no load report (an engine's /health)."""
+        if self.is_current(worker_id, incarnation):
+            self._heard[worker_id] = time.monotonic()
+
     def report_load(self, worker_id: str, incarnation: int, running: int, waiting: int, kv_usage: float) -> None:
         if not self.is_current(worker_id, incarnation):
             return
@@ -288,7 +305,7 @@ class FleetBook:
 
     # -- this gateway's own requests ------------------------------------------------------------------
 
-    def on_dispatch(self, worker_id: str) -> None:
+    def on_dispatch(self, worker_id: str, prompt_blocks: int = 0) -> None:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
         if worker_id in self._since_report:
             self._since_report[worker_id] += 1
@@ -348,7 +365,7 @@ class BookkeepingFleetState(FleetState):
     def members(self) -> list[WorkerMember]:
         return self.book.members()
 
-    def on_dispatch(self, worker_id: str) -> None:
+    def on_dispatch(self, worker_id: str, prompt_blocks: int = 0) -> None:
         self.book.on_dispatch(worker_id)
 
     def on_finish(self, worker_id: str) -> None:

@@ -198,6 +198,7 @@ class OpenAIServer:
             body = await read_body(request, self.max_body_bytes)
             wire = parse_request(wire_type, body)
             gateway_request = wire.to_gateway_request(request_headers(request), self.default_max_tokens)
+            gateway_request.api_json = body
         except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
             return Response(status_code=499)
         except GatewayError as exc:
@@ -346,6 +347,29 @@ def request_headers(request: Request) -> RequestHeaders:
 # -- rendering a Generation ------------------------------------------------------------------------------------
 
 
+def merge_delta(message: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Fold one chat delta's extra fields into a whole message as an OpenAI client does: strings append,
+    tool calls merge by their `index` (their arguments append; id, type and name are taken once)."""
+    for key, value in delta.items():
+        if key == "tool_calls" and isinstance(value, list):
+            calls = message.setdefault("tool_calls", [])
+            for part in value:
+                index = part.get("index", len(calls)) if isinstance(part, dict) else len(calls)
+                while len(calls) <= index:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call = calls[index]
+                for field in ("id", "type"):
+                    if part.get(field):
+                        call[field] = part[field]
+                function = part.get("function") or {}
+                call["function"]["name"] += function.get("name") or ""
+                call["function"]["arguments"] += function.get("arguments") or ""
+        elif isinstance(value, str):
+            message[key] = message.get(key, "") + value
+        else:
+            message[key] = value
+
+
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -385,9 +409,12 @@ class Renderer:
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list[TokenLogprob]] = {}
         finish: dict[int, str] = {}
+        extras: dict[int, dict[str, Any]] = {}
         try:
             async for chunk in self.generation:
                 texts.setdefault(chunk.index, []).append(chunk.text)
+                if chunk.extra:
+                    merge_delta(extras.setdefault(chunk.index, {}), chunk.extra)
                 logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
                 if chunk.finish_reason is not None:
                     finish[chunk.index] = chunk.finish_reason
@@ -397,6 +424,8 @@ class Renderer:
             self.choice(index, "".join(texts.get(index, ())), logprobs.get(index, []), finish.get(index, "abort"))
             for index in range(self.wire.n)
         ]
+        for index, extra in extras.items():
+            choices[index].get("message", {}).update(extra)
         return {**self.head, "choices": choices, "usage": usage_body(self.generation.usage)}
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -514,9 +543,10 @@ class ChatRenderer(Renderer):
         ]
 
     def chunk_event(self, chunk: Chunk) -> dict[str, Any] | None:
-        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
+        if not chunk.text and chunk.finish_reason is None and not chunk.logprobs and not chunk.extra:
             return None
-        delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+        delta = {"content": chunk.text} if chunk.text or (chunk.finish_reason is None and not chunk.extra) else {}
+        delta.update(chunk.extra)
         choice = {
             "index": chunk.index,
             "delta": delta,

@@ -97,6 +97,14 @@ class _LiveCollector(Collector):
         for worker, count in sorted(counters.parity_mismatches.items()):
             mismatches.add_metric([label_value(worker)], count)
         yield mismatches
+        silent = CounterMetricFamily(
+            "kvroute:gateway_no_kv_events",
+            "Times an engine worker was found publishing no KV events (routed by load until its events arrive).",
+            labels=["worker"],
+        )
+        for worker, count in sorted(counters.no_kv_events.items()):
+            silent.add_metric([label_value(worker)], count)
+        yield silent
         changes = CounterMetricFamily(
             "kvroute:gateway_fleet_changes", "Fleet membership changes seen by this gateway.", labels=["change"]
         )

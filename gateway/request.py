@@ -56,6 +56,9 @@ class GatewayRequest:
     stream: bool = False
     kind: Literal["chat", "completion", "tokens"] = "completion"
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent from the client, if any
+    # The JSON body as the client sent it (HTTP front door only; parsed only when an HTTP engine is sent it, so
+    # the fields only the engine understands, such as tools, response_format or its own extensions, reach it).
+    api_json: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,16 @@ class RouteInfo:
     matched_blocks: int = 0
     skipped: tuple[str, ...] = ()  # replicas passed over for load (or excluded after a failure)
     attempts: int = 1  # workers tried, the last one included
+    flags: tuple[str, ...] = ()  # why the worker's cached prefixes are not scored (FleetState.flags)
 
     def header(self) -> str:
-        """`policy=kv_aware; reason=hit; matched_blocks=12; skipped=w1,w3; attempts=1`."""
+        """`policy=kv_aware; reason=hit; matched_blocks=12; skipped=w1,w3; attempts=1[; flags=no_kv_events]`."""
         parts = [f"policy={self.policy}", f"reason={self.reason}", f"matched_blocks={self.matched_blocks}"]
         if self.skipped:
             parts.append(f"skipped={','.join(self.skipped)}")
         parts.append(f"attempts={self.attempts}")
+        if self.flags:
+            parts.append(f"flags={','.join(self.flags)}")
         return "; ".join(parts)
 
 
@@ -106,6 +112,8 @@ class Chunk:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when params.logprobs
     finish_reason: str | None = None
+    # Fields of an HTTP engine's chat delta beyond its content (tool_calls, reasoning_content), as it sent them.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

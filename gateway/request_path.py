@@ -8,9 +8,11 @@
                        tokenizing where its length proves it)                    kvroute.tokenizer
       4. hash          block hashes with the tenant's salt (the client's mixed in under it)
       5. route         policy.pick(request, fleet.view(), exclude)               gateway.router
-      6. forward       worker Generate over gRPC; before its first token a failed worker is retried on
-                       another (backoff, breaker)                                gateway.retry
-      7. detokenize    incremental, stop strings across token boundaries         gateway.stop_strings
+      6. forward       over the worker's backend (kvroute gRPC, or vLLM / SGLang OpenAI HTTP in the
+                       engine's own API); before its first message a failed worker is retried on
+                       another (backoff, breaker)                                gateway.backends, gateway.retry
+      7. detokenize    incremental, stop strings across token boundaries (a kvroute worker's token ids;
+                       an HTTP engine sends text it cut at stop strings itself)  gateway.stop_strings
     Generation: route known (the first token has come), then Chunks per choice, then usage.
 
 `n` choices are n worker requests. The first is routed; the others go to the same worker once the first
@@ -26,7 +28,7 @@ Every worker request is watched while the gateway waits on it (one watchdog task
     answering, died or restarted; not when it drains), it ends the same way at once;
   - `end_streams(message)` (the gateway's drain deadline, a second signal) ends every one with
     NoWorkerAvailable(message), code `gateway_shutting_down`, and starts no worker request after.
-Ending one cancels its gRPC call, which frees its blocks on the worker.
+Ending one cancels its backend call (gRPC: the call; HTTP: the connection), which frees its blocks on the worker.
 
 Errors before any output are GatewayErrors raised from `generate` (the front door answers with their
 status). Nothing here logs prompt text unless `log_prompts` is set.
@@ -55,6 +57,7 @@ from opentelemetry import trace
 
 from gateway import tracing
 from gateway.auth import Authenticator, cache_salt
+from gateway.backends import Backend, BackendCall, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -84,8 +87,7 @@ from gateway.stop_strings import ChoiceText
 from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
-from kvroute.sampling import InvalidRequest, SamplingParams
-from kvroute.sampling_proto import sampling_to_proto
+from kvroute.sampling import InvalidRequest
 from kvroute.tokenizer import PromptTooLong, Tokenizer
 from proto import worker_pb2
 
@@ -130,6 +132,7 @@ class RequestPath:
         retry: RetryPolicy | None = None,
         breakers: CircuitBreakers | None = None,
         clients: WorkerClients | None = None,
+        http_backend: HttpBackend | None = None,
         deadlines: StreamDeadlines | None = None,
         log_prompts: bool = False,
     ) -> None:
@@ -145,6 +148,9 @@ class RequestPath:
         self.retry = retry or RetryPolicy()
         self.breakers = breakers or CircuitBreakers()
         self.clients = clients or WorkerClients()
+        http = http_backend or HttpBackend()
+        # by WorkerMember.engine: what each worker is forwarded over
+        self.backends: dict[str, Backend] = {"kvroute": GrpcBackend(self.clients), "vllm": http, "sglang": http}
         self.deadlines = deadlines or StreamDeadlines()
         self.log_prompts = log_prompts
         self.concurrency = TenantConcurrency(limits)
@@ -208,7 +214,8 @@ class RequestPath:
             self._watchdog.cancel()
             await asyncio.wait({self._watchdog})
             self._watchdog = None
-        await self.clients.close()
+        for backend in {id(b): b for b in self.backends.values()}.values():
+            await backend.close()
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
 
     def _member_changed(self, old: WorkerMember, lost: bool) -> None:
@@ -223,7 +230,7 @@ class RequestPath:
                     )
                     self._end(stream, error, worker_fault=True)
         if all(member.address != old.address for member in self.fleet.members()):
-            self.clients.release(old.address)
+            self.backends[old.engine].release(old.address)
 
     # -- the watchdog over open worker requests ---------------------------------------------------------------
 
@@ -257,7 +264,7 @@ class RequestPath:
                         stream, UpstreamError(f"worker {worker_id} {why}", code="worker_timeout"), worker_fault=True
                     )
 
-    async def _receive(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | object:
+    async def _receive(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta | object:
         """The worker request's next message (or grpc.aio.EOF), timed by the watchdog. Raises _StreamEnded
         when the gateway ended it (`_end`), AioRpcError when the worker failed it."""
         stream.waiting_since = time.monotonic()
@@ -306,7 +313,10 @@ class RequestPath:
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         try:
             hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
-            forward = _Forward(request_id, prompt_ids, salt, hashes, request.params, request.max_tokens_defaulted, span)
+            forward = _Forward(
+                request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
+                request.max_tokens_defaulted, span,
+            )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
             streams = [first]
@@ -525,7 +535,7 @@ class RequestPath:
             skipped = tuple(dict.fromkeys((*failed, *decision.skipped)))
             route = RouteInfo(
                 member.worker_id, member.address, self.policy.name, decision.reason, decision.matched_blocks,
-                skipped, attempts,
+                skipped, attempts, self.fleet.flags(member.worker_id),
             )  # fmt: skip
             return stream, route
         if busy and busy == attempts:
@@ -588,22 +598,11 @@ class RequestPath:
         )
 
     def _send(self, forward: _Forward, member: WorkerMember, choice: int) -> _WorkerStream:
-        params = forward.params
-        # n choices, n different samples; wrapped to stay an int64 (a seed of 2**63 - 1 with n = 2 is valid)
-        seed = (params.seed + choice + 2**63) % 2**64 - 2**63 if params.seed is not None else None
-        message = worker_pb2.GenerateRequest(
-            request_id=forward.request_id if choice == 0 else f"{forward.request_id}-{choice}",
-            prompt_token_ids=forward.prompt_ids,
-            sampling=sampling_to_proto(dataclasses.replace(params, seed=seed)),
-            cache_salt=forward.salt,
-            block_hashes=forward.hashes,
-            trace_context=forward.trace_context,
-        )
-        self.fleet.on_dispatch(member.worker_id)
+        self.fleet.on_dispatch(member.worker_id, len(forward.hashes))
         self.breakers.on_dispatch(member.worker_id)
         self.metrics.routed.labels(label_value(member.worker_id)).inc()
-        call = self.clients.stub(member.address).Generate(message)
-        stream = _WorkerStream(choice, member.worker_id, call, message.request_id, member.incarnation)
+        call = self.backends[member.engine].open(member, forward, choice)
+        stream = _WorkerStream(choice, member.worker_id, call, forward.choice_id(choice), member.incarnation)
         self._open_streams.setdefault(member.worker_id, set()).add(stream)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="stream watchdog")
@@ -627,20 +626,11 @@ class RequestPath:
 
 
 @dataclasses.dataclass
-class _Forward:
-    """What every worker request of one client request carries."""
+class _Forward(ForwardJob):
+    """What every worker request of one client request carries, and the request path's own part of it."""
 
-    request_id: str
-    prompt_ids: list[int]
-    salt: str
-    hashes: list[bytes]
-    params: SamplingParams
     max_tokens_defaulted: bool  # the client set none: cut to the context left rather than refused
     span: trace.Span
-    trace_context: dict[str, str] = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.trace_context = tracing.worker_trace_context(self.span)
 
 
 class _StreamEnded(Exception):
@@ -656,10 +646,10 @@ class _StreamEnded(Exception):
 class _WorkerStream:
     choice: int
     worker_id: str
-    call: grpc.aio.UnaryStreamCall
+    call: BackendCall  # a grpc.aio.UnaryStreamCall, or gateway.backends.HttpCall
     request_id: str
     incarnation: int  # of the worker it was sent to (a restart ends only the old incarnation's requests)
-    first: worker_pb2.GenerateResponse | None = None
+    first: worker_pb2.GenerateResponse | EngineDelta | None = None
     done: bool = False  # the worker's stream is over (finished, failed or cancelled): on_finish was called
     waiting_since: float | None = None  # time.monotonic() since the reader waits on the worker; None otherwise
     ended: _StreamEnded | None = None  # set when the gateway ended it
@@ -758,7 +748,7 @@ class _StreamingGeneration(Generation):
 
     # -- shared ---------------------------------------------------------------------------------------------
 
-    async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | None:
+    async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta:
         """The next message; UpstreamError if the worker failed, hung or closed the stream mid-way (or left the
         fleet); NoWorkerAvailable when the gateway's shutdown ended it."""
         try:
@@ -781,8 +771,10 @@ class _StreamingGeneration(Generation):
             raise UpstreamError(f"worker {stream.worker_id} closed the stream before finishing")
         return response
 
-    def _consume(self, stream: _WorkerStream, response: worker_pb2.GenerateResponse) -> Chunk | None:
+    def _consume(self, stream: _WorkerStream, response: worker_pb2.GenerateResponse | EngineDelta) -> Chunk | None:
         """One worker message -> one Chunk of its choice (None when it adds nothing to say)."""
+        if isinstance(response, EngineDelta):
+            return self._consume_engine(stream, response)
         text_state = self._texts[stream.choice]
         token_ids = tuple(response.token_ids)
         self.usage.completion_tokens += len(token_ids)
@@ -806,6 +798,21 @@ class _StreamingGeneration(Generation):
             return None
         logprobs = self._logprobs(response) if self._want_logprobs else ()
         return Chunk(stream.choice, text, token_ids, logprobs, finish_reason)
+
+    def _consume_engine(self, stream: _WorkerStream, delta: EngineDelta) -> Chunk | None:
+        """An HTTP engine's message: its text as it is (the engine cut it at stop strings), its usage."""
+        if delta.finish_reason is not None:
+            self._end_stream(stream)
+            self._finish_reasons.append(delta.finish_reason)
+            self._path.metrics.request_success.labels(delta.finish_reason).inc()
+        if delta.completion_tokens is not None:
+            self.usage.completion_tokens += delta.completion_tokens
+        if stream.choice == 0 and delta.cached_tokens is not None:
+            self.usage.cached_tokens = delta.cached_tokens
+        if not delta.text and not delta.extra and not delta.logprobs and delta.finish_reason is None:
+            return None
+        logprobs = delta.logprobs if self._want_logprobs else ()
+        return Chunk(stream.choice, delta.text, (), logprobs, delta.finish_reason, delta.extra)
 
     def _logprobs(self, response: worker_pb2.GenerateResponse) -> tuple[TokenLogprob, ...]:
         tops: Sequence[worker_pb2.TopLogprobs] = response.top_logprobs

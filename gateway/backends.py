@@ -1,0 +1,383 @@
+"""The backends a request is forwarded over: kvroute gRPC and OpenAI HTTP (vLLM, SGLang). One small interface.
+
+    Backend.open(member, job, choice) -> BackendCall
+    BackendCall.read()   -> the next message, or grpc.aio.EOF once the stream is over
+    BackendCall.cancel() -> end it now; a pending `read` raises asyncio.CancelledError, and the engine's
+                            request is cancelled (gRPC: the call's cancel; HTTP: the connection is closed,
+                            which vLLM and SGLang take as an abort)
+
+Messages: `worker_pb2.GenerateResponse` from a kvroute worker (token ids, which the request path
+detokenizes and cuts at stop strings), `EngineDelta` from an HTTP engine (text the engine detokenized and
+cut at stop strings itself, so the request path applies neither again). Failures are raised as
+`grpc.aio.AioRpcError` with the canonical status code for both backends, so the request path books them
+one way (INVALID_ARGUMENT / OUT_OF_RANGE: the client's fault, refused with a 400 naming the field;
+RESOURCE_EXHAUSTED: busy, tried elsewhere; anything else before the first token: retried elsewhere and a
+breaker failure; after it: the stream ends with an error). HTTP statuses map as `_STATUS_CODES` says; a
+connection that cannot be made or breaks is UNAVAILABLE.
+
+What goes to an HTTP engine, in its own API (so its tool-call and reasoning parsers, structured output and
+logprobs keep working): a chat request stays a chat request, its body as the client sent it (every field,
+the engine's own extensions included); a completion is sent with the token ids the gateway hashed as its
+`prompt` (what the router scored is exactly what the engine caches; docs/engines.md weighs the choice), as
+is a token-level (gRPC) request. The gateway always sets `model` (the engine's served name), `stream: true`
+with `stream_options.include_usage` (the engine's cached-token count arrives in its usage), `n: 1` (the
+request path sends each choice on its own), the choice's `seed`, `max_tokens` (cut to the context left) and
+`cache_salt` (the tenant's salt: the engine's own prefix cache isolates tenants as kvroute workers do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+import httpx
+import orjson
+
+from gateway.fleet_state import WorkerMember
+from gateway.request import GatewayRequest, TokenLogprob
+from gateway.worker_client import WorkerClients
+from kvroute.sampling import SamplingParams
+from kvroute.sampling_proto import sampling_to_proto
+from proto import worker_pb2
+
+# An engine's HTTP status -> the canonical code the request path books (see the module docstring).
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,  # the engine wants a key the gateway does not have: a setup error
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,  # the engine does not serve the model named: retried elsewhere, a breaker failure
+    413: grpc.StatusCode.OUT_OF_RANGE,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+MAX_ERROR_BYTES = 64 * 1024  # of an engine's error body read to name the fault
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # one SSE event of an engine's stream; past it the stream fails
+_QUEUE_DEPTH = 8  # engine events read ahead of the client: a slow client slows the read, nothing piles up
+_DELTA_TEXT = ("content",)
+_DELTA_PASSED = ("tool_calls", "reasoning_content", "reasoning", "function_call")
+
+
+@dataclasses.dataclass
+class ForwardJob:
+    """What every worker request of one client request carries (the request path builds it once)."""
+
+    request_id: str
+    request: GatewayRequest
+    prompt_ids: list[int]
+    salt: str
+    hashes: list[bytes]
+    params: SamplingParams  # max_tokens possibly cut to the context left
+    trace_context: dict[str, str]
+
+    def seed(self, choice: int) -> int | None:
+        """n choices, n different samples; wrapped to stay an int64 (a seed of 2**63 - 1 with n = 2 is valid)."""
+        seed = self.params.seed
+        return (seed + choice + 2**63) % 2**64 - 2**63 if seed is not None else None
+
+    def choice_id(self, choice: int) -> str:
+        return self.request_id if choice == 0 else f"{self.request_id}-{choice}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDelta:
+    """One message of an HTTP engine's stream, for one choice: text to append (its stop strings already cut),
+    the fields of a chat delta beyond `content` (tool_calls, reasoning_content) as the engine sent them,
+    logprobs, and on the last one the finish reason and the engine's usage."""
+
+    text: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    completion_tokens: int | None = None  # the engine's count, on the last message
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the engine reports it
+
+
+class BackendCall(Protocol):
+    async def read(self) -> Any: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Backend(Protocol):
+    def open(self, member: WorkerMember, job: ForwardJob, choice: int) -> BackendCall: ...
+
+    async def close(self) -> None: ...
+
+    def release(self, address: str) -> None: ...
+
+
+class GrpcBackend:
+    """kvroute workers: `kvroute.v1.Worker.Generate` over kept channels (gateway.worker_client)."""
+
+    def __init__(self, clients: WorkerClients) -> None:
+        self.clients = clients
+
+    def open(self, member: WorkerMember, job: ForwardJob, choice: int) -> BackendCall:
+        message = worker_pb2.GenerateRequest(
+            request_id=job.choice_id(choice),
+            prompt_token_ids=job.prompt_ids,
+            sampling=sampling_to_proto(dataclasses.replace(job.params, seed=job.seed(choice))),
+            cache_salt=job.salt,
+            block_hashes=job.hashes,
+            trace_context=job.trace_context,
+        )
+        return self.clients.stub(member.address).Generate(message)
+
+    def release(self, address: str) -> None:
+        self.clients.release(address)
+
+    async def close(self) -> None:
+        await self.clients.close()
+
+
+class HttpBackend:
+    """vLLM and SGLang: their OpenAI HTTP API, one `httpx.AsyncClient` per address with at most
+    `max_connections` connections (a request past them waits for one, up to `pool_timeout` seconds, then
+    fails UNAVAILABLE and is tried elsewhere)."""
+
+    def __init__(self, *, max_connections: int = 256, connect_timeout: float = 2.0, pool_timeout: float = 5.0) -> None:
+        self.max_connections = max_connections
+        self.timeout = httpx.Timeout(connect=connect_timeout, read=None, write=10.0, pool=pool_timeout)
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def client(self, address: str) -> httpx.AsyncClient:
+        client = self._clients.get(address)
+        if client is None:
+            limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=64)
+            client = httpx.AsyncClient(base_url=f"http://{address}", limits=limits, timeout=self.timeout)
+            self._clients[address] = client
+        return client
+
+    def open(self, member: WorkerMember, job: ForwardJob, choice: int) -> BackendCall:
+        path, body = engine_request(job, member.model_id, choice)
+        return HttpCall(self.client(member.address), path, body, job.request.kind == "chat")
+
+    def release(self, address: str) -> None:
+        """No member has this address any more: its client closes once the requests still on it end."""
+        client = self._clients.pop(address, None)
+        if client is not None:
+            task = asyncio.get_running_loop().create_task(client.aclose(), name=f"close http {address}")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        await asyncio.gather(*(c.aclose() for c in clients.values()), *self._closing, return_exceptions=True)
+
+
+def engine_request(job: ForwardJob, engine_model: str, choice: int) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of one choice's request to an HTTP engine (the module docstring's rules)."""
+    request, params = job.request, job.params
+    sent = orjson.loads(request.api_json) if request.api_json is not None else None  # valid: the front door read it
+    if request.kind == "chat" and sent is not None:
+        path, body = "/v1/chat/completions", sent
+        body.pop("max_completion_tokens", None)
+    else:
+        path, body = "/v1/completions", sent or {}
+        body["prompt"] = job.prompt_ids
+        if sent is None:  # a token-level request: its sampling is all there is
+            body.update(_sampling_body(params, request))
+    body.update(
+        model=engine_model, stream=True, stream_options={"include_usage": True}, n=1, max_tokens=params.max_tokens
+    )
+    seed = job.seed(choice)
+    if seed is not None:
+        body["seed"] = seed
+    body.pop("cache_salt", None)
+    if job.salt:
+        body["cache_salt"] = job.salt
+    return path, body
+
+
+def _sampling_body(params: SamplingParams, request: GatewayRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
+        "min_tokens": params.min_tokens, "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": request.skip_special_tokens,
+    }  # fmt: skip
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if params.logprobs:
+        body["logprobs"] = params.top_logprobs
+    return body
+
+
+class HttpCall:
+    """One choice's request to an HTTP engine, read as `EngineDelta`s (the BackendCall contract). The request
+    is sent at once, by a task that reads the engine's server-sent events as they arrive (no buffering past
+    `_QUEUE_DEPTH` events) and closes the connection when cancelled. The choice's finish is held back until
+    the engine's usage event (or the end of the stream), so its last EngineDelta carries both."""
+
+    def __init__(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], chat: bool) -> None:
+        self._chat = chat
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(_QUEUE_DEPTH)
+        self._cancelled = False
+        self._task = asyncio.get_running_loop().create_task(self._run(client, path, body), name=f"http {path}")
+
+    async def read(self) -> Any:
+        if self._cancelled:
+            raise asyncio.CancelledError
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        if self._cancelled:
+            return False
+        self._cancelled = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.QueueFull):  # wake a pending read; a full queue has no reader waiting
+            self._queue.put_nowait(asyncio.CancelledError())
+        return True
+
+    async def _run(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> None:
+        try:
+            async with client.stream("POST", path, content=orjson.dumps(body), headers=_JSON) as response:
+                if response.status_code != 200:
+                    raise await _http_error(response)
+                held: EngineDelta | None = None  # the choice's finish, waiting for the usage event
+                async for data in _sse_data(response):
+                    if data == b"[DONE]":
+                        break
+                    event = _event(data)
+                    delta, usage = self._delta(event), event.get("usage")
+                    if delta is not None and delta.finish_reason is None:
+                        await self._queue.put(delta)
+                        continue
+                    if delta is not None:
+                        held = delta
+                    if usage and held is not None:
+                        await self._queue.put(_with_usage(held, usage))
+                        held = None
+                if held is not None:
+                    await self._queue.put(held)
+            await self._queue.put(grpc.aio.EOF)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            await self._queue.put(exc)
+        except (httpx.HTTPError, OSError) as exc:
+            await self._queue.put(_rpc_error(grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}"))
+        except (ValueError, TypeError, KeyError) as exc:
+            await self._queue.put(_rpc_error(grpc.StatusCode.INTERNAL, f"the engine sent a malformed event: {exc}"))
+
+    def _delta(self, event: dict[str, Any]) -> EngineDelta | None:
+        """The event's choice as an EngineDelta; None for an event without one (the usage event)."""
+        choices = event.get("choices")
+        if not choices:
+            return None
+        choice = choices[0]
+        if self._chat:
+            delta = choice.get("delta") or {}
+            text = "".join(delta.get(k) or "" for k in _DELTA_TEXT)
+            extra = {k: delta[k] for k in _DELTA_PASSED if delta.get(k)}
+            logprobs = _chat_logprobs(choice.get("logprobs"))
+        else:
+            text, extra, logprobs = choice.get("text") or "", {}, _completion_logprobs(choice.get("logprobs"))
+        return EngineDelta(text, extra, logprobs, choice.get("finish_reason"))
+
+
+_JSON = {"content-type": "application/json", "accept": "text/event-stream"}
+
+
+async def _sse_data(response: httpx.Response) -> Any:
+    """The `data:` payloads of a server-sent event stream, each as bytes, as they arrive."""
+    buffer = b""
+    async for piece in response.aiter_raw():
+        buffer += piece
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            block, buffer = buffer[:end], buffer[end + 2 :]
+            lines = block.replace(b"\r\n", b"\n").split(b"\n")
+            data = b"\n".join(line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:"))
+            if data:
+                yield data
+        if len(buffer) > MAX_EVENT_BYTES:
+            raise ValueError(f"an event over {MAX_EVENT_BYTES} bytes")
+
+
+def _event(data: bytes) -> dict[str, Any]:
+    event = orjson.loads(data)
+    if not isinstance(event, dict):
+        raise ValueError("an event that is not a JSON object")
+    error = event.get("error")
+    if error:  # vLLM and SGLang end a failing stream with an error event
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        raise _rpc_error(grpc.StatusCode.INTERNAL, f"the engine failed the stream: {message}")
+    return event
+
+
+def _with_usage(delta: EngineDelta, usage: dict[str, Any] | None) -> EngineDelta:
+    if not usage:
+        return delta
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return dataclasses.replace(
+        delta, completion_tokens=usage.get("completion_tokens"), cached_tokens=cached if cached is not None else None
+    )
+
+
+def _chat_logprobs(logprobs: dict[str, Any] | None) -> tuple[TokenLogprob, ...]:
+    if not logprobs:
+        return ()
+    return tuple(
+        TokenLogprob(
+            entry["token"],
+            -1,
+            float(entry["logprob"]),
+            list(entry.get("bytes") or entry["token"].encode()),
+            tuple(_chat_logprobs({"content": entry.get("top_logprobs") or ()})),
+        )  # fmt: skip
+        for entry in logprobs.get("content") or ()
+    )
+
+
+def _completion_logprobs(logprobs: dict[str, Any] | None) -> tuple[TokenLogprob, ...]:
+    if not logprobs:
+        return ()
+    tokens: Sequence[str] = logprobs.get("tokens") or ()
+    values: Sequence[float] = logprobs.get("token_logprobs") or ()
+    tops: Sequence[dict[str, float] | None] = logprobs.get("top_logprobs") or ()
+    out = []
+    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
+        top = tops[i] if i < len(tops) and tops[i] else {}
+        alternatives = tuple(TokenLogprob(t, -1, float(lp), list(t.encode())) for t, lp in top.items() if t != token)
+        out.append(TokenLogprob(token, -1, float(value), list(token.encode()), alternatives))
+    return tuple(out)
+
+
+async def _http_error(response: httpx.Response) -> grpc.aio.AioRpcError:
+    """An engine's refusal as the canonical error: its message, and the field it names where it names one."""
+    raw = b""
+    async for piece in response.aiter_raw():
+        raw += piece
+        if len(raw) > MAX_ERROR_BYTES:
+            break
+    message = raw[:MAX_ERROR_BYTES].decode(errors="replace").strip() or response.reason_phrase
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        error = orjson.loads(raw).get("error") or orjson.loads(raw)
+        if isinstance(error, dict):
+            text, param = error.get("message") or message, error.get("param")
+            message = f"{param}: {text}" if param and not str(text).startswith(f"{param}: ") else str(text)
+    code = _STATUS_CODES.get(response.status_code)
+    if code is None:
+        code = grpc.StatusCode.INVALID_ARGUMENT if response.status_code < 500 else grpc.StatusCode.INTERNAL
+    return _rpc_error(code, f"HTTP {response.status_code}: {message}" if code not in _CLIENT_CODES else message)
+
+
+_CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

@@ -1,0 +1,157 @@
+"""Worker specs: one string names a worker, the engine it runs and where its KV events come from (DESIGN §4).
+
+    host:port                                   a kvroute worker (gRPC), as before
+    kvroute://host:port                         the same, spelled out
+    vllm://host:port?events=tcp://host:5557&replay=tcp://host:5558
+    sglang://host:port?events=tcp://host:5557
+    vllm://my-svc.ns.svc:8000?events=tcp://*:5557&replay=tcp://*:5558&discover=dns
+
+`host:port` of a `vllm://` or `sglang://` spec is the engine's OpenAI HTTP server (`vllm serve --port`,
+SGLang's `--port`). Query keys, each at most once:
+  - `events`: the engine's ZMQ PUB endpoint (vLLM's `--kv-events-config` `endpoint`, with the pod's host in
+    place of `*`). Without it the worker publishes no KV events the gateway can read: routed by load.
+  - `replay`: the engine's ZMQ ROUTER replay endpoint (`replay_endpoint`), asked when a sequence skips.
+  - `topic`: the topic the engine publishes under (vLLM's `topic`; default empty: every topic).
+  - `metrics`: the URL of its Prometheus metrics (default `http://host:port/metrics`, where vLLM and
+    SGLang serve them).
+  - `discover=dns`: `host` is a DNS name whose every address is a worker (a Kubernetes headless Service),
+    re-resolved on an interval; in `events`, `replay` and `metrics` the host `*` stands for each address.
+Only `tcp://` endpoints are accepted for `events` and `replay`. `ValueError` names the spec and what is wrong
+(an unknown scheme, a bad port, an unknown or repeated query key, a query on a kvroute worker).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, replace
+from typing import Literal
+from urllib.parse import parse_qsl, urlsplit
+
+Engine = Literal["kvroute", "vllm", "sglang"]
+ENGINES: tuple[Engine, ...] = ("kvroute", "vllm", "sglang")
+_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker (or, with `discover == "dns"`, a DNS name standing for many), as `--workers` names it."""
+
+    engine: Engine
+    host: str  # an address or a name; IPv6 without brackets
+    port: int
+    events: str | None = None  # ZMQ endpoint of its KV events (tcp://host:port)
+    replay: str | None = None  # ZMQ endpoint of its replay socket
+    topic: str = ""
+    metrics: str | None = None  # its Prometheus metrics URL; None for kvroute workers (load comes over gRPC)
+    discover: Literal["dns"] | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port, IPv6 in brackets (what a URL or a gRPC target takes)."""
+        return f"{_bracketed(self.host)}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The engine's HTTP root (`http://host:port`)."""
+        return f"http://{self.address}"
+
+    def at(self, address: str) -> WorkerSpec:
+        """This spec for one resolved address of a `discover=dns` name: `*` in its endpoints is `address`."""
+        host = _bracketed(address)
+
+        def fill(endpoint: str | None) -> str | None:
+            return None if endpoint is None else endpoint.replace("://*:", f"://{host}:", 1)
+
+        metrics = self.metrics or f"http://*:{self.port}/metrics"
+        return replace(
+            self, host=address, events=fill(self.events), replay=fill(self.replay), metrics=fill(metrics), discover=None
+        )
+
+
+def parse_worker_spec(text: str) -> WorkerSpec:
+    """One spec (the module docstring's grammar). Raises ValueError naming the spec and the fault."""
+    spec = text.strip()
+    scheme, sep, _ = spec.partition("://")
+    if not sep:
+        host, port = _host_port(spec, spec)
+        return WorkerSpec("kvroute", host, port)
+    if scheme not in ENGINES:
+        raise ValueError(f"worker {spec!r}: unknown engine {scheme!r}; expected one of {', '.join(ENGINES)}")
+    parts = urlsplit(spec)
+    if parts.path not in ("", "/") or parts.fragment:
+        raise ValueError(f"worker {spec!r}: only host:port and a query may follow {scheme}://")
+    host, port = _host_port(spec, parts.netloc)
+    query: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
+        if key not in _QUERY_KEYS:
+            raise ValueError(f"worker {spec!r}: unknown query key {key!r}; expected {', '.join(_QUERY_KEYS)}")
+        if key in query:
+            raise ValueError(f"worker {spec!r}: query key {key!r} is given twice")
+        query[key] = value
+    if scheme == "kvroute":
+        if query:
+            raise ValueError(f"worker {spec!r}: a kvroute worker takes no query (its events come over gRPC)")
+        return WorkerSpec("kvroute", host, port)
+    discover = query.get("discover")
+    if discover not in (None, "dns"):
+        raise ValueError(f"worker {spec!r}: discover must be 'dns', got {discover!r}")
+    for key in ("events", "replay"):
+        if key in query:
+            _zmq_endpoint(spec, key, query[key], wildcard=discover == "dns")
+    if "replay" in query and "events" not in query:
+        raise ValueError(f"worker {spec!r}: replay needs events")
+    metrics = query.get("metrics")
+    if metrics is not None and urlsplit(metrics).scheme not in ("http", "https"):
+        raise ValueError(f"worker {spec!r}: metrics must be an http(s) URL, got {metrics!r}")
+    if discover is None and any("://*:" in (query.get(k) or "") for k in ("events", "replay", "metrics")):
+        raise ValueError(f"worker {spec!r}: the host * stands for a resolved address only with discover=dns")
+    return WorkerSpec(
+        scheme, host, port, query.get("events"), query.get("replay"), query.get("topic", ""),
+        metrics or (None if discover else f"http://{_bracketed(host)}:{port}/metrics"),
+        "dns" if discover else None,
+    )  # fmt: skip
+
+
+def parse_worker_specs(text: str) -> list[WorkerSpec]:
+    """A comma-separated `--workers` list (empty items skipped); ValueError on a bad one or a repeated worker."""
+    specs = [parse_worker_spec(item) for item in text.split(",") if item.strip()]
+    seen: set[tuple[str, str]] = set()
+    for spec in specs:
+        key = (spec.engine, spec.address)
+        if key in seen:
+            raise ValueError(f"worker {spec.engine}://{spec.address} is named twice in --workers")
+        seen.add(key)
+    return specs
+
+
+def _host_port(spec: str, netloc: str) -> tuple[str, int]:
+    host, sep, port = netloc.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"worker {spec!r}: expected host:port")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker {spec!r}: port must be in [1, 65535], got {port!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"worker {spec!r}: {host!r} in brackets is not an IPv6 address") from None
+    elif ":" in host:
+        raise ValueError(f"worker {spec!r}: write an IPv6 host in brackets ([::1]:8000)")
+    if any(c in host for c in "/?#@ "):
+        raise ValueError(f"worker {spec!r}: bad host {host!r}")
+    return host, int(port)
+
+
+def _zmq_endpoint(spec: str, key: str, endpoint: str, wildcard: bool) -> None:
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        raise ValueError(f"worker {spec!r}: {key} must be a tcp:// endpoint, got {endpoint!r}")
+    host, port = _host_port(spec, rest)
+    if host == "*" and not wildcard:
+        raise ValueError(f"worker {spec!r}: the host * stands for a resolved address only with discover=dns")
+    del port
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

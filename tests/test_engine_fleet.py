@@ -1,0 +1,376 @@
+"""The gateway over kvroute workers treated as vLLM servers (`vllm://` specs): the engine fleet state
+(membership, health, parity, no-events detection, DNS discovery) and the HTTP backend (streaming, chat kept
+as chat, cached tokens, tenant salts as `cache_salt`, cancellation, errors, a killed worker). Real workers,
+their real HTTP front doors, a real gateway; see tests/engine_stack.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import orjson
+import pytest
+from prometheus_client import generate_latest
+
+from gateway.engine_fleet import EngineOptions
+from gateway.http_server import merge_delta
+from gateway.metrics import label_value
+from gateway.retry import StreamDeadlines
+from kvroute.model_source import resolve_model
+from kvroute.tokenizer import Tokenizer
+from launch.worker import free_port
+from proto import worker_pb2, worker_pb2_grpc
+from tests.engine_stack import EngineStack, EngineStackOptions
+from tests.gateway_stack import KEY, SMALL_KEY
+
+pytestmark = pytest.mark.timeout(120)
+LONG = " ".join(f"w{i}" for i in range(40))  # several full blocks of the sim tokenizer
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[EngineStack]:
+    with EngineStack(EngineStackOptions(workers=2, sim_decode_ms_per_step=10)) as running:
+        yield running
+
+
+def post(stack: EngineStack, path: str, body: dict, key: str = KEY) -> httpx.Response:
+    return httpx.post(f"{stack.http_url}{path}", json=body, headers={"authorization": f"Bearer {key}"}, timeout=30)
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    for block in response.text.split("\n\n"):
+        if block.startswith("data: ") and block != "data: [DONE]":
+            events.append(orjson.loads(block[6:]))
+    assert response.text.rstrip().endswith("data: [DONE]")
+    return events
+
+
+@pytest.fixture(scope="module")
+def evented() -> Iterator[EngineStack]:
+    """Workers that publish their KV events in vLLM's wire format, read by the gateway's subscribers."""
+    with EngineStack(EngineStackOptions(workers=2, sim_decode_ms_per_step=5, kv_events=True)) as running:
+        yield running
+
+
+def test_a_shared_prefix_is_routed_to_the_worker_whose_events_hold_it(evented: EngineStack) -> None:
+    prompt = f"evented prefix {LONG}"
+    first = post(evented, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    holder = first.headers["x-kvroute-worker"]
+    _wait(lambda: evented.fleet.view().kv_index.num_blocks(holder) > 0)
+    for i in range(4):
+        response = post(evented, "/v1/completions", {"prompt": f"{prompt} turn {i}", "max_tokens": 2})
+        assert response.headers["x-kvroute-worker"] == holder
+        route = dict(part.split("=", 1) for part in response.headers["x-kvroute-route"].split("; "))
+        assert int(route["matched_blocks"]) > 0, route
+        assert "flags" not in route
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_distinct_prefixes_spread_over_evented_workers(evented: EngineStack) -> None:
+    workers = {post(evented, "/v1/completions", {"prompt": f"spread {i} {LONG}", "max_tokens": 1}).headers[
+        "x-kvroute-worker"] for i in range(12)}  # fmt: skip
+    assert len(workers) == 2
+
+
+def test_evented_workers_are_never_flagged_silent(evented: EngineStack) -> None:
+    post(evented, "/v1/completions", {"prompt": f"heard {LONG}", "max_tokens": 1})
+    time.sleep(evented.options.engine.no_events_after + 0.3)
+    assert evented.fleet.counters.no_kv_events == {}
+
+
+def test_a_restarted_engine_gets_nothing_routed_on_its_old_entries(evented: EngineStack) -> None:
+    prompt = f"before the restart {LONG}"
+    holder = post(evented, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).headers["x-kvroute-worker"]
+    index = [i for i in range(2) if evented.worker_id(i) == holder][0]
+    _wait(lambda: evented.fleet.view().kv_index.num_blocks(holder) > 0)
+    incarnation = evented.fleet.member(holder).incarnation
+    evented.restart(index)  # back within the health checks' grace: still a member, its old entries still there
+    # Its first batch (sequence 0) tells the gateway: prompts sent to the engine directly, past the gateway,
+    # until the subscriber has reconnected to the new socket and read one.
+    for i in range(50):
+        body = {"prompt": f"after the restart {i} {LONG}", "max_tokens": 1}
+        assert httpx.post(f"http://127.0.0.1:{evented.http_ports[index]}/v1/completions", json=body).status_code == 200
+        member = evented.fleet.member(holder)
+        if member is not None and member.incarnation != incarnation:
+            break
+        time.sleep(0.1)
+    member = evented.fleet.member(holder)
+    assert member is not None and member.incarnation != incarnation
+    response = post(evented, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert "matched_blocks=0" in response.headers["x-kvroute-route"]
+
+
+def test_engine_workers_join_by_their_http_address(stack: EngineStack) -> None:
+    members = stack.fleet.members()
+    assert [m.worker_id for m in members] == sorted(stack.worker_id(i) for i in range(2))
+    assert {m.engine for m in members} == {"vllm"}
+    assert all(m.model_id == "sim" for m in members)  # the engine's served name, from its /v1/models
+
+
+def test_distinct_prefixes_spread(stack: EngineStack) -> None:
+    workers = set()
+    for i in range(12):
+        response = post(stack, "/v1/completions", {"prompt": f"topic {i} {LONG}", "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        workers.add(response.headers["x-kvroute-worker"])
+    assert len(workers) == 2
+
+
+def test_a_stream_passes_through_with_usage(stack: EngineStack) -> None:
+    body = {"prompt": f"stream {LONG}", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    response = post(stack, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    events = sse_events(response)
+    text_events = [e for e in events if e["choices"]]
+    assert text_events[-1]["choices"][0]["finish_reason"] == "length"
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 8 and "cached_tokens" in usage["prompt_tokens_details"]
+
+
+def test_a_chat_request_stays_a_chat_request(stack: EngineStack) -> None:
+    body = {"messages": [{"role": "user", "content": f"hello {LONG}"}], "max_tokens": 5, "stream": True}
+    response = post(stack, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    events = sse_events(response)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    whole = post(stack, "/v1/chat/completions", {**body, "stream": False}).json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"]
+    assert whole["usage"]["completion_tokens"] == 5
+
+
+def test_n_choices_and_logprobs_come_through_the_engine(stack: EngineStack) -> None:
+    body = {"prompt": f"two ways {LONG}", "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 2}
+    response = post(stack, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    # (the sim engine's alternatives are its sampled token only)
+    assert all(len(c["logprobs"]["tokens"]) == 3 and len(c["logprobs"]["top_logprobs"]) == 3 for c in choices)
+    assert response.json()["usage"]["completion_tokens"] == 6
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    content = post(stack, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(entry["token"] and "top_logprobs" in entry for entry in content)
+
+
+def test_tenant_b_never_gets_cached_tokens_from_tenant_a(stack: EngineStack) -> None:
+    prompt = f"tenant secret {LONG}"
+    first = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=KEY)
+    again = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=KEY)
+    other = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1}, key=SMALL_KEY)
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_request_past_the_engines_context_is_a_400_naming_its_field(stack: EngineStack) -> None:
+    # The context is the engine's max_model_len from its /v1/models card.
+    assert all(m.max_model_len == 512 for m in stack.fleet.members())
+    response = post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 100_000})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens"
+
+
+def test_a_client_that_leaves_cancels_the_engines_request(stack: EngineStack) -> None:
+    body = {"prompt": f"long answer {LONG}", "max_tokens": 150, "stream": True, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
+        chunks = response.iter_bytes()  # kept until the client leaves: a dropped iterator closes the stream
+        next(chunks)
+        assert any(s.num_running for s in worker_stats(stack))
+    _wait(lambda: not any(s.num_running or s.num_waiting for s in worker_stats(stack)))
+    _wait(lambda: not any(stack.fleet.view().loads[w].in_flight for w in stack.fleet.view().replicas))
+
+
+def worker_stats(stack: EngineStack) -> list[worker_pb2.WorkerStats]:
+    stats = []
+    for worker in stack.workers:
+        with grpc.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stats.append(worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5))
+    return stats
+
+
+def test_load_comes_from_the_engines_own_metrics(stack: EngineStack) -> None:
+    # A request sent to the engine directly, past the gateway: only the engine's vllm: metrics tell of it.
+    worker_id = stack.worker_id(0)
+    body = {"prompt": f"direct {LONG}", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{stack.http_ports[0]}/v1/completions", json=body) as response:
+        chunks = response.iter_bytes()  # kept: a dropped iterator closes the stream
+        next(chunks)
+        _wait(lambda: stack.fleet.view().loads[worker_id].in_flight >= 1)
+        assert stack.fleet.book.in_flight(worker_id) == 0
+    _wait(lambda: stack.fleet.view().loads[worker_id].in_flight == 0)
+
+
+def test_a_worker_without_kv_events_is_flagged_and_routed_by_load(stack: EngineStack) -> None:
+    sent_to: set[str] = set()
+    for i in range(20):  # a prompt of full blocks to every worker
+        sent_to.add(post(stack, "/v1/completions", {"prompt": f"flag {i} {LONG}", "max_tokens": 1}).headers[
+            "x-kvroute-worker"])  # fmt: skip
+        if len(sent_to) == 2:
+            break
+    time.sleep(stack.options.engine.no_events_after + 0.3)
+    response = post(stack, "/v1/completions", {"prompt": f"flag me {LONG}", "max_tokens": 1})
+    assert response.status_code == 200
+    assert "no_kv_events" in response.headers["x-kvroute-route"]
+    assert sum(stack.fleet.counters.no_kv_events.values()) >= 1
+    exposition = generate_latest(stack.request_path.metrics.registry).decode()
+    worker = label_value(response.headers["x-kvroute-worker"])
+    assert f'kvroute:gateway_no_kv_events_total{{worker="{worker}"}} 1.0' in exposition
+
+
+def test_engines_that_tokenize_as_the_gateway_pass_parity(stack: EngineStack) -> None:
+    # Their /tokenize (plain canaries and a chat through the template) gave the gateway's own ids.
+    assert all(m.parity_ok for m in stack.fleet.members())
+    assert stack.fleet.counters.parity_mismatches == {}
+
+
+def test_a_tokenizer_mismatch_is_flagged_and_routed_by_load(tmp_path: Path) -> None:
+    # The gateway's tokenizer: the workers' own, with another chat template (the plain canaries agree).
+    Tokenizer.for_model(resolve_model("sim")).save_hf_dir(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "[edited] " + config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with EngineStack(EngineStackOptions(workers=1, gateway_tokenizer=Tokenizer.from_hf_dir(tmp_path))) as stack:
+        member = stack.fleet.members()[0]
+        assert not member.parity_ok
+        assert stack.fleet.counters.parity_mismatches == {member.worker_id: 1}
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        response = post(stack, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        assert "flags=parity_mismatch" in response.headers["x-kvroute-route"]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_leaves_and_its_requests_succeed_elsewhere() -> None:
+    with EngineStack(EngineStackOptions(workers=2)) as stack:
+        prompt = f"sticky {LONG}"
+        first = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        victim = [i for i in range(2) if stack.worker_id(i) == first.headers["x-kvroute-worker"]][0]
+        stack.kill(victim)
+        again = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1})  # retried before a token
+        assert again.status_code == 200, again.text
+        assert again.headers["x-kvroute-worker"] == stack.worker_id(1 - victim)
+        deadline = time.monotonic() + 5
+        while stack.fleet.member(stack.worker_id(victim)) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stack.fleet.member(stack.worker_id(victim)) is None
+        assert stack.fleet.counters.leaves == 1
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    with EngineStack(EngineStackOptions(workers=2, sim_decode_ms_per_step=20)) as stack:
+        body = {"prompt": f"interrupted {LONG}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
+            victim = [i for i in range(2) if stack.worker_id(i) == response.headers["x-kvroute-worker"]][0]
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            stack.kill(victim)
+            rest = list(lines)
+        events = [orjson.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert "error" in events[-1] and [line for line in rest if line][-1] == "data: [DONE]"
+
+
+@pytest.mark.slow
+def test_a_hung_engine_ends_the_stream_at_its_inter_token_deadline() -> None:
+    # A real `kvroute worker` process, stopped (SIGSTOP) mid-stream: a member still (its health checks have not
+    # failed long enough to leave), but no longer answering them, so the stream's deadline ends it.
+    grpc_port, http_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--host", "127.0.0.1", "--port",
+            str(grpc_port), "--http-port", str(http_port), "--sim-decode-ms-per-step", "20"]  # fmt: skip
+    worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: _ready(http_port), timeout=60)
+        options = EngineStackOptions(
+            workers=0, specs=lambda _: [f"vllm://127.0.0.1:{http_port}"],
+            engine=EngineOptions(poll_interval=0.05, unreachable_after=30.0, http_timeout=0.2),
+            deadlines=StreamDeadlines(first_token_s=5.0, inter_token_s=0.5),
+        )  # fmt: skip
+        with EngineStack(options) as stack:
+            body = {"prompt": f"hung {LONG}", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            headers = {"authorization": f"Bearer {KEY}"}
+            with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                worker.send_signal(signal.SIGSTOP)
+                started = time.monotonic()
+                rest = [line for line in lines if line]
+            waited = time.monotonic() - started
+            worker.send_signal(signal.SIGCONT)
+        error = orjson.loads(rest[-2][6:])["error"]
+        assert error["code"] == "worker_timeout" and rest[-1] == "data: [DONE]", rest[-2:]
+        assert waited < 5.0
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        worker.terminate()
+        worker.wait(10)
+
+
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_dns_discovery_joins_and_leaves_with_the_records() -> None:
+    records: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert host == "engines.test"
+        return list(records)
+
+    def specs(ports: list[int]) -> list[str]:
+        records.append("127.0.0.1")
+        return [f"vllm://engines.test:{ports[0]}?events=tcp://*:1&discover=dns"]
+
+    options = EngineStackOptions(
+        workers=1, specs=specs, resolve=resolve,
+        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
+    )  # fmt: skip
+    with EngineStack(options) as stack:
+        worker_id = stack.worker_id(0)
+        assert [m.worker_id for m in stack.fleet.members()] == [worker_id]
+        assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+        records.clear()
+        _wait(lambda: not stack.fleet.members())
+        assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 503
+        records.append("127.0.0.1")
+        _wait(lambda: bool(stack.fleet.members()))
+        assert stack.fleet.counters.joins == 2
+
+
+def _wait(condition: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.02)
+    assert condition()  # type: ignore[operator]
+
+
+def test_chat_deltas_beyond_content_merge_into_one_message_as_a_client_merges_them() -> None:
+    message: dict = {"role": "assistant", "content": ""}
+    deltas = [
+        {"reasoning_content": "Look it "},
+        {"reasoning_content": "up.", "tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                                     "function": {"name": "find", "arguments": '{"q": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"order"}'}}, {"index": 1, "id": "c2",
+                        "function": {"name": "log", "arguments": "{}"}}]},
+    ]  # fmt: skip
+    for delta in deltas:
+        merge_delta(message, delta)
+    assert message["reasoning_content"] == "Look it up."
+    assert message["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "find", "arguments": '{"q": "order"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "log", "arguments": "{}"}},
+    ]

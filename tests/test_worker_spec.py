@@ -1,0 +1,103 @@
+"""Worker specs (gateway.worker_spec): the grammar `--workers` and the routing config take, and its refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cli_gateway import build_gateway
+from gateway.engine_fleet import EngineFleetState
+from gateway.worker_spec import WorkerSpec, parse_worker_spec, parse_worker_specs
+from kvroute.cli import UserError, build_parser
+
+
+def test_bare_and_kvroute_specs_are_grpc_workers() -> None:
+    assert parse_worker_spec("10.0.0.1:50051") == WorkerSpec("kvroute", "10.0.0.1", 50051)
+    assert parse_worker_spec("kvroute://w-0.svc:50051") == WorkerSpec("kvroute", "w-0.svc", 50051)
+    assert parse_worker_spec("[::1]:50051").address == "[::1]:50051"
+
+
+def test_engine_specs_carry_their_event_endpoints() -> None:
+    spec = parse_worker_spec("vllm://10.0.0.5:8000?events=tcp://10.0.0.5:5557&replay=tcp://10.0.0.5:5558&topic=kv")
+    assert (spec.engine, spec.host, spec.port) == ("vllm", "10.0.0.5", 8000)
+    assert (spec.events, spec.replay, spec.topic) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "kv")
+    assert spec.metrics == "http://10.0.0.5:8000/metrics"
+    assert spec.base_url == "http://10.0.0.5:8000"
+    sglang = parse_worker_spec("sglang://h:30000?metrics=http://h:9000/metrics")
+    assert (sglang.engine, sglang.events, sglang.metrics) == ("sglang", None, "http://h:9000/metrics")
+
+
+def test_dns_spec_fills_each_address_into_its_endpoints() -> None:
+    spec = parse_worker_spec("vllm://vllm.ns.svc:8000?events=tcp://*:5557&replay=tcp://*:5558&discover=dns")
+    assert spec.discover == "dns"
+    one = spec.at("10.1.2.3")
+    assert (one.host, one.discover) == ("10.1.2.3", None)
+    assert (one.events, one.replay, one.metrics) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558",
+                                                     "http://10.1.2.3:8000/metrics")  # fmt: skip
+    assert spec.at("fd00::7").events == "tcp://[fd00::7]:5557"
+
+
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [
+        ("tgi://h:80", "unknown engine 'tgi'"),
+        ("vllm://h:0", "port must be in [1, 65535]"),
+        ("vllm://h:http", "port must be in"),
+        ("vllm://h", "expected host:port"),
+        ("h:99999", "port must be in"),
+        ("vllm://h:8000?event=tcp://h:1", "unknown query key 'event'"),
+        ("vllm://h:8000?events=tcp://h:1&events=tcp://h:2", "given twice"),
+        ("kvroute://h:50051?events=tcp://h:1", "takes no query"),
+        ("vllm://h:8000?events=ipc:///tmp/x", "must be a tcp:// endpoint"),
+        ("vllm://h:8000?events=tcp://*:5557", "only with discover=dns"),
+        ("vllm://h:8000?replay=tcp://h:5558", "replay needs events"),
+        ("vllm://h:8000?discover=srv", "discover must be 'dns'"),
+        ("vllm://h:8000/v1", "only host:port and a query"),
+        ("vllm://fd00::1:8000", "IPv6 host in brackets"),
+        ("vllm://h:8000?metrics=ftp://x", "http(s) URL"),
+    ],
+)
+def test_bad_specs_are_refused_naming_the_fault(text: str, fault: str) -> None:
+    with pytest.raises(ValueError, match="worker") as raised:
+        parse_worker_spec(text)
+    assert fault in str(raised.value)
+
+
+def test_a_list_refuses_a_worker_named_twice() -> None:
+    assert len(parse_worker_specs("a:1, vllm://a:1 ,,b:2")) == 3
+    with pytest.raises(ValueError, match="named twice"):
+        parse_worker_specs("a:1,kvroute://a:1")
+
+
+def gateway(*flags: str) -> Any:
+    argv = ["gateway", "--model", "sim", *flags]
+    return build_gateway(build_parser(argv).parse_args(argv))
+
+
+def test_kvroute_gateway_takes_engine_specs_in_workers_and_the_routing_config(tmp_path: Path) -> None:
+    assert type(gateway("--workers", "127.0.0.1:1").fleet).__name__ == "EmbeddedFleetState"
+    config = tmp_path / "routing.json"
+    config.write_text(json.dumps({"epsilon": 0.25, "workers": ["sglang://127.0.0.1:30000?events=tcp://127.0.0.1:2"]}))
+    built = gateway("--workers", "vllm://127.0.0.1:8000?events=tcp://127.0.0.1:1,127.0.0.1:2", "--routing-config",
+                    str(config))  # fmt: skip
+    assert isinstance(built.fleet, EngineFleetState)
+    assert [p.spec.engine for p in built.fleet.engine_pollers] == ["vllm", "sglang"]
+    assert [p.address for p in built.fleet.grpc_pollers] == ["127.0.0.1:2"]
+    assert built.request_path.policy.options.epsilon == 0.25
+
+
+@pytest.mark.parametrize(
+    ("flags", "fault"),
+    [
+        (("--workers", "vllm://h:8000?evnts=tcp://h:1"), "unknown query key 'evnts'"),
+        (("--workers", "vllm://h:8000", "--redis", "redis://127.0.0.1:1"), "--redis takes kvroute workers only"),
+        ((), "name the fleet"),
+    ],
+)
+def test_kvroute_gateway_refuses_a_bad_fleet_in_one_line(flags: tuple[str, ...], fault: str) -> None:
+    with pytest.raises(UserError, match=re.escape(fault)):
+        gateway(*flags)
