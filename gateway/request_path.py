@@ -86,6 +86,16 @@ WATCH_TICK_S = 0.2  # how often the watchdog looks at the open worker requests
 SHUTTING_DOWN = "gateway_shutting_down"  # the error code of a stream ended by the gateway's own shutdown
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedPrompt:
+    """A request past auth, validation, template and tokenizer: what routing needs."""
+
+    tenant: Tenant
+    salt: str  # the tenant's cache salt, the client's mixed in under it
+    prompt_ids: list[int]
+    hashes: list[bytes]  # the prompt's full blocks, chained with the salt (kvroute.hashing)
+
+
 def fleet_identity(model_id: str, tokenizer: Tokenizer, block_size: int = DEFAULT_BLOCK_SIZE) -> FleetIdentity:
     """What this gateway hashes and tokenizes with; a worker must match it to be scored on its KV entries."""
     return FleetIdentity(model_id, block_size, hash_fingerprint(model_id, block_size), tokenizer.fingerprint)
@@ -269,21 +279,12 @@ class RequestPath:
         arrival = time.perf_counter()
         if self.draining:
             raise NoWorkerAvailable("the gateway is shutting down; send the request again", retry_after=1.0)
-        tenant = self.auth.authenticate(request.api_key)
-        if request.model is not None and request.model != self.served_model_name:
-            raise ModelNotFound(f"the model {quoted(request.model)} does not exist", param="model")
-        self.limits.check_request(request)
-        try:
-            request.params.validate()
-        except InvalidRequest as exc:
-            raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
-        salt = cache_salt(tenant, request.client_cache_salt)
-        prompt_ids = self._prompt_token_ids(request, salt)
+        prepared = self.prepare(request)
+        tenant, salt, prompt_ids, hashes = prepared.tenant, prepared.salt, prepared.prompt_ids, prepared.hashes
         self.concurrency.acquire(tenant)
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         try:
-            hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
             forward = _Forward(request_id, prompt_ids, salt, hashes, request.params, request.max_tokens_defaulted, span)
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
@@ -311,6 +312,23 @@ class RequestPath:
         self.metrics.in_flight.set(self.active)
         self._idle.clear()
         return _StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
+
+    def prepare(self, request: GatewayRequest) -> PreparedPrompt:
+        """Steps 1-4 of the path, the part every front door shares (the endpoint picker included): the tenant,
+        the model, the limits, the prompt's token ids and their block hashes. Raises a GatewayError (401, 404,
+        400) and changes nothing; takes no concurrency slot (the caller acquires `concurrency` next)."""
+        tenant = self.auth.authenticate(request.api_key)
+        if request.model is not None and request.model != self.served_model_name:
+            raise ModelNotFound(f"the model {quoted(request.model)} does not exist", param="model")
+        self.limits.check_request(request)
+        try:
+            request.params.validate()
+        except InvalidRequest as exc:
+            raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
+        salt = cache_salt(tenant, request.client_cache_salt)
+        prompt_ids = self._prompt_token_ids(request, salt)
+        hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
+        return PreparedPrompt(tenant, salt, prompt_ids, hashes)
 
     def _prompt_token_ids(self, request: GatewayRequest, salt: str) -> list[int]:
         """Template and tokenize (or check the given ids); the prompt-length limit. InvalidRequestError
