@@ -48,6 +48,7 @@ class EnvoyConfig:
     admin_port: int
     endpoints: list[str]  # the workers' HTTP ip:port
     epp_port: int | None = None  # None: no ext_proc filter
+    more_epp_ports: tuple[int, ...] = ()  # picker replicas beside epp_port, balanced per request
     upstream: str = "override_host"  # override_host | original_dst | round_robin
     failure_mode_allow: bool = False
     num_retries: int = 2
@@ -128,7 +129,9 @@ class EnvoyConfig:
                             "explicit_http_config": {"http2_protocol_options": {}},
                         }
                     },
-                    "load_assignment": _assignment("epp", [f"127.0.0.1:{self.epp_port}"]),
+                    "load_assignment": _assignment(
+                        "epp", [f"127.0.0.1:{port}" for port in (self.epp_port, *self.more_epp_ports)]
+                    ),
                 }
             )
         return {
