@@ -7,7 +7,8 @@
 Short chat requests (max_tokens 1, sim workers with no decode delay) are sent one at a time, the three paths
 interleaved round by round; latency is the client's, from send to the whole answer. CPU per request is the
 front door's processes' (Envoy and the picker, or the gateway) user + system time over the timed requests,
-from /proc. Then the picker's decision time (parse, template, tokenize, hash, pick) for a 4,096-token prompt,
+from /proc. Streamed requests (16 tokens) time the first token through Envoy with and without the picker.
+Then the picker's decision time (parse, template, tokenize, hash, pick) for a 4,096-token prompt,
 in-process over the same workers.
 
 Run: python -m loadtest.epp_bench [--requests 300]
@@ -163,6 +164,22 @@ def _measure(paths: dict[str, tuple[str, list[int]]], requests: int) -> None:
             f"{name:28} {p50 * 1e3:7.2f} {p99 * 1e3:7.2f} {(p50 - base_p50) * 1e3:8.2f} {(p99 - base_p99) * 1e3:8.2f} "
             f"{per_request:10.2f}"
         )
+    first: dict[str, list[float]] = {name: [] for name in paths if name != "kvroute gateway"}
+    stream_body = {**body, "max_tokens": 16, "stream": True}
+    for _ in range(rounds):
+        for name in first:
+            for _ in range(10):
+                start = time.perf_counter()
+                with clients[name].stream("POST", "/v1/chat/completions", json=stream_body) as reply:
+                    chunks = reply.iter_lines()
+                    next(line for line in chunks if '"content":"' in line and '"content":""' not in line)
+                    first[name].append(time.perf_counter() - start)
+                    for _ in chunks:
+                        pass
+    print(f"{'streamed, first token':28} {'p50 ms':>7} {'p99 ms':>7}")
+    for name, xs in first.items():
+        p50, p99 = _percentiles(xs)
+        print(f"{name:28} {p50 * 1e3:7.2f} {p99 * 1e3:7.2f}")
     for client in clients.values():
         client.close()
 
