@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.epp.cli import EndpointPicker, start_picker
 from gateway.epp.ext_proc import DESTINATION, SERVED, EndpointMap, Picker
 
+ROOT = Path(__file__).resolve().parents[1]
 stack = stack_fixture(StackOptions(model="sim", workers=2))
 ENDPOINTS = {"w0": "10.0.0.1:8000", "w1": "10.0.0.2:8000"}  # nothing dials them here
 LONG = "Answer as the hardware shop's assistant would, in one sentence. " * 12
@@ -245,3 +249,33 @@ def test_health_names(epp: EndpointPicker) -> None:
         for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
             assert status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_the_picker_imports_without_torch_or_the_worker() -> None:
+    """It runs on the gateway image, which has no torch; gateway/ never imports worker/."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import gateway.epp.cli, gateway.epp.ext_proc\n"
+        "from kvroute.cli import build_parser\n"
+        "build_parser(['epp']).parse_args(['epp', '--workers', 'a:1', '--target-port', '8000'])\n"
+        "loaded = {m.split('.')[0] for m, v in sys.modules.items() if v is not None}\n"
+        "assert not loaded & {'torch', 'worker'}, loaded & {'torch', 'worker'}\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workers", "127.0.0.1:1"], "--target-port PORT and/or --endpoints"),
+        (["--workers", "127.0.0.1:1", "--endpoints", "w0=nowhere"], "is not WORKER=IP:PORT"),
+        (["--workers", "127.0.0.1:1", "--target-port", "0"], "--target-port must be in"),
+        (["--workers", "127.0.0.1:1", "--target-port", "8000", "--max-endpoints", "-1"], "--max-endpoints"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvroute.cli import main
+
+    assert main(["epp", "--model", "sim", *argv]) == 2
+    assert message in capsys.readouterr().err
