@@ -14,7 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from test_helm import CHART, MIN_KUBE_VERSION, NAMESPACE, RELEASE, chart, parse_kvroute
+from test_helm import CHART, MIN_KUBE_VERSION, NAMESPACE, RELEASE, Peer, Release, admitted, chart, parse_kvroute
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "k8s-schemas"
 CRDS = {
@@ -131,3 +131,28 @@ def test_chart_lints_with_the_epp_on() -> None:
     report = helm.lint(str(CHART), copy.deepcopy(EPP_VALUES), strict=True, kube_version=f"v{MIN_KUBE_VERSION}")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize(
+    "gateway_from", [[], [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}]]
+)
+def test_network_policy_admits_the_pickers_flows(gateway_from: list[dict[str, Any]]) -> None:
+    """With the chart's NetworkPolicies on (the default): the picker reaches Redis, the Gateway's data plane
+    reaches the picker's port and the workers' HTTP port (anyone, when epp.gatewayFrom is empty), and the
+    workers' gRPC port stays the gateways' only."""
+    values = copy.deepcopy(EPP_VALUES)
+    values["epp"]["gatewayFrom"] = gateway_from
+    release = Release(chart().merge_values(copy.deepcopy(values)), _render(values), "")
+    pods = {c.spec["name"]: c for c in release.containers()}
+    envoy = Peer("envoy", {"app": "envoy"}, namespace="gw")
+    stranger = Peer("stranger", {"app": "x"}, namespace="elsewhere")
+    epp_peer = Peer("epp", pods["epp"].pod["metadata"]["labels"])
+    worker, epp = pods["worker"], pods["epp"]
+    redis_port = int(pods["redis"].ports["redis"])
+    assert admitted(release, epp_peer, pods["redis"], redis_port)
+    assert admitted(release, envoy, worker, worker.ports["http"])
+    assert admitted(release, envoy, epp, epp.ports["grpc"])
+    assert admitted(release, stranger, worker, worker.ports["http"]) is not bool(gateway_from)
+    assert admitted(release, stranger, epp, epp.ports["grpc"]) is not bool(gateway_from)
+    assert not admitted(release, envoy, worker, worker.ports["grpc"]), "the workers' gRPC port stays closed"
+    assert not admitted(release, epp_peer, worker, worker.ports["grpc"])
