@@ -263,3 +263,17 @@ def test_original_dst_with_one_endpoint(fleet: Fleet, tmp_path: Path) -> None:
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     assert len({r.headers["x-kvroute-worker"] for r in replies}) == 1
     assert replies[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_buffered_body_mode(fleet: Fleet) -> None:
+    """Envoy in BUFFERED mode: the picker answers the headers empty and routes on the whole body."""
+    with fleet.envoy(epp_port=fleet.epp_port, body_mode="BUFFERED") as proxy:
+        replies = [_chat(proxy.url, LONG + f"Buffered question {i}") for i in range(3)]
+        streamed = httpx.post(
+            f"{proxy.url}/v1/chat/completions", timeout=30,
+            json={"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+        )  # fmt: skip
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    assert len({r.headers["x-kvroute-worker"] for r in replies}) == 1
+    assert replies[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
