@@ -125,8 +125,15 @@ def _destination(reply: ext_pb2.ProcessingResponse, common: ext_pb2.CommonRespon
     return header.split(",")
 
 
-def test_full_duplex_decides_after_the_body_and_sends_it_back(channel: grpc.Channel) -> None:
+def _ttft_count(stack: GatewayStack) -> float:
+    text = stack.request_path.metrics.render().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("kvroute:gateway_time_to_first_token_seconds_count")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_full_duplex_decides_after_the_body_and_sends_it_back(stack: GatewayStack, channel: grpc.Channel) -> None:
     body = _chat_body()
+    ttft_before = _ttft_count(stack)
     exchange = Exchange(channel).send(_request_headers(), *_bodies(body, 3))
     headers, *rest = exchange.take(2)
     assert headers.WhichOneof("response") == "request_headers"
@@ -146,6 +153,7 @@ def test_full_duplex_decides_after_the_body_and_sends_it_back(channel: grpc.Chan
         (echo,) = exchange.take(1)
         assert echo.response_body.response.body_mutation.streamed_response.body == chunk, "passed on as it came"
     exchange.close()
+    assert _ttft_count(stack) == ttft_before + 1, "the first response chunk timed the request's TTFT"
 
 
 def test_buffered_mode(channel: grpc.Channel) -> None:
