@@ -235,8 +235,9 @@ class Envoy:
         deadline = time.monotonic() + 20
         while True:
             if self.process.poll() is not None:
+                text = self.log_text()
                 self.__exit__()
-                raise RuntimeError(f"envoy exited {self.process.returncode}: {self.log_text()[-2000:]}")
+                raise RuntimeError(f"envoy exited {self.process.returncode}: {text[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.config.admin_port}/ready", timeout=1) as r:
                     if r.status == 200:
@@ -260,3 +261,4 @@ class Envoy:
                 self.process.kill()
                 self.process.wait(5)
         self.log.close()
+        self._dir.cleanup()
