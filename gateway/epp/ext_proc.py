@@ -146,6 +146,7 @@ class Picker:
         self.default_max_tokens = default_max_tokens
         self.max_endpoints = max_endpoints
         self._turn = itertools.count()
+        self._unmapped: set[str] = set()  # workers without an endpoint, logged once each
 
     def ready(self) -> bool:
         """The fleet view has a worker the picker can send Envoy to (and the picker is not draining)."""
@@ -159,6 +160,10 @@ class Picker:
         for worker_id in fleet.replicas:
             member = self.path.fleet.member(worker_id)
             endpoint = self.endpoints.of(member) if member is not None else None
+            if endpoint is None and member is not None and worker_id not in self._unmapped:
+                self._unmapped.add(worker_id)
+                logger.warning("worker %s at %s has no HTTP endpoint (--endpoints, --target-port): not routed to",
+                               worker_id, member.address)  # fmt: skip
             if endpoint is not None and (subset is None or endpoint in subset):
                 eligible[worker_id] = endpoint
         return eligible
@@ -216,7 +221,6 @@ class Picker:
             path.concurrency.release(prepared.tenant)
             raise NoWorkerAvailable(str(exc)) from None
         order = [decision.replica, *self._fallbacks(fleet, prepared.hashes, eligible, decision.replica)]
-        member = path.fleet.member(decision.replica)
         route = RouteInfo(
             decision.replica, eligible[decision.replica], path.policy.name, decision.reason,
             decision.matched_blocks, decision.skipped,
@@ -235,7 +239,6 @@ class Picker:
             "request %s tenant=%s prompt_tokens=%d -> %s at %s (%s)", request_id, prepared.tenant.name,
             len(prepared.prompt_ids), decision.replica, eligible[decision.replica], route.header(),
         )  # fmt: skip
-        assert member is not None
         endpoints = self._cut([eligible[w] for w in order])
         return Pick(
             request_id, client_request_id, prepared.tenant, route, endpoints, dict(zip(endpoints, order, strict=False)),
