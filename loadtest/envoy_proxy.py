@@ -3,7 +3,7 @@ an InferencePool: the `ext_proc` filter asking an endpoint picker (FULL_DUPLEX_S
 cluster that sends each request where the picker's `x-gateway-destination-endpoint` says. Used by
 tests/test_epp_envoy.py and loadtest/epp_bench.py.
 
-Two upstream wirings (`EnvoyConfig.upstream`):
+Three upstream wirings (`EnvoyConfig.upstream`):
   - "original_dst": an ORIGINAL_DST cluster reading the header (`use_http_header`). It takes one address, the
     whole header value: with a fallback list it fails to parse, so this wiring is for one-endpoint answers.
   - "override_host": a STATIC cluster of the workers' endpoints with Envoy's `override_host` load-balancing
