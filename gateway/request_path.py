@@ -109,6 +109,16 @@ SHUTTING_DOWN = "gateway_shutting_down"  # the error code of a stream ended by t
 PROMPT_THREADS = max(2, min(8, os.cpu_count() or 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedPrompt:
+    """A request past auth, validation, template and tokenizer: what routing needs."""
+
+    tenant: Tenant
+    salt: str  # the tenant's cache salt, the client's mixed in under it
+    prompt_ids: list[int]
+    hashes: list[bytes]  # the prompt's full blocks, chained with the salt (kvroute.hashing)
+
+
 def fleet_identity(model_id: str, tokenizer: Tokenizer, block_size: int = DEFAULT_BLOCK_SIZE) -> FleetIdentity:
     """What this gateway hashes and tokenizes with; a worker must match it to be scored on its KV entries."""
     return FleetIdentity(model_id, block_size, hash_fingerprint(model_id, block_size), tokenizer.fingerprint)
@@ -299,20 +309,11 @@ class RequestPath:
         arrival = time.perf_counter()
         if self.draining:
             raise NoWorkerAvailable("the gateway is shutting down; send the request again", retry_after=1.0)
-        tenant = self.auth.authenticate(request.api_key)
-        self._check_model(request.model)
-        self.limits.check_request(request)
-        try:
-            request.params.validate()
-        except InvalidRequest as exc:
-            raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
-        salt = cache_salt(tenant, request.client_cache_salt)
-        self.concurrency.acquire(tenant)  # before the prompt's expensive work: a tenant at its limit costs no more
-        prompt_ids = await self._prompt_token_ids(request, salt, tenant)  # on an error, the slot is released
+        prepared = await self.prepare(request)  # from here the tenant's concurrency slot is held
+        tenant, salt, prompt_ids, hashes = prepared.tenant, prepared.salt, prepared.prompt_ids, prepared.hashes
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         try:
-            hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
                 request.max_tokens_defaulted, span,
@@ -343,6 +344,30 @@ class RequestPath:
         self.metrics.in_flight.set(self.active)
         self._idle.clear()
         return _StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
+
+    async def prepare(self, request: GatewayRequest) -> PreparedPrompt:
+        """Steps 1-4 of the path, the part every front door shares (the endpoint picker included): the tenant,
+        the model, the limits, the tenant's concurrency slot (429; taken before the prompt's expensive work, so
+        a tenant at its limit costs no more), the prompt's token ids (templated and tokenized in the prompt pool)
+        and their block hashes. Raises a GatewayError (401, 404, 400, 429) holding nothing; on success the
+        caller holds the tenant's slot and must release it once (`concurrency.release(prepared.tenant)`),
+        however the request ends."""
+        tenant = self.auth.authenticate(request.api_key)
+        self._check_model(request.model)
+        self.limits.check_request(request)
+        try:
+            request.params.validate()
+        except InvalidRequest as exc:
+            raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
+        salt = cache_salt(tenant, request.client_cache_salt)
+        self.concurrency.acquire(tenant)
+        prompt_ids = await self._prompt_token_ids(request, salt, tenant)  # on an error, the slot is released
+        try:
+            hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
+        except BaseException:
+            self.concurrency.release(tenant)
+            raise
+        return PreparedPrompt(tenant, salt, prompt_ids, hashes)
 
     async def _prompt_token_ids(self, request: GatewayRequest, salt: str, tenant: Tenant) -> list[int]:
         """The prompt's ids within `max_prompt_tokens` (InvalidRequestError or ContextLengthExceeded naming the

@@ -1,0 +1,185 @@
+"""`kvroute epp`: the endpoint picker of a Gateway API InferencePool (Envoy ext_proc over gRPC), with the
+gateway's model, fleet, policy and limit flags (docs/epp.md).
+
+    kvroute epp --model smollm2 --workers 10.0.0.1:50051,10.0.0.2:50051 --target-port 8000 --port 9002
+    kvroute epp --model smollm2 --redis redis://redis:6379 --target-port 8000
+
+One gRPC port serves `envoy.service.ext_proc.v3.ExternalProcessor` and `grpc.health.v1.Health` under the
+names `liveness` (SERVING while the process answers), `readiness` and the ext_proc service's own name
+(SERVING while the fleet view has a worker with an endpoint). Envoy dials the workers' HTTP ports: `--target-port`
+(the InferencePool's targetPort, on each worker's advertised host) or `--endpoints WORKER=IP:PORT,...`.
+SIGTERM / SIGINT: readiness NOT_SERVING, new requests 503, streams in flight get `--drain-timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from contextlib import suppress
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from gateway import cli_gateway
+from gateway.epp.ext_proc import EndpointMap, ExternalProcessor, Picker
+from kvroute.cli import UserError
+from kvroute.grpc_options import grpc_address
+
+logger = logging.getLogger("kvroute.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_INTERVAL_S = 0.5
+# The gateway's front-door flags that mean nothing here: accepted (one parser for both), hidden from --help.
+_FRONT_DOOR_FLAGS = (
+    "--http-port", "--grpc-port", "--max-header-bytes", "--max-headers", "--header-timeout", "--keep-alive-timeout",
+    "--max-connections", "--retries", "--first-token-timeout", "--inter-token-timeout",
+)  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cli_gateway.add_arguments(parser)
+    for action in parser._actions:
+        if any(flag in _FRONT_DOOR_FLAGS for flag in action.option_strings):
+            action.help = argparse.SUPPRESS
+    parser.set_defaults(http_port=0, grpc_port=0)
+    parser.add_argument("--port", type=int, default=9002, help="ext_proc + health gRPC port (0: a free one)")
+    parser.add_argument(
+        "--target-port",
+        type=int,
+        default=None,
+        help="the workers' HTTP port Envoy dials (an InferencePool's targetPort)",
+    )
+    parser.add_argument(
+        "--max-endpoints", type=int, default=0,
+        help="endpoints per answer, the chosen one first (0: all eligible; 1 for an ORIGINAL_DST cluster)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--endpoints", default="", help="WORKER=IP:PORT,...: a worker's (id or gRPC address) HTTP endpoint, explicitly"
+    )
+
+
+@dataclass
+class EndpointPicker:
+    """A started picker: its gRPC server (ext_proc + health) and the port it listens on."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health_aio.HealthServicer
+    picker: Picker
+    _health_task: asyncio.Task[None]
+
+    async def stop(self, grace: float) -> None:
+        """Readiness NOT_SERVING at once, then stop; streams in flight get `grace` seconds."""
+        self._health_task.cancel()
+        with suppress(asyncio.CancelledError):
+            await self._health_task
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def build_picker(args: argparse.Namespace) -> Picker:
+    """The picker over the gateway's request path and fleet state, from the parsed flags. Raises UserError."""
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in [0, 65536), got {args.port}")
+    try:
+        endpoints = EndpointMap.parse(args.endpoints, args.target_port)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    if args.max_endpoints < 0:
+        raise UserError(f"--max-endpoints must be >= 0, got {args.max_endpoints}")
+    if not endpoints.explicit and endpoints.target_port is None:
+        raise UserError("say where Envoy dials the workers: --target-port PORT and/or --endpoints WORKER=IP:PORT,...")
+    gateway = cli_gateway.build_gateway(args)
+    return Picker(
+        gateway.request_path,
+        endpoints,
+        max_body_bytes=gateway.max_body_bytes,
+        default_max_tokens=gateway.default_max_tokens,
+        max_endpoints=args.max_endpoints,
+    )
+
+
+async def start_picker(picker: Picker, host: str, port: int) -> EndpointPicker:
+    """Serve ext_proc and health on host:port (0: a free one). The fleet state must be started."""
+    server = grpc.aio.server()
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+    ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(grpc_address(host, port))
+    if bound == 0:
+        raise UserError(f"cannot listen on {grpc_address(host, port)}")
+    await server.start()
+    await health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    await _set_ready(health, picker.ready())
+    task = asyncio.create_task(_watch_ready(health, picker))
+    return EndpointPicker(server, bound, health, picker, task)
+
+
+async def _set_ready(health: health_aio.HealthServicer, ready: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", "readiness", EXT_PROC_SERVICE):
+        await health.set(service, status)
+
+
+async def _watch_ready(health: health_aio.HealthServicer, picker: Picker) -> None:
+    ready = picker.ready()
+    while True:
+        await asyncio.sleep(HEALTH_INTERVAL_S)
+        now = picker.ready()
+        if now != ready:
+            ready = now
+            logger.info("epp readiness: %s", "SERVING" if ready else "NOT_SERVING (no worker with an endpoint)")
+            await _set_ready(health, ready)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    picker = build_picker(args)
+    return uvloop.run(serve(picker, args))
+
+
+async def serve(picker: Picker, args: argparse.Namespace) -> int:
+    """Start the fleet state, the metrics port and the picker; serve until a signal, then drain."""
+    from gateway.metrics import metrics_app
+    from kvroute.tracing import flush_tracing, setup_tracing
+
+    setup_tracing("kvroute-epp")
+    path = picker.path
+    metrics_host = args.host if args.metrics_host is None else args.metrics_host
+    metrics_http = (
+        cli_gateway.HttpServer.start(metrics_app(path.metrics), metrics_host, args.metrics_port)
+        if args.metrics_port
+        else None
+    )
+    await path.fleet.start()
+    epp = await start_picker(picker, args.host, args.port)
+    metrics_where = f", metrics on http://{metrics_host}:{metrics_http.port}/metrics" if metrics_http else ""
+    print(
+        f"kvroute epp: picking for {path.served_model_name} (policy {path.policy.name}) on "
+        f"{grpc_address(args.host, epp.port)}{metrics_where}; {len(path.fleet.members())} workers ready",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print(f"kvroute epp: draining ({path.active} in flight, up to {args.drain_timeout:g} s)", flush=True)
+    path.start_draining()
+    await _set_ready(epp.health, False)
+    await epp.stop(args.drain_timeout)
+    if metrics_http is not None:
+        await metrics_http.stop()
+    await path.fleet.stop()
+    await path.close()
+    flush_tracing()
+    print("kvroute epp: stopped", flush=True)
+    return 0
