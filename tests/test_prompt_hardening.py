@@ -307,10 +307,18 @@ def test_the_event_loop_serves_while_big_prompts_are_tokenized(stack: GatewaySta
     prose = "The quick brown fox jumps over the lazy dog while the cat watches. "
     done: list[tuple[float, int]] = []
 
+    # ~200,000 tokens each; the bound says 28,000. Encoded here, so that the client's own work (it shares this
+    # process's GIL with the gateway) does not count against the gateway.
+    bodies = [json.dumps(chat_body(big_text(900_000, unit=prose, salt=str(i)))).encode() for i in range(2)]
+
     def send(i: int) -> None:
         started = time.perf_counter()
-        body = chat_body(big_text(900_000, unit=prose, salt=str(i)))  # ~200,000 tokens; the bound says 28,000
-        response = httpx.post(f"{stack.http_url}/v1/chat/completions", json=body, headers=auth(), timeout=120)
+        response = httpx.post(
+            f"{stack.http_url}/v1/chat/completions",
+            content=bodies[i],
+            headers={**auth(), "content-type": "application/json"},
+            timeout=120,
+        )
         done.append((time.perf_counter() - started, response.status_code))
 
     senders = [threading.Thread(target=send, args=(i,)) for i in range(2)]
@@ -329,7 +337,8 @@ def test_the_event_loop_serves_while_big_prompts_are_tokenized(stack: GatewaySta
     assert [status for _, status in done] == [400, 400]
     busy = min(seconds for seconds, _ in done)
     assert len(health) >= 5
-    assert max(health) < busy / 4, f"/health took up to {max(health):.3f} s while a prompt took {busy:.3f} s"
+    # Before, /health waited for the whole tokenization (max(health) ~ busy); the margin is for a shared machine.
+    assert max(health) < busy / 2, f"/health took up to {max(health):.3f} s while a prompt took {busy:.3f} s"
     assert tokenizer.run_cache_usage.entries == cached_before
 
 
