@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     picker = build_picker(args)
+    sys.setswitchinterval(cli_gateway.GIL_SWITCH_INTERVAL_S)  # as the gateway does, for the same reason
     return uvloop.run(serve(picker, args))
 
 
