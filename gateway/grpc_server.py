@@ -60,20 +60,29 @@ FINISH_REASONS = {
 }
 
 
-class ServesFleet(Protocol):
-    """What the gRPC front door needs of gateway.request_path.RequestPath."""
+class ServesPool(Protocol):
+    """What the Worker service's GetInfo reads of one pool (gateway.request_path.RequestPath)."""
 
-    served_model_name: str
-    auth: Authenticator  # checked before a call's request is looked at (AuthenticateFirst)
-    metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
     identity: FleetIdentity  # what the gateway hashes and tokenizes with
     vocab_size: int
 
+    def members(self) -> list[WorkerMember]: ...
+
+
+class ServesFleet(Protocol):
+    """What the gRPC front door needs of gateway.request_path.RequestPath (one pool) or gateway.pools.Pools
+    (whose `generate` picks the pool by the request's model)."""
+
+    auth: Authenticator  # checked before a call's request is looked at (AuthenticateFirst)
+    metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
+
     async def generate(self, request: GatewayRequest) -> Generation: ...
 
-    def ready(self) -> bool: ...
+    def pool(self, model: str | None) -> ServesPool:
+        """The pool serving `model`; raises GatewayError (404 unknown, 400 when None names several)."""
+        ...
 
-    def members(self) -> list[WorkerMember]: ...
+    def ready(self) -> bool: ...
 
 
 # -- wire -> GatewayRequest ------------------------------------------------------------------------------------
@@ -351,8 +360,12 @@ class FleetWorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> Any:
         """The fleet as one worker: the gateway's own identity (what its hashes and token ids are computed
         with) and the smallest context among the workers that match it, so a prompt that fits fits all."""
-        identity = self.request_path.identity
-        matching = [m for m in self.request_path.members() if m.parity_ok]
+        try:
+            pool = self.request_path.pool(None)  # the fleet as one worker is one model's
+        except GatewayError as exc:
+            await abort(context, exc)
+        identity = pool.identity
+        matching = [m for m in pool.members() if m.parity_ok]
         if not matching:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker with the gateway's model is in the fleet")
         return worker_pb2.WorkerInfo(
@@ -361,7 +374,7 @@ class FleetWorkerServicer(worker_pb2_grpc.WorkerServicer):
             hash_fingerprint=identity.hash_fingerprint,
             tokenizer_fingerprint=identity.tokenizer_fingerprint,
             max_model_len=min(m.max_model_len for m in matching),
-            vocab_size=self.request_path.vocab_size,
+            vocab_size=pool.vocab_size,
             worker_id=self.worker_id,
             incarnation=self.incarnation,
         )

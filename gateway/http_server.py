@@ -49,7 +49,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import Authenticator
-from gateway.errors import AuthenticationError, BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, quoted
+from gateway.errors import AuthenticationError, BodyTooLarge, GatewayError, InvalidRequestError, quoted
 from gateway.limits import Limits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import (
@@ -85,13 +85,11 @@ AUTHENTICATED_PREFIX = "/v1/"
 AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
-class ServesRequests(Protocol):
-    """What the front door needs of gateway.request_path.RequestPath."""
+class ServesModel(Protocol):
+    """What the front door needs of one pool (gateway.request_path.RequestPath)."""
 
     served_model_name: str
     tokenizer: Tokenizer  # /tokenize's token_strs
-    auth: Authenticator  # checked before a /v1/ request is read (AuthenticateFirst)
-    metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
 
     async def generate(self, request: GatewayRequest) -> Generation: ...
 
@@ -100,6 +98,19 @@ class ServesRequests(Protocol):
     def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str: ...
 
     def max_model_len(self) -> int: ...
+
+
+class ServesRequests(Protocol):
+    """What the front door needs of gateway.request_path.RequestPath (one pool) or gateway.pools.Pools."""
+
+    auth: Authenticator  # checked before a /v1/ request is read (AuthenticateFirst)
+    metrics: GatewayMetrics  # the front door counts the requests it refuses before the path sees them
+
+    def pool(self, model: str | None) -> ServesModel:
+        """The pool serving the request's `model`; raises GatewayError (404 unknown, 400 ambiguous)."""
+        ...
+
+    def pools(self) -> Sequence[ServesModel]: ...
 
     def routable_workers(self) -> int: ...
 
@@ -217,16 +228,20 @@ class OpenAIServer:
         renderer_type: type[Renderer],
         client_request_id: str | None,
     ) -> Response:
+        pool: ServesModel | None = None
         try:
-            generation = await self.request_path.generate(gateway_request)
+            pool = self.request_path.pool(gateway_request.model)
+            generation = await pool.generate(gateway_request)
         except GatewayError as exc:
+            if pool is None:  # the pool counts its own refusals
+                self.request_path.metrics.errors.labels(type(exc).__name__).inc()
             return error_response(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
         headers = {
             "x-request-id": client_request_id or generation.request_id,
             "x-kvroute-worker": generation.route.worker_id,
             "x-kvroute-route": generation.route.header(),
         }
-        renderer = renderer_type(generation, wire, self.request_path.served_model_name)
+        renderer = renderer_type(generation, wire, pool.served_model_name)
         if wire.stream:
             return EventStreamResponse(renderer.events(), headers, close=generation.aclose)
         try:
@@ -242,11 +257,10 @@ class OpenAIServer:
         return_token_strs), the ids a generation with the same prompt or messages is sent with."""
 
         async def answer(wire: TokenizeRequest) -> dict[str, Any]:
-            result = await self.request_path.tokenize(wire.to_gateway_request(request_headers(request)))
+            pool = self.request_path.pool(wire.model)
+            result = await pool.tokenize(wire.to_gateway_request(request_headers(request)))
             ids = result.token_ids
-            token_strs = (
-                [self.request_path.tokenizer.token_text(i) or "" for i in ids] if wire.return_token_strs else None
-            )
+            token_strs = [pool.tokenizer.token_text(i) or "" for i in ids] if wire.return_token_strs else None
             return {"count": len(ids), "max_model_len": result.max_model_len, "tokens": ids, "token_strs": token_strs}
 
         return await self._tokenizer_endpoint(request, TokenizeRequest, answer)
@@ -256,7 +270,7 @@ class OpenAIServer:
 
         async def answer(wire: DetokenizeRequest) -> dict[str, Any]:
             api_key = bearer_token(request.headers.get("authorization"))
-            return {"prompt": self.request_path.detokenize(api_key, wire.model, wire.tokens)}
+            return {"prompt": self.request_path.pool(wire.model).detokenize(api_key, wire.model, wire.tokens)}
 
         return await self._tokenizer_endpoint(request, DetokenizeRequest, answer)
 
@@ -276,22 +290,24 @@ class OpenAIServer:
 
     # -- the rest -----------------------------------------------------------------------------------------
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, pool: ServesModel) -> dict[str, Any]:
         """vLLM's card: `max_model_len` is what a router reads to size requests (RequestPath.max_model_len)."""
-        name = self.request_path.served_model_name
+        name = pool.served_model_name
         return {
             "id": name, "object": "model", "created": self.started, "owned_by": "kvroute", "root": name,
-            "parent": None, "max_model_len": self.request_path.max_model_len(),
+            "parent": None, "max_model_len": pool.max_model_len(),
         }  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:
-        return Response(orjson.dumps({"object": "list", "data": [self._model_card()]}), media_type=JSON)
+        cards = [self._model_card(pool) for pool in self.request_path.pools()]
+        return Response(orjson.dumps({"object": "list", "data": cards}), media_type=JSON)
 
     async def get_model(self, request: Request) -> Response:
-        model = request.path_params["model"]
-        if model != self.request_path.served_model_name:
-            return error_response(ModelNotFound(f"the model {quoted(model)} does not exist", param="model"))
-        return Response(orjson.dumps(self._model_card()), media_type=JSON)
+        try:
+            pool = self.request_path.pool(request.path_params["model"])
+        except GatewayError as exc:
+            return error_response(exc)
+        return Response(orjson.dumps(self._model_card(pool)), media_type=JSON)
 
     async def health(self, request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON)

@@ -145,6 +145,7 @@ class RequestPath:
         http_backend: HttpBackend | None = None,
         deadlines: StreamDeadlines | None = None,
         log_prompts: bool = False,
+        concurrency: TenantConcurrency | None = None,
     ) -> None:
         self.fleet = fleet
         self.policy = policy
@@ -163,7 +164,7 @@ class RequestPath:
         self.backends: dict[str, Backend] = {"kvroute": GrpcBackend(self.clients), "vllm": http, "sglang": http}
         self.deadlines = deadlines or StreamDeadlines()
         self.log_prompts = log_prompts
-        self.concurrency = TenantConcurrency(limits)
+        self.concurrency = concurrency or TenantConcurrency(limits)  # shared by the pools of one gateway
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvroute-prompt")
         self.vocab_size = tokenizer.vocab_size
         self.identity = fleet_identity(model_id, tokenizer, block_size)
@@ -437,6 +438,14 @@ class RequestPath:
                 f"token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})", param=field
             )
         return ids
+
+    def pool(self, model: str | None) -> RequestPath:
+        """The path that serves `model` (None: this one): itself, or ModelNotFound (404)."""
+        self._check_model(model)
+        return self
+
+    def pools(self) -> list[RequestPath]:
+        return [self]
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

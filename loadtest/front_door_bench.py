@@ -59,6 +59,12 @@ def serve(kind: str, port: int) -> None:
         def routable_workers(self) -> int:
             return 1
 
+        def pool(self, model):
+            return self
+
+        def pools(self):
+            return [self]
+
     if kind == "bare":
 
         async def ok(request):

@@ -1,0 +1,135 @@
+"""Several models behind one gateway: a fleet is a set of pools, one per served model (docs/gateway.md).
+
+A pool is one `gateway.request_path.RequestPath`: its model, tokenizer, block size, fleet state, policy and
+workers, so each is routed on its own KV index and its own hashes. `Pools` holds them by served model name and
+answers the front doors as one request path does (`pool(model)`, `pools()`, `generate`, readiness, the
+drain), picking the pool by the request's `model`:
+
+    model given, a pool serves it    that pool
+    model given, no pool serves it   ModelNotFound (404), the name quoted (gateway.errors.quoted)
+    no model, one pool               that pool
+    no model, several pools          InvalidRequestError (400) naming `model`
+
+What the pools share is built once and handed to each: the Authenticator (one set of keys and tenants) and
+the tenants' concurrency (a tenant's limit counts its requests to every model). Each pool keeps its own
+metrics (labelled with its model_name); `metrics` here is the first pool's, where the front doors count what
+they refuse before a pool is known.
+
+Readiness: ready while any pool has a routable worker, so a model whose workers are all gone answers 503 for
+its own requests and takes no other model down with it (a load balancer would otherwise eject the gateway).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from gateway.auth import Authenticator
+from gateway.errors import InvalidRequestError, ModelNotFound, quoted
+from gateway.fleet_state import FleetIdentity, WorkerMember
+from gateway.metrics import GatewayMetrics
+from gateway.request import GatewayRequest, Generation, TokenizeResult
+from gateway.request_path import RequestPath
+
+
+class Pools:
+    """The pools of one gateway by served model name, behind the front doors' interface.
+
+    Contract: every pool was built with this gateway's one Authenticator and one TenantConcurrency, and served
+    model names are distinct (ValueError otherwise). `auth` set here is set on every pool (a SIGHUP reload)."""
+
+    def __init__(self, pools: Sequence[RequestPath]) -> None:
+        if not pools:
+            raise ValueError("a gateway needs at least one pool")
+        self._pools: dict[str, RequestPath] = {}
+        for path in pools:
+            if path.served_model_name in self._pools:
+                raise ValueError(f"two pools serve the model {quoted(path.served_model_name)}")
+            if path.auth is not pools[0].auth or path.concurrency is not pools[0].concurrency:
+                raise ValueError("the pools of one gateway share one Authenticator and one TenantConcurrency")
+            self._pools[path.served_model_name] = path
+        self.metrics: GatewayMetrics = pools[0].metrics
+
+    # -- picking a pool -------------------------------------------------------------------------------------
+
+    def pool(self, model: str | None) -> RequestPath:
+        """The pool serving `model`; raises ModelNotFound (404), or InvalidRequestError (400) when no model is
+        named and several are served."""
+        if model is None:
+            if len(self._pools) == 1:
+                return next(iter(self._pools.values()))
+            names = ", ".join(sorted(self._pools))
+            raise InvalidRequestError(f"is required: this gateway serves several models ({names})", param="model")
+        path = self._pools.get(model)
+        if path is None:
+            raise ModelNotFound(f"the model {quoted(model)} does not exist", param="model")
+        return path
+
+    def pools(self) -> list[RequestPath]:
+        return list(self._pools.values())
+
+    async def generate(self, request: GatewayRequest) -> Generation:
+        return await self.pool(request.model).generate(request)
+
+    async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
+        return await self.pool(request.model).tokenize(request)
+
+    def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str:
+        return self.pool(model).detokenize(api_key, model, token_ids)
+
+    # -- what one request path would answer, for the only pool ----------------------------------------------
+
+    @property
+    def served_model_name(self) -> str:
+        return ", ".join(self._pools)
+
+    @property
+    def auth(self) -> Authenticator:
+        return self.pools()[0].auth
+
+    @auth.setter
+    def auth(self, auth: Authenticator) -> None:
+        for path in self._pools.values():
+            path.auth = auth
+
+    @property
+    def identity(self) -> FleetIdentity:
+        return self.pool(None).identity
+
+    @property
+    def vocab_size(self) -> int:
+        return self.pool(None).vocab_size
+
+    @property
+    def active(self) -> int:
+        return sum(path.active for path in self._pools.values())
+
+    # -- health and shutdown --------------------------------------------------------------------------------
+
+    def routable_workers(self) -> int:
+        return sum(path.routable_workers() for path in self._pools.values())
+
+    def ready(self) -> bool:
+        """Any pool has a routable worker (see the module docstring)."""
+        return any(path.ready() for path in self._pools.values())
+
+    def members(self) -> list[WorkerMember]:
+        return [member for path in self._pools.values() for member in path.members()]
+
+    def start_draining(self) -> None:
+        for path in self._pools.values():
+            path.start_draining()
+
+    async def wait_drained(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        drained = True
+        for path in self._pools.values():
+            drained = await path.wait_drained(max(0.0, deadline - time.monotonic())) and drained
+        return drained
+
+    def end_streams(self, message: str) -> int:
+        return sum(path.end_streams(message) for path in self._pools.values())
+
+    async def close(self) -> None:
+        for path in self._pools.values():
+            await path.close()
