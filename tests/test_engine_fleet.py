@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import httpx
 import orjson
+import psutil
 import pytest
 from prometheus_client import generate_latest
 
@@ -189,6 +190,20 @@ def test_a_client_that_leaves_cancels_the_engines_request(stack: EngineStack) ->
         assert any(s.num_running for s in worker_stats(stack))
     _wait(lambda: not any(s.num_running or s.num_waiting for s in worker_stats(stack)))
     _wait(lambda: not any(stack.fleet.view().loads[w].in_flight for w in stack.fleet.view().replicas))
+
+
+def test_requests_in_a_row_reuse_the_gateways_connection_to_the_engine(stack: EngineStack) -> None:
+    def gateway_side_ports() -> set[int]:  # the dialling ends, closed ones (TIME_WAIT) included
+        engines = set(stack.http_ports)
+        return {c.laddr.port for c in psutil.net_connections("tcp") if c.raddr and c.raddr.port in engines}
+
+    body = {"prompt": f"reuse {LONG}", "max_tokens": 4, "stream": True}
+    for _ in range(2):  # a connection to each engine the policy may pick
+        assert post(stack, "/v1/completions", body).status_code == 200
+    before = gateway_side_ports()
+    for _ in range(8):
+        assert post(stack, "/v1/completions", body).status_code == 200
+    assert len(gateway_side_ports() - before) <= 1  # one new connection at most (a metrics scrape's), not one a request
 
 
 def worker_stats(stack: EngineStack) -> list[worker_pb2.WorkerStats]:
