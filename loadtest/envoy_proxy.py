@@ -12,6 +12,10 @@ Three upstream wirings (`EnvoyConfig.upstream`):
   - "round_robin": the same cluster without the picker (Envoy alone), the baseline of the bench.
 The route adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to the response, which the picker reads
 when the data plane sends no `envoy.lb` metadata for it.
+
+The picker's cluster is health-checked over gRPC (the ext_proc service's name) with a panic threshold of 0, so a
+picker that is down has no host: Envoy's ext_proc stream then fails as it opens, before the first body chunk,
+which is the one moment a FULL_DUPLEX_STREAMED filter can still fail open (docs/epp.md).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DESTINATION = "x-gateway-destination-endpoint"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service name of the picker
 TYPE = "type.googleapis.com/"
 
 
@@ -53,6 +58,7 @@ class EnvoyConfig:
     failure_mode_allow: bool = False
     num_retries: int = 2
     body_mode: str = "FULL_DUPLEX_STREAMED"
+    epp_health_check: bool = True  # see the module docstring; False: fail-open fails for requests with a body
 
     def render(self) -> dict:
         filters: list[dict] = []
@@ -134,6 +140,18 @@ class EnvoyConfig:
                     ),
                 }
             )
+            if self.epp_health_check:
+                clusters[-1]["health_checks"] = [
+                    {
+                        "timeout": "1s",
+                        "interval": "0.5s",
+                        "no_traffic_interval": "0.5s",
+                        "unhealthy_threshold": 1,
+                        "healthy_threshold": 1,
+                        "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+                    }
+                ]
+                clusters[-1]["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
         return {
             "admin": {"address": _address(f"127.0.0.1:{self.admin_port}")},
             "static_resources": {

@@ -298,3 +298,19 @@ def test_envoys_protos_and_opentelemetrys_import_side_by_side() -> None:
     from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 
     assert external_processor_pb2.ProcessingRequest and OTLPSpanExporter and InstrumentationScope
+
+
+def test_an_engine_is_dialled_at_its_own_address() -> None:
+    """A vllm:// or sglang:// worker's address is its OpenAI HTTP server: Envoy dials it there, unless mapped
+    explicitly; a kvroute worker's comes from --target-port (tests/test_epp_envoy_engines.py runs it whole)."""
+    from gateway.fleet_state import WorkerMember
+
+    def member(worker_id: str, engine: str) -> WorkerMember:
+        return WorkerMember(worker_id, worker_id, 1, "m", 16, 512, "h", "t", parity_ok=True, engine=engine)
+
+    engine, kvroute = member("10.0.0.5:8000", "vllm"), member("10.0.0.6:50051", "kvroute")
+    assert EndpointMap({}, 8001).of(engine) == "10.0.0.5:8000"
+    assert EndpointMap({}, None).of(engine) == "10.0.0.5:8000"
+    assert EndpointMap({"10.0.0.5:8000": "10.0.0.9:9000"}, None).of(engine) == "10.0.0.9:9000"
+    assert EndpointMap({}, 8001).of(kvroute) == "10.0.0.6:8001"
+    assert EndpointMap({}, None).of(kvroute) is None

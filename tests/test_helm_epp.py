@@ -156,3 +156,33 @@ def test_network_policy_admits_the_pickers_flows(gateway_from: list[dict[str, An
     assert admitted(release, stranger, epp, epp.ports["grpc"]) is not bool(gateway_from)
     assert not admitted(release, envoy, worker, worker.ports["grpc"]), "the workers' gRPC port stays closed"
     assert not admitted(release, epp_peer, worker, worker.ports["grpc"])
+
+
+def _salt_and_keys(pod: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The secret a pod's KVROUTE_CACHE_SALT_SECRET_FILE comes from, and the secret its API keys come from."""
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container.get("env", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    salt = None
+    if "KVROUTE_CACHE_SALT_SECRET_FILE" in env:
+        path = env["KVROUTE_CACHE_SALT_SECRET_FILE"]["value"]
+        (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        salt = volumes[mount["name"]]["secret"]["secretName"]
+    keys = env.get("KVROUTE_API_KEYS", {}).get("valueFrom", {}).get("secretKeyRef", {}).get("name")
+    if "api-keys" in volumes:
+        keys = volumes["api-keys"]["secret"]["secretName"]
+    return salt, keys
+
+
+def test_the_workers_front_doors_hold_the_pickers_keys_and_salt() -> None:
+    """Envoy sends the clients to the workers' HTTP front doors: same API keys and cache-salt secret as the picker,
+    or the tenant-salted hashes the picker routes by are not the ones the workers cache under."""
+    objects = _render({**EPP_VALUES, "auth": {"existingSecret": "tenant-keys"}})
+    workers = _one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    picker = _one(objects, "Deployment", "-epp")["spec"]["template"]["spec"]
+    assert _salt_and_keys(workers) == _salt_and_keys(picker)
+    assert _salt_and_keys(picker)[1] == "tenant-keys" and _salt_and_keys(picker)[0]
+    assert _salt_and_keys(_one(_render({"epp": {"enabled": False}}), "StatefulSet")["spec"]["template"]["spec"]) == (
+        None,
+        None,
+    )

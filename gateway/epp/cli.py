@@ -92,9 +92,13 @@ def build_picker(args: argparse.Namespace) -> Picker:
         raise UserError(str(exc)) from exc
     if args.max_endpoints < 0:
         raise UserError(f"--max-endpoints must be >= 0, got {args.max_endpoints}")
-    if not endpoints.explicit and endpoints.target_port is None:
-        raise UserError("say where Envoy dials the workers: --target-port PORT and/or --endpoints WORKER=IP:PORT,...")
     gateway = cli_gateway.build_gateway(args)
+    grpc_workers = getattr(gateway.fleet, "grpc_pollers", True)  # an engine fleet's kvroute workers, if any
+    if grpc_workers and not endpoints.explicit and endpoints.target_port is None:
+        raise UserError(
+            "say where Envoy dials the kvroute workers: --target-port PORT and/or --endpoints WORKER=IP:PORT,... "
+            "(vllm:// and sglang:// workers are dialled at their own address)"
+        )
     return Picker(
         gateway.request_path,
         endpoints,

@@ -80,9 +80,10 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 @dataclass(frozen=True)
 class EndpointMap:
     """Where Envoy dials a worker: its HTTP front door (`kvroute worker --http-port`), while the fleet state
-    reads the worker over gRPC. `explicit` maps a worker id or its gRPC address to `ip:port`; otherwise the
-    worker's advertised host with `target_port` (an InferencePool's targetPort: every pod serves HTTP on the
-    same port). A worker with neither is not routable by the picker."""
+    reads the worker over gRPC. `explicit` maps a worker id or its gRPC address to `ip:port`; otherwise a stock
+    engine's (`vllm://`, `sglang://`) own address, which is its OpenAI HTTP server; otherwise the worker's
+    advertised host with `target_port` (an InferencePool's targetPort: every pod serves HTTP on the same port).
+    A kvroute worker with neither is not routable by the picker."""
 
     explicit: Mapping[str, str] = field(default_factory=dict)
     target_port: int | None = None
@@ -103,8 +104,12 @@ class EndpointMap:
 
     def of(self, member: WorkerMember) -> str | None:
         endpoint = self.explicit.get(member.worker_id) or self.explicit.get(member.address)
-        if endpoint is not None or self.target_port is None:
+        if endpoint is not None:
             return endpoint
+        if member.engine != "kvroute":
+            return member.address
+        if self.target_port is None:
+            return None
         return f"{member.address.rpartition(':')[0]}:{self.target_port}"
 
 
