@@ -104,22 +104,19 @@ def validate_address(address: str) -> str:
     return address
 
 
-class WorkerPoller:
-    """Keeps one worker's membership, load and KV entries in a FleetBook by polling it over gRPC."""
+class PollLoop:
+    """One worker's poll loop: `poll_once` every `poll_interval` seconds, or at once after `wake()`, until the
+    task is cancelled or `halt()`ed; `name` (the worker's address) is what a failed poll's log names. A
+    subclass defines `poll_once`."""
 
-    def __init__(self, address: str, book: FleetBook, options: PollOptions, token: str | None = None) -> None:
-        self.address = validate_address(address)
-        self.book = book
-        self.options = options
-        self.token = token
-        self.worker_id: str | None = None  # set while it is a member through this poller
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: worker_pb2_grpc.WorkerStub | None = None
-        self._failing_since: float | None = None
+    def __init__(self, name: str, poll_interval: float) -> None:
+        self.name = name
+        self.poll_interval = poll_interval
         self._wake = asyncio.Event()
         self._halted = False
-        self._conflict: str | None = None  # the id conflict last logged (logged once, not every poll)
-        self._refused_logged = False
+
+    async def poll_once(self) -> None:
+        raise NotImplementedError
 
     async def run(self) -> None:
         """Poll until cancelled or halted."""
@@ -127,11 +124,11 @@ class WorkerPoller:
             try:
                 await self.poll_once()
             except Exception:  # a poller that died would freeze this worker's view: log and keep polling
-                logger.exception("fleet: polling %s failed", self.address)
+                logger.exception("fleet: polling %s failed", self.name)
             self._wake.clear()
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races the wake-up.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.options.poll_interval):
+                async with asyncio.timeout(self.poll_interval):
                     await self._wake.wait()
 
     def wake(self) -> None:
@@ -145,6 +142,23 @@ class WorkerPoller:
 
     def resume(self) -> None:
         self._halted = False
+
+
+class WorkerPoller(PollLoop):
+    """Keeps one worker's membership, load and KV entries in a FleetBook by polling it over gRPC."""
+
+    def __init__(self, address: str, book: FleetBook, options: PollOptions, token: str | None = None) -> None:
+        super().__init__(validate_address(address), options.poll_interval)
+        self.address = address
+        self.book = book
+        self.options = options
+        self.token = token
+        self.worker_id: str | None = None  # set while it is a member through this poller
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._failing_since: float | None = None
+        self._conflict: str | None = None  # the id conflict last logged (logged once, not every poll)
+        self._refused_logged = False
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -47,7 +47,6 @@ keeps the workers it had (logged once until it succeeds again).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import secrets
@@ -60,7 +59,7 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
+from gateway.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
 from gateway.worker_spec import WorkerSpec
 from kvroute.hashing import hash_fingerprint
@@ -125,7 +124,7 @@ async def resolve_all(host: str, port: int) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
-class EnginePoller:
+class EnginePoller(PollLoop):
     """Keeps one vLLM / SGLang server's membership, load and KV-event subscriber in a FleetBook."""
 
     def __init__(
@@ -137,6 +136,7 @@ class EnginePoller:
         options: EngineOptions,
         events: EventSourceFactory,
     ) -> None:
+        super().__init__(spec.address, options.poll_interval)
         self.spec = spec
         self.worker_id = spec.address
         self.book = book
@@ -150,29 +150,6 @@ class EnginePoller:
         self.started: float | None = None  # its process_start_time_seconds, where its metrics have it
         self._failing_since: float | None = None
         self._stopping: set[asyncio.Task[None]] = set()
-        self._wake = asyncio.Event()
-        self._halted = False
-
-    async def run(self) -> None:
-        while not self._halted:
-            try:
-                await self.poll_once()
-            except Exception:  # a poller that died would freeze this worker's view: log and keep polling
-                logger.exception("fleet: polling %s failed", self.worker_id)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.options.poll_interval):
-                    await self._wake.wait()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def halt(self) -> None:
-        self._halted = True
-        self._wake.set()
-
-    def resume(self) -> None:
-        self._halted = False
 
     async def close(self) -> None:
         await self._stop_source()
