@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import uvloop
+from typing import Any
 
 from gateway.auth import Authenticator
 from gateway.cli_gateway import HttpServer
@@ -32,12 +29,10 @@ from gateway.worker_spec import WorkerSpec, parse_worker_spec
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
 from launch.worker import FrontDoor, free_port, start_http_front_door
-from tests.gateway_stack import API_KEYS, SERVED_MODEL
+from tests.gateway_stack import API_KEYS, SERVED_MODEL, LoopThreadStack
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.service import WorkerServer, start_worker_server
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -59,11 +54,10 @@ class EngineStackOptions:
     deadlines: StreamDeadlines | None = None
 
 
-class EngineStack:
+class EngineStack(LoopThreadStack):
     def __init__(self, options: EngineStackOptions | None = None) -> None:
+        super().__init__("engine-stack")
         self.options = options or EngineStackOptions()
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="engine-stack", daemon=True)
         self.workers: list[WorkerServer] = []
         self.front_doors: list[FrontDoor | None] = []
         self.http_ports: list[int] = []
@@ -74,25 +68,6 @@ class EngineStack:
         self.fleet: EngineFleetState
         self.request_path: RequestPath
         self.http: HttpServer
-
-    def __enter__(self) -> EngineStack:
-        self.thread.start()
-        try:
-            self.call(self._start(), timeout=120)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            self.call(self._stop(), timeout=60)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     @property
     def http_url(self) -> str:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 import pytest
@@ -77,21 +77,22 @@ def stack_fixture(options: StackOptions) -> Callable[[], Iterator[GatewayStack]]
     return stack
 
 
-class GatewayStack:
-    def __init__(self, options: StackOptions | None = None) -> None:
-        self.options = options or StackOptions()
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-stack", daemon=True)
-        self.workers: list[WorkerServer] = []
-        self.request_path: RequestPath
-        self.http: HttpServer
-        self.metrics_http: HttpServer  # the gateway's /metrics, apart from the API port
-        self.grpc: GatewayGrpcServer
-        self.dead_http: HttpServer | None = None
-        self.dead_grpc: GatewayGrpcServer | None = None
-        self._closers: list[Any] = []
+class LoopThreadStack:
+    """Servers run in an event loop of their own, on a daemon thread, so that synchronous tests and clients can
+    talk to them: `with Stack(...) as stack:` starts them (`_start`, in that loop) and stops them (`_stop`);
+    `call` runs a coroutine there and returns its result. A subclass defines `_start` and `_stop`."""
 
-    def __enter__(self) -> GatewayStack:
+    def __init__(self, name: str) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
         self.thread.start()
         try:
             self.call(self._start(), timeout=120)
@@ -110,6 +111,20 @@ class GatewayStack:
     def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
         """Run a coroutine in the stack's event loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+
+class GatewayStack(LoopThreadStack):
+    def __init__(self, options: StackOptions | None = None) -> None:
+        super().__init__("gateway-stack")
+        self.options = options or StackOptions()
+        self.workers: list[WorkerServer] = []
+        self.request_path: RequestPath
+        self.http: HttpServer
+        self.metrics_http: HttpServer  # the gateway's /metrics, apart from the API port
+        self.grpc: GatewayGrpcServer
+        self.dead_http: HttpServer | None = None
+        self.dead_grpc: GatewayGrpcServer | None = None
+        self._closers: list[Any] = []
 
     @property
     def http_url(self) -> str:
