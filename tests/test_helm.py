@@ -272,7 +272,11 @@ def chart() -> Any:
 
 @cache
 def render(value_set: str) -> Release:
-    values = VALUE_SETS[value_set]
+    return render_values(VALUE_SETS[value_set])
+
+
+def render_values(values: dict[str, Any]) -> Release:
+    """The chart rendered as a first install with `values` (left unchanged), its objects and NOTES."""
     manifests = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
     objects = [
         obj

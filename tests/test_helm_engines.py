@@ -36,6 +36,7 @@ from test_helm import (  # noqa: F401 (_schemas_read_once: an autouse fixture, a
     chart,
     labels,
     parse_kvroute,
+    render_values,
 )
 
 HF_MODEL = {"source": "pvc", "name": "SmolLM2-135M-Instruct", "pvc": {"existingClaim": "smollm2-hf"}}
@@ -66,17 +67,7 @@ KV_EVENTS_CONFIG_KEYS = {"publisher", "endpoint", "replay_endpoint", "topic"}  #
 
 @cache
 def render(value_set: str) -> Release:
-    values = ENGINE_VALUE_SETS[value_set]
-    manifests = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
-    objects = [
-        obj
-        for path, text in sorted(manifests.items())
-        if path.endswith(".yaml")
-        for obj in yaml.safe_load_all(text)
-        if obj
-    ]
-    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
-    return Release(chart().merge_values(copy.deepcopy(values)), objects, notes)
+    return render_values(ENGINE_VALUE_SETS[value_set])
 
 
 def engine(release: Release) -> Container:

@@ -14,7 +14,16 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from test_helm import CHART, MIN_KUBE_VERSION, NAMESPACE, RELEASE, Peer, Release, admitted, chart, parse_kvroute
+from test_helm import (
+    CHART,
+    MIN_KUBE_VERSION,
+    Peer,
+    Release,
+    admitted,
+    chart,
+    parse_kvroute,
+    render_values,
+)
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "k8s-schemas"
 CRDS = {
@@ -38,8 +47,7 @@ pytestmark = pytest.mark.skipif(not SCHEMAS.is_dir(), reason=f"no CRD schemas at
 
 
 def _render(values: dict[str, Any]) -> list[dict[str, Any]]:
-    manifests = chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
-    return [o for p, t in sorted(manifests.items()) if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    return render_values(values).objects
 
 
 @pytest.fixture(scope="module")
