@@ -6,13 +6,8 @@ successor that is under its bound, so a hot key's overflow always lands on the s
 
 A replica is over its bound when
     in_flight + 1 > max(ceil((1 + epsilon) * (total_in_flight + 1) / num_replicas), min_in_flight)
-or its prefill queue is over `queue_limit`, or its KV usage is over `kv_high_watermark`.
-`min_in_flight` keeps a lightly loaded fleet sticky: a replica that batches dozens of sequences is not
-overloaded by its second request, and at a mean of 0.3 in flight the ceiling alone would call it so and
-scatter a conversation's turns (the synthetic multi-turn chat prefilled 17,248 tokens with no floor, 10,064
-with a floor of 3, against 48,448 for round-robin; the Mooncake trace's figures did not move).
-In-flight counts are small integers (about 3 per replica on the Mooncake trace), so the ceiling makes a
-small epsilon very tight: the default 0.5 lets a replica run about one request above the mean there.
+or its prefill queue is over `queue_limit`, or its KV usage is over `kv_high_watermark`. Why the floor
+`min_in_flight` (3) and the default epsilon (0.5), with figures: docs/routing.md, "The load bound".
 """
 
 from __future__ import annotations

@@ -8,10 +8,8 @@
 Prometheus metrics are not on this port: they list workers and per-app series that API clients have no
 business reading, so they are served apart (`--metrics-port`, gateway.metrics.metrics_app).
 
-Starlette rather than FastAPI: measured on this machine, FastAPI added ~75 µs to a trivial JSON request and
-~130 µs to a validated POST over HTTP (1.5x Starlette's latency; 4-5x in the framework alone), against a
-gateway budget of 2 ms p50; what it would add here (body parsing, the OpenAPI document) is done explicitly
-below with the same pydantic models (figures in the README).
+Starlette rather than FastAPI (why, measured: docs/gateway.md, "Why Starlette, not FastAPI"): what FastAPI would
+add here (body parsing, the OpenAPI document) is done explicitly below with the same pydantic models.
 
 The contract every response keeps:
 - With API keys configured, a /v1/, /tokenize or /detokenize request without a valid key gets 401 before its
