@@ -4,12 +4,7 @@
   run every step through cpu_attention_fp32.cpp;
 - everything else (ARM, older x86, float32 on AVX-512 CPUs, where SDPA's AVX-512 code is faster) runs torch's.
 
-With SmolLM2's shapes on 2 threads (`python -m loadtest.cpu_kernel_bench`) the kernel is 5x faster than the
-torch path for a 3,000-token prefill (12.4 vs 68 ms a layer) and for 400 new tokens over a 2,900-token cached
-prefix (3.5 vs 17.5 ms), 2-2.5x for decodes (32 sequences over 1,000 tokens: 1.3 vs 2.6 ms) and 20x for
-decodes over an FP8 cache (1.1 vs 22.5 ms). The float32 kernel, on an AVX2 CPU (`--fp32`, emulated), is 1.6-1.7x
-faster for a 1,000-token prefill (8.8 vs 14.8 ms), 1.33x for 2,048, 1.17x for 952 new tokens over 2,048 cached,
-2.2-2.7x for one decode, 1.2-1.25x for 32 and 6-7x for 32 over an FP8 cache.
+What each kernel measured against the torch path: docs/worker.md, "Attention on CPUs".
 
 Each kernel is compiled on first use with torch's cpp_extension (about 10 s; cached under TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions, and rebuilt when the source changes). `make setup` builds it, so the
@@ -137,10 +132,9 @@ def fp32_unsupported_reason() -> str | None:
 
 
 def fp32_kernel_skipped_reason() -> str | None:
-    """Why float32 models do not take the float32 kernel here, or None when they do. Only CPUs without AVX-512
-    take it: there SDPA's float32 code is AVX2 too, while with AVX-512 SDPA is faster on long prefills and extends
-    (the kernel's speed against it: 1.17x at 1,000 tokens, 0.93x at 2,048, 0.77x for 952 over 2,048 cached;
-    `cpu_kernel_bench --fp32` on this project's Xeon, unemulated)."""
+    """Why float32 models do not take the float32 kernel here, or None when they do. Only x86 CPUs with AVX2 and
+    FMA and without AVX-512 take it (with AVX-512, SDPA's own code is faster on long prefills and extends:
+    docs/worker.md, "Attention on CPUs")."""
     if (reason := fp32_unsupported_reason()) is not None:
         return reason
     return "SDPA's AVX-512 code is faster than the AVX2 kernel" if "avx512f" in cpu_flags() else None

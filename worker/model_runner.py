@@ -55,17 +55,12 @@ class DtypeChoice(NamedTuple):
 
 
 def resolve_dtype(name: str, model_kind: str, device: str | torch.device = "cpu") -> DtypeChoice:
-    """The weights' dtype, and why. `auto` is a dtype the machine multiplies natively: on a CPU, bfloat16 only
-    where it has bf16 instructions (kernels.cpu_backend.native_bf16: AVX-512 BF16 or AMX on x86, FEAT_BF16 on
-    ARM), float32 elsewhere, since torch emulates bf16 matmuls several times slower than float32 (an AVX2-only
-    Zen 3: prefill at 1,000 tokens 85 tok/s in bf16 against 488 in float32); on CUDA, bfloat16 where the GPU
-    supports it. With native bf16, measured with loadtest.engine_bench (SmolLM2, 2 threads), bf16 beats float32
-    everywhere: prefill 2.4x at 1,000 tokens and 3.0x at 3,000 (attention runs in the AVX-512 BF16 kernel),
-    single-stream decode 1.6x, 32-stream throughput 1.75x; against float32 its top-1 agreement is 0.968 and its
-    mean KL 0.0011 over 600 positions of real text. float32 is what the reference checks run.
-
-    The tiny test model's `auto` is float32, its native dtype: its random weights give near-tied logits, and
-    bf16 rounding would let batch shape or attention backend decide its greedy tokens."""
+    """The weights' dtype, and why (the reason is logged and in GetInfo). An explicit `name` is taken as asked
+    (bfloat16 on a CPU without native bf16 says it is emulated). `auto` is a dtype the machine multiplies
+    natively: on a CPU, bfloat16 where kernels.cpu_backend.native_bf16 says so, else float32; on CUDA, bfloat16
+    where the GPU supports it, else float32; float32 on other devices. The tiny test model's `auto` is float32,
+    its native dtype: its random weights give near-tied logits, so bf16 rounding would let batch shape or
+    attention backend decide its greedy tokens. Why, measured: docs/worker.md, "The dtype the engine picks"."""
     device = torch.device(device)
     if name != "auto":
         dtype = TORCH_DTYPES[name]

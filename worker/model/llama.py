@@ -6,8 +6,8 @@ through an `AttentionBackend` (kernels/attention.py): the layer writes the step'
 the backend attends over each sequence's cached context using `AttentionMetadata`.
 
 Weights arrive under HF names (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`, ...) and are stacked
-into `qkv_proj` and `gate_up_proj` on load, as in vLLM: one matmul instead of three (or two) saves 15-20% of
-their time at decode sizes on CPU (T = 1), and costs nothing at prefill sizes.
+into `qkv_proj` and `gate_up_proj` on load, as in vLLM: one matmul instead of three (or two); what that saves:
+docs/worker.md, "Where the CPU time goes".
 
 Float32 activations on an x86 CPU with AVX2 take the small ops fused (kernels/cpu_fused_ops.py): RMSNorm with
 the residual add before it, SiLU(gate) * up and RoPE, each one pass instead of 2 to 6 torch ops. The residual
@@ -38,8 +38,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class OutputRows:
     """The rows of a step whose hidden states the caller wants (those it samples from). Only the last layer
     narrows to them: it still writes every row's K/V to the cache (later steps read them), then attends, projects
-    and runs its MLP for these rows alone. That spares a prefill about 1 / num_layers of its work (SmolLM2, 30
-    layers: TTFT at 1,000 and 3,000 tokens 3% lower)."""
+    and runs its MLP for these rows alone, which spares a prefill about 1 / num_layers of its work."""
 
     rows: torch.Tensor  # int64 [N]: rows of the step's flat batch, in the order wanted
     meta: AttentionMetadata | None  # the rows as one-token queries over their seqs' contexts; None iff N = 0

@@ -1,25 +1,15 @@
 """Linear layers on the CPU through oneDNN, with their weights reordered once, at load, into its blocked layout.
 
-- bfloat16: `F.linear` on a plain weight makes oneDNN reorder that weight on every call, which costs about as
-  much as the multiplication itself for one token. Packing once speeds a decode step's matmuls up by about
-  1.8x (SmolLM2's four layer matrices and its 49,152-row lm_head at T = 1), a 32-sequence batch by 1.25x and
-  a prefill by 4%, with bit-identical results.
-- float32: `F.linear` goes to MKL, which on this AMD CPU runs at about 215 GFLOP/s (2 threads); oneDNN runs
-  the same products at about 505 (T = 404 and 2,048; 2.4x at T = 32), with float32 accumulation (results
-  differ from MKL's by summation order only: relative 1e-6).
-The ops are the ones torch's own CPU compiler (inductor) uses for frozen linears. Packing runs only where the CPU
-multiplies bf16 natively (`packing_supported`): with oneDNN capped to AVX2, packed float32 ran 1.3x slower than
-MKL at 2,048 rows and 1.6x slower at one row (SmolLM2's four layer matrices).
+- `pack_linears` replaces bf16 and float32 nn.Linears by `PackedLinear`s where `packing_supported()` (the CPU
+  multiplies bf16 natively): `F.linear` on a plain weight makes oneDNN reorder it on every call. bf16 results are
+  bit-identical to `F.linear`'s; float32 ones differ from MKL's by summation order only (relative 1e-6). The ops
+  are the ones torch's own CPU compiler (inductor) uses for frozen linears.
+- `add_bf16_decode_weights`, for CPUs without native bf16 that have AVX2 and FMA (float32 models): each float32
+  linear keeps its weight and gains a bfloat16 copy, packed in panels, that steps of at most DECODE_ROWS rows read
+  through kernels/cpu_bf16_linear.cpp (widened to float32 in registers, float32 accumulation); larger steps run
+  float32 MKL. The model then takes 1.5x its float32 memory.
 
-CPUs without native bf16 (AVX2 only) run float32 models, whose decode steps are bound by reading the weights:
-`add_bf16_decode_weights` gives each linear a bfloat16 copy, packed in panels, that steps of at most DECODE_ROWS
-rows read through kernels/cpu_bf16_linear.cpp (AVX2 + FMA, widened to float32 in registers), while larger steps
-keep float32 MKL. SmolLM2's 121 matrices (layers and lm_head), MKL's float32 against the kernel, medians of 9
-interleaved, 2 threads, the AVX2 emulation of docs/worker.md (`python -m loadtest.linear_bench`, two runs): 1 row
-1.66-1.76x (12.5 against 22.0 ms), 2 rows 2.96-3.16x, 8 rows 2.38-2.43x, 16 rows 1.69-1.78x, 32 rows 1.11-1.42x,
-64 rows 0.80-0.99x, 96 rows 0.85-0.88x. Widening the whole weight to float32 for MKL
-on every step (storing bf16 only) cost 20-30% at 32 to 256 rows, so prefills keep the float32 weight: the model
-takes 1.5x its float32 memory.
+What each measured, and why packing is off without native bf16: docs/worker.md, "Linear layers on CPUs".
 """
 
 from __future__ import annotations
