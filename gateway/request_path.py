@@ -571,6 +571,8 @@ class RequestPath:
                 member.worker_id, member.address, self.policy.name, decision.reason, decision.matched_blocks,
                 skipped, attempts, self.fleet.flags(member.worker_id),
             )  # fmt: skip
+            if choice == 0:  # once per request, on the pick it was finally sent on (RoutingPolicy's contract)
+                self.policy.observe(route_request, decision)
             return stream, route
         if busy and busy == attempts:
             raise RateLimited(f"every worker tried is at capacity ({last_error})", retry_after=RETRY_AFTER_SECONDS)

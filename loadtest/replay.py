@@ -343,6 +343,7 @@ class Simulation:
             if gateway.learned is None:
                 self._refresh_loads(p.arrival_ms)
             decision = gateway.policy.pick(p.route, gateway.view)
+            gateway.policy.observe(p.route, decision)
             self.reasons[decision.reason] += 1
             r = self.fleet.index_of[decision.replica]
             self.replica_of[p.index] = r
