@@ -89,10 +89,6 @@ def real_text() -> str:
     return "\n\n".join(parts)
 
 
-def median_time(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
-
-
 def interleaved_medians(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
     """The median of each of `fns` (each returns seconds), run in turn `repeats` times, so that the load of a
     shared machine falls on all of them alike and their ratios hold."""
