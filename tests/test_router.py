@@ -239,7 +239,7 @@ def test_kv_aware_ignores_stale_replicas():
     view = FleetView.empty(REPLICAS, KVIndex(REPLICAS))
     view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0"])
     view.kv_index.apply("r6", [type("E", (), {"seq": 5, "kind": "stored", "block_hashes": ()})()])
-    assert view.kv_index.is_stale("r6")
+    assert view.kv_index.match(["p/0"])[6] == 0  # stale: what it holds matches nothing
     assert make_policy("kv_aware").pick(request(0), view).reason == "ring"
 
 
