@@ -47,6 +47,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
+import numpy as np
+
 from gateway.common_prefix import CommonPrefixSketch
 from gateway.fleet import FleetView
 from gateway.hash_ring import DEFAULT_VNODES, HashRing, LoadBound
@@ -271,20 +273,28 @@ class PrefixRing(_RingPolicy):
     def __init__(self, options: PolicyOptions) -> None:
         super().__init__(options)
         self.sketch = CommonPrefixSketch()
+        # The last placed request's blocks and sketch cells: a cache, not memory (no decision reads it), so that
+        # observing the request does not compute them again.
+        self._cells: tuple[Sequence[BlockKey], np.ndarray] | None = None
+
+    def _cells_of(self, blocks: Sequence[BlockKey]) -> np.ndarray:
+        if self._cells is None or self._cells[0] is not blocks:
+            self._cells = (blocks, self.sketch.cells(blocks))
+        return self._cells[1]
 
     def placement(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> Placement:
         """The request's key, common depth (over the sketch of the requests observed before it) and order."""
         blocks = request.block_hashes
         if not blocks:
             return Placement(request.request_id, 0, self.order(request.request_id, fleet, members))
-        common, _ = self.sketch.common_prefix(self.sketch.cells(blocks), len(members))
+        common, _ = self.sketch.common_prefix(self._cells_of(blocks), len(members))
         key = blocks[min(common, len(blocks) - 1)]
         return Placement(key, common, self.order(key, fleet, members))
 
     def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
         super().observe(request, decision)
         if request.block_hashes:
-            self.sketch.observe(self.sketch.cells(request.block_hashes))
+            self.sketch.observe(self._cells_of(request.block_hashes))
 
     def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
         order = self.placement(request, fleet, members).order
