@@ -70,14 +70,6 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
         )
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens_cpu)
-
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
     """int64 [T]: the position of each new token in its sequence (seq i's run seq_len - q_len ... seq_len - 1)."""
