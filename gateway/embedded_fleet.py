@@ -88,7 +88,11 @@ class _Throttled(Exception):
 
 
 def _events(batch: worker_pb2.KVEventBatch) -> list[KVEvent]:
-    return [KVEvent(e.seq, KV_EVENT_KIND_NAMES.get(e.kind, "unknown"), tuple(e.block_hashes)) for e in batch.events]  # type: ignore[arg-type]
+    """The batch's events as records; a kind this gateway does not know makes KVIndex.apply refuse the batch."""
+    return [
+        KVEvent(e.seq, KV_EVENT_KIND_NAMES.get(e.kind, "unknown"), tuple(e.block_hashes))  # type: ignore[arg-type]
+        for e in batch.events
+    ]
 
 
 def validate_address(address: str) -> str:
