@@ -285,8 +285,10 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
         short = corpus.take(20)
         decode = interleaved(
             lambda e: 1 / kvroute_decode(e, short),
-            lambda: (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
-            / (OUTPUT_TOKENS - 1),
+            lambda: (
+                (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
+                / (OUTPUT_TOKENS - 1)
+            ),
             1,
             "transformers_tok_s",
         )

@@ -76,7 +76,6 @@ KV_SNAPSHOT_RATE = 2.0
 KV_SNAPSHOT_BURST = 8.0
 
 
-
 @dataclass(frozen=True)
 class WorkerIdentity:
     """Who this worker is: a stable id (a StatefulSet pod name, host-port), the address gateways dial, and
