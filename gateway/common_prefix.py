@@ -50,18 +50,15 @@ class CommonPrefixSketch:
         the share of requests that carry the deepest of them (0.0 when there is none)."""
         return self._common(self._counts[cells], replicas)
 
-    def observe(self, cells: np.ndarray, replicas: int = 1) -> tuple[int, float]:
-        """Count one request that carried these blocks; returns `common_prefix` from before it counted."""
-        counts = self._counts[cells]
-        found = self._common(counts, replicas)
-        self._counts[cells] = counts + np.uint32(1)
+    def observe(self, cells: np.ndarray) -> None:
+        """Count one request that carried these blocks."""
+        self._counts[cells] += np.uint32(1)
         self._requests += 1
         self._since_halving += 1
         if self._since_halving == HALF_LIFE:
             self._counts >>= np.uint32(1)
             self._requests /= 2
             self._since_halving = 0
-        return found
 
     def _common(self, counts: np.ndarray, replicas: int) -> tuple[int, float]:
         if not len(counts) or self._requests == 0:

@@ -41,19 +41,16 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
-from gateway.kv_index import BlockKey
+from gateway.kv_index import KVIndex
 from gateway.worker_client import worker_stub
 from kvroute.grpc_options import CLIENT_OPTIONS
+from kvroute.kv_events import KVEvent
+from kvroute.proto_maps import KV_EVENT_KIND_NAMES
 from proto import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 THROTTLED_WAIT_S = 30.0  # the most one poll waits out a worker's snapshot rate limit
 
-_KINDS = {
-    worker_pb2.KVEvent.KIND_STORED: "stored",
-    worker_pb2.KVEvent.KIND_REMOVED: "removed",
-    worker_pb2.KVEvent.KIND_CLEARED: "cleared",
-}
 _NOT_ROUTABLE = {
     worker_pb2.ENGINE_STATE_DEAD: "its engine is dead",
     worker_pb2.ENGINE_STATE_DRAINING: "it is draining",
@@ -78,13 +75,6 @@ class PollOptions:
             raise ValueError(f"max_snapshot_blocks must be >= 0, got {self.max_snapshot_blocks}")
 
 
-@dataclass(frozen=True)
-class _Event:
-    seq: int
-    kind: str
-    block_hashes: Sequence[BlockKey]
-
-
 class _WorkerChanged(Exception):
     """The worker changed under a poll (it restarted): the next poll's GetStats re-admits it."""
 
@@ -95,6 +85,14 @@ class _Conflict(Exception):
 
 class _Throttled(Exception):
     """The worker kept refusing snapshot pages (its rate limit) for THROTTLED_WAIT_S: the next poll resumes."""
+
+
+def _events(batch: worker_pb2.KVEventBatch) -> list[KVEvent]:
+    """The batch's events as records; a kind this gateway does not know makes KVIndex.apply refuse the batch."""
+    return [
+        KVEvent(e.seq, KV_EVENT_KIND_NAMES.get(e.kind, "unknown"), tuple(e.block_hashes))  # type: ignore[arg-type]
+        for e in batch.events
+    ]
 
 
 def validate_address(address: str) -> str:
@@ -237,7 +235,7 @@ class WorkerPoller(PollLoop):
                 if seq >= batch.latest_seq:
                     return
                 continue  # the events after the snapshot's seq, which its later pages may have overtaken
-            events = [_Event(e.seq, _KINDS.get(e.kind, "unknown"), e.block_hashes) for e in batch.events]
+            events = _events(batch)
             if not self.book.apply_events(member.worker_id, member.incarnation, events):
                 logger.warning("fleet: worker %s: a gap in its KV events; resyncing", member.worker_id)
                 await self._full_resync(stub, member)
@@ -246,28 +244,20 @@ class WorkerPoller(PollLoop):
                 return
 
     async def _full_resync(self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember) -> None:
-        """Rebuild the worker's cached set from seq 0 (events, or a snapshot), then swap it in at once."""
-        cached: dict[BlockKey, None] = {}
-        seq = 0
+        """Rebuild the worker's cached set from seq 0 (events, or a snapshot) in an index of its own, then swap it
+        in at once."""
+        worker_id = member.worker_id
+        rebuilt = KVIndex((worker_id,))
         while True:
-            batch = await self._get_events(stub, member, seq)
+            batch = await self._get_events(stub, member, rebuilt.last_seq(worker_id))
             if batch.is_snapshot:
                 seq, hashes, batch = await self._read_snapshot(stub, member, batch)
-                cached = dict.fromkeys(hashes)
-            for event in batch.events:
-                if event.seq != seq + 1:
-                    raise _WorkerChanged(f"worker {member.worker_id} sent events out of order")
-                if event.kind == worker_pb2.KVEvent.KIND_STORED:
-                    cached.update(dict.fromkeys(event.block_hashes))
-                elif event.kind == worker_pb2.KVEvent.KIND_REMOVED:
-                    for block_hash in event.block_hashes:
-                        cached.pop(block_hash, None)
-                else:
-                    cached.clear()
-                seq = event.seq
-            if not batch.events or seq >= batch.latest_seq:
+                rebuilt.resync(worker_id, seq, hashes)
+            if not rebuilt.apply(worker_id, _events(batch)):
+                raise _WorkerChanged(f"worker {worker_id} sent events out of order")
+            if not batch.events or rebuilt.last_seq(worker_id) >= batch.latest_seq:
                 break
-        self.book.resync(member.worker_id, member.incarnation, seq, cached)
+        self.book.resync(worker_id, member.incarnation, rebuilt.last_seq(worker_id), rebuilt.held(worker_id))
 
     async def _read_snapshot(
         self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, first: worker_pb2.KVEventBatch

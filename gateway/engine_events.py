@@ -72,6 +72,7 @@ from kvroute.engine_kv_events import (
     encode_seq,
 )
 from kvroute.hashing import HASH_BYTES, BlockHash, extend_block_hashes, hash_block, root_hash
+from kvroute.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +127,6 @@ class EngineEventCounters:
         if self.book_drops is not None:
             key = (self.worker_id, reason)
             self.book_drops[key] = self.book_drops.get(key, 0) + count
-
-
-@dataclass(frozen=True, slots=True)
-class _Change:
-    """A KV event record as gateway.kv_index applies it (`KVEventLike`)."""
-
-    seq: int
-    kind: str
-    block_hashes: tuple[BlockHash, ...] = ()
 
 
 @dataclass(slots=True)
@@ -424,13 +416,13 @@ class EngineEventSubscriber:
         seq_out = self.book.last_seq(self.worker_id)
         if cleared:
             seq_out += 1
-            changes.append(_Change(seq_out, "cleared"))
+            changes.append(KVEvent(seq_out, "cleared"))
         if removed:
             seq_out += 1
-            changes.append(_Change(seq_out, "removed", tuple(removed)))
+            changes.append(KVEvent(seq_out, "removed", tuple(removed)))
         if added:
             seq_out += 1
-            changes.append(_Change(seq_out, "stored", tuple(added)))
+            changes.append(KVEvent(seq_out, "stored", tuple(added)))
         if changes and not self.book.apply_events(self.worker_id, member.incarnation, changes):
             self._mirror()
         return True

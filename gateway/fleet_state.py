@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.fleet import FleetView
-from gateway.kv_index import BlockKey, KVEventLike
 from kvroute.fleet_keys import WorkerDescription
+from kvroute.kv_events import BlockKey, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class FleetBook:
         self._heard[worker_id] = time.monotonic()
         self._refresh_load(worker_id)
 
-    def apply_events(self, worker_id: str, incarnation: int, events: Iterable[KVEventLike]) -> bool:
+    def apply_events(self, worker_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
         """Apply a member's KV events in order. False on a sequence gap (resync it) or for data of another
         incarnation (re-admit it). A worker that fails parity keeps no entries: its events are dropped."""
         if not self.is_current(worker_id, incarnation):

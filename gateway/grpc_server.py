@@ -43,6 +43,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token, client_request_id_of
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
+from kvroute.proto_maps import FINISH_REASONS
 from kvroute.sampling import InvalidRequest, SamplingParams
 from kvroute.sampling_proto import sampling_from_proto
 from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -53,11 +54,6 @@ GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name  
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name  # "kvroute.v1.Worker"
 HEALTH_INTERVAL_S = 1.0
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-FINISH_REASONS = {
-    "stop": worker_pb2.FINISH_REASON_STOP,
-    "length": worker_pb2.FINISH_REASON_LENGTH,
-    "abort": worker_pb2.FINISH_REASON_ABORT,
-}
 
 
 class ServesPool(Protocol):

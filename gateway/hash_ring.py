@@ -60,13 +60,6 @@ class LoadBound:
         return load.in_flight + 1 > limit or load.queued > self.queue_limit or load.kv_usage > self.kv_high_watermark
 
 
-@dataclass(frozen=True)
-class RingPick:
-    replica: str
-    skipped: tuple[str, ...]  # successors passed over because they were over their bound, in order
-    all_over: bool  # every replica was over its bound; `replica` is then the least loaded
-
-
 class HashRing:
     """uhashring's continuum over the replica ids, with each position's successor list cached."""
 
@@ -98,13 +91,3 @@ class HashRing:
                     break
             cached = self._successors[pos] = tuple(seen)
         return cached
-
-    def walk_bounded(self, key: Hashable, fleet: FleetView, bound: LoadBound) -> RingPick:
-        """The key's first successor under its bound; if all are over, the least loaded one."""
-        order = self.successors(key)
-        limit = bound.in_flight_limit(fleet)
-        for i, replica in enumerate(order):
-            if not bound.is_over(replica, fleet, limit):
-                return RingPick(replica, order[:i], all_over=False)
-        least = min(order, key=lambda r: (fleet.loads[r].in_flight + fleet.loads[r].queued, order.index(r)))
-        return RingPick(least, tuple(r for r in order if r != least), all_over=True)

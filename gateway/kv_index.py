@@ -4,11 +4,12 @@ A block hash is chained (it covers its whole prefix), so "replica r holds hash h
 whole prefix up to h. `match(hashes)` walks a request's hashes once and returns, per replica, how many
 leading blocks that replica holds (stopping at its first miss, as the worker's own lookup does).
 
-Events are any objects with `.seq`, `.kind` ("stored" / "removed" / "cleared") and `.block_hashes`
-(worker.block_pool.KVEvent has that shape; the gateway never imports the worker). Each replica's
-events carry a sequence number that grows by one; a gap means events were lost, so the replica's
-entries can no longer be trusted: `apply` returns False, the replica is marked stale (it matches
-nothing) until the caller resyncs it from the worker's snapshot (`BlockPool.snapshot()`).
+Events are kvroute.kv_events.KVEvent records (the worker's block pool writes them; every fleet state
+reads its source's events back into them). Each replica's events carry a sequence number that grows by
+one; a gap means events were lost, so the replica's entries can no longer be trusted: `apply` returns
+False, the replica is marked stale (it matches nothing) until the caller resyncs it from the worker's
+snapshot (`BlockPool.snapshot()`). `apply` is the one loop that applies events: a fleet state that
+rebuilds a replica apart (embedded_fleet's full resync) applies them to an index of its own.
 
 Membership changes in place (DESIGN §4): `add_replica` (a worker joined), `remove_replica` (it left: its
 entries go, everyone else's stay), `reset_replica` (it restarted with a new incarnation: its entries and
@@ -23,16 +24,10 @@ it routed are stored on the replica it chose, bounded per replica by an LRU of t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
-BlockKey = Hashable
-
-
-class KVEventLike(Protocol):
-    seq: int
-    kind: str
-    block_hashes: Sequence[BlockKey]
+from kvroute.kv_events import BlockKey, KVEvent
 
 
 class KVIndex:
@@ -56,21 +51,10 @@ class KVIndex:
     def num_blocks(self, replica: str) -> int:
         return len(self._held[replica])
 
-    def holds(self, replica: str, block_hash: BlockKey) -> bool:
-        return block_hash in self._held[replica]
-
-    def holder_count(self, block_hash: BlockKey) -> int:
-        """How many replicas hold `block_hash` (stale replicas not counted)."""
-        return (self._holders.get(block_hash, 0) & self._alive).bit_count()
-
-    def holders(self, block_hash: BlockKey) -> tuple[str, ...]:
-        """The replicas that hold `block_hash`, in `self.replicas` order (stale replicas left out)."""
-        mask = self._holders.get(block_hash, 0) & self._alive
-        return tuple(r for r in self.replicas if mask & self._bit[r]) if mask else ()
-
-    def is_stale(self, replica: str) -> bool:
-        """True after a sequence gap, until `resync`: the replica's entries are ignored by `match`."""
-        return replica in self._stale
+    def held(self, replica: str) -> AbstractSet[BlockKey]:
+        """Every block hash the replica's events left it holding, stale or not (the index's own set: read it,
+        never change it)."""
+        return self._held[replica]
 
     def last_seq(self, replica: str) -> int:
         return self._last_seq[replica]
@@ -167,7 +151,7 @@ class KVIndex:
     def clear(self, replica: str) -> None:
         self.remove(replica, list(self._held[replica]))
 
-    def apply(self, replica: str, events: Iterable[KVEventLike]) -> bool:
+    def apply(self, replica: str, events: Iterable[KVEvent]) -> bool:
         """Apply one replica's events in order. Events already covered (seq <= last) are skipped.
 
         Returns False, and marks the replica stale, on a sequence gap; the caller must `resync` it."""
@@ -211,13 +195,6 @@ class NarrowedKVIndex:
     def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
         matched = self._index.match(block_hashes)
         return [matched[i] for i in self._positions]
-
-    def holders(self, block_hash: BlockKey) -> tuple[str, ...]:
-        kept = set(self.replicas)
-        return tuple(r for r in self._index.holders(block_hash) if r in kept)
-
-    def holder_count(self, block_hash: BlockKey) -> int:
-        return len(self.holders(block_hash))
 
 
 class LearnedKVIndex(KVIndex):

@@ -38,6 +38,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.request import Tenant
+from kvroute.prefix import common_prefix_length
 
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
@@ -192,12 +193,7 @@ class GatewayMetrics:
         key = self._series(self.tenant_label(tenant), label_value(app) if app else DEFAULT_APP)
         previous = self._previous.get(key)
         if previous is not None:
-            depth = 0
-            for mine, theirs in zip(block_hashes, previous, strict=False):
-                if mine != theirs:
-                    break
-                depth += 1
-            self.prefix_divergence.labels(*key).observe(depth * block_size)
+            self.prefix_divergence.labels(*key).observe(common_prefix_length(block_hashes, previous) * block_size)
         self._previous[key] = block_hashes
         totals = self._hits.setdefault(key, [0, 0])
         totals[0] += matched_blocks

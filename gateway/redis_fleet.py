@@ -37,23 +37,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from gateway.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet_state import BookkeepingFleetState, FleetIdentity, WorkerMember
-from gateway.kv_index import BlockKey
 from kvroute.fleet_keys import DEFAULT_PREFIX, FleetKeys, WorkerRecord, redis_client, seq_of, stream_id, unpack_hashes
+from kvroute.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Event:
-    seq: int
-    kind: str
-    block_hashes: Sequence[BlockKey]
 
 
 class RedisFleetState(BookkeepingFleetState):
@@ -266,7 +258,10 @@ class RedisFleetState(BookkeepingFleetState):
         worker_id, incarnation = member.worker_id, member.incarnation
         after = self.book.last_seq(worker_id)
         if entries and seq_of(entries[0][0]) == after + 1:
-            events = [_Event(seq_of(i), f[b"k"].decode(), unpack_hashes(f[b"h"])) for i, f in entries]
+            events = [
+                KVEvent(seq_of(i), f[b"k"].decode(), tuple(unpack_hashes(f[b"h"])))  # type: ignore[arg-type]
+                for i, f in entries
+            ]
             if self.book.apply_events(worker_id, incarnation, events):
                 return True
         elif not entries and self._published_seq.get(worker_id, 0) <= after:

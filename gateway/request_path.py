@@ -87,17 +87,13 @@ from gateway.stop_strings import ChoiceText
 from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
+from kvroute.proto_maps import FINISH_REASON_NAMES
 from kvroute.sampling import InvalidRequest
 from kvroute.tokenizer import PromptTooLong, Tokenizer
 from proto import worker_pb2
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    worker_pb2.FINISH_REASON_STOP: "stop",
-    worker_pb2.FINISH_REASON_LENGTH: "length",
-    worker_pb2.FINISH_REASON_ABORT: "abort",
-}
 # The worker refused the request itself: sending it elsewhere cannot help.
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 # The worker is full: try another, but it is healthy (no breaker failure).
@@ -571,6 +567,8 @@ class RequestPath:
                 member.worker_id, member.address, self.policy.name, decision.reason, decision.matched_blocks,
                 skipped, attempts, self.fleet.flags(member.worker_id),
             )  # fmt: skip
+            if choice == 0:  # once per request, on the pick it was finally sent on (RoutingPolicy's contract)
+                self.policy.observe(route_request, decision)
             return stream, route
         if busy and busy == attempts:
             raise RateLimited(f"every worker tried is at capacity ({last_error})", retry_after=RETRY_AFTER_SECONDS)
@@ -820,7 +818,7 @@ class _StreamingGeneration(Generation):
             self._end_stream(stream)
         elif response.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
             text += text_state.finish()
-            finish_reason = FINISH_REASONS.get(response.finish_reason, "abort")
+            finish_reason = FINISH_REASON_NAMES.get(response.finish_reason, "abort")
             self._end_stream(stream)
         if stream.choice == 0 and response.HasField("usage"):
             # On the worker's first message and its last: exact even when a stop string cancels it mid-way.

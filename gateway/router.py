@@ -33,7 +33,9 @@ fleet is never busy, so it keeps its stickiness.
 
 Every policy is deterministic for the same fleet view and the same earlier requests (`round_robin`'s turn,
 the common-prefix sketch and the guard's memory are the policy's own state): two gateways with equal views
-that were dealt the same traffic agree. The live gateway's loads come from worker reports plus its own
+that were dealt the same traffic agree. `pick` only reads that state; `observe` updates it, once per request
+with the request's final decision, so a retry's second pick neither counts the request again nor moves a
+turn. The live gateway's loads come from worker reports plus its own
 in-flight counts, the replay's from its simulation; the rules read only `FleetView`.
 """
 
@@ -44,6 +46,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
+
+import numpy as np
 
 from gateway.common_prefix import CommonPrefixSketch
 from gateway.fleet import FleetView
@@ -95,8 +99,12 @@ class NoReplicaAvailable(LookupError):
 class RoutingPolicy(ABC):
     """Chooses a replica for a request from a read-only fleet view; never mutates the view.
 
-    `pick(request, fleet, exclude)` never returns a replica in `exclude` (the workers a retry already
-    failed on); it raises NoReplicaAvailable when no replica is left."""
+    The caller's contract:
+      1. `pick(request, fleet, exclude)` is pure: it changes neither the view nor the policy, so a retry calls
+         it again with the workers already tried in `exclude`. It never returns a replica in `exclude`, and
+         raises NoReplicaAvailable when no replica is left.
+      2. `observe(request, decision)` records the request in the policy's memory: call it once per request,
+         with the decision the request was finally sent on (after any retries)."""
 
     name: ClassVar[str]
 
@@ -104,14 +112,18 @@ class RoutingPolicy(ABC):
         self.options = options
 
     def pick(self, request: RouteRequest, fleet: FleetView, exclude: frozenset[str] = frozenset()) -> RouteDecision:
-        if exclude:
-            fleet = fleet.without(exclude)
-        if not fleet.replicas:
+        view = fleet.without(exclude) if exclude else fleet
+        if not view.replicas:
             raise NoReplicaAvailable("no live worker to route to" + (" (all excluded)" if exclude else ""))
-        return self._pick(request, fleet)
+        return self._pick(request, view, fleet.replicas)
+
+    def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """Record one routed request; the stateless policies keep nothing."""
+        return
 
     @abstractmethod
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision: ...
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
+        """`fleet` is the view less the excluded replicas; `members` every replica of the view before that."""
 
 
 def _stable_int(*parts: str) -> int:
@@ -125,16 +137,17 @@ class RoundRobin(RoutingPolicy):
         super().__init__(options)
         self._turn = 0
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
-        replica = fleet.replicas[self._turn % len(fleet.replicas)]
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
+        return RouteDecision(fleet.replicas[self._turn % len(fleet.replicas)], "round_robin")
+
+    def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
         self._turn += 1
-        return RouteDecision(replica, "round_robin")
 
 
 class Random(RoutingPolicy):
     name = "random"
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
         i = _stable_int(str(self.options.seed), request.request_id) % len(fleet.replicas)
         return RouteDecision(fleet.replicas[i], "random")
 
@@ -142,7 +155,7 @@ class Random(RoutingPolicy):
 class LeastLoaded(RoutingPolicy):
     name = "least_loaded"
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
         n = len(fleet.replicas)
         start = _stable_int(request.request_id) % n  # spread ties instead of favouring replica 0
 
@@ -163,8 +176,9 @@ class Placement:
 
 
 class _RingPolicy(RoutingPolicy):
-    """A policy that walks a consistent-hash ring over the fleet's replicas (rebuilt when they change),
-    with the starvation guard of the module docstring."""
+    """A policy that walks a consistent-hash ring over the fleet's replicas (rebuilt when they change, not
+    when a retry excludes some: it walks the whole ring's order and skips them), with the starvation guard
+    of the module docstring."""
 
     def __init__(self, options: PolicyOptions) -> None:
         super().__init__(options)
@@ -173,10 +187,23 @@ class _RingPolicy(RoutingPolicy):
         self._decisions = 0
         self._last_chosen: dict[str, int] = {}  # replica -> the decision that last chose it
 
-    def ring(self, fleet: FleetView) -> HashRing:
-        if self._ring is None or self._ring.replicas != fleet.replicas:
-            self._ring = HashRing(fleet.replicas, self.options.vnodes)
+    def ring(self, members: tuple[str, ...]) -> HashRing:
+        """The ring over `members` (a view's sorted replica ids), built again only when they change."""
+        if self._ring is None or self._ring.replicas != members:
+            self._ring = HashRing(members, self.options.vnodes)
         return self._ring
+
+    def order(self, key: BlockKey, fleet: FleetView, members: tuple[str, ...]) -> tuple[str, ...]:
+        """The replicas of `fleet` in the key's order on the ring over `members` (a superset of them)."""
+        order = self.ring(members).successors(key)
+        if len(fleet.replicas) == len(members):
+            return order
+        kept = fleet.index_of
+        return tuple(r for r in order if r in kept)
+
+    def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
+        self._decisions += 1
+        self._last_chosen[decision.replica] = self._decisions
 
     def _walk(
         self, order: Sequence[str], fleet: FleetView, slack: float = 1.0, total: int | None = None
@@ -206,13 +233,12 @@ class _RingPolicy(RoutingPolicy):
         """The decision, or (for a request that is not a hit) the first starving replica in `order`: an
         idle one that this policy never chose, or, while the chosen replica is busy (it has a prefill queue,
         or a request more than the fleet's mean in flight), an idle one this policy has not chosen in its
-        last STARVATION_WINDOW x N decisions. Records the choice."""
-        self._decisions += 1
+        last STARVATION_WINDOW x N decisions."""
         chosen = fleet.loads[decision.replica]
         if decision.reason != "hit" and chosen.in_flight > 0:
             total = fleet.total_in_flight if total is None else total
             busy = chosen.queued > 0 or chosen.in_flight >= total / len(fleet.replicas) + 1
-            horizon = self._decisions - STARVATION_WINDOW * len(fleet.replicas)
+            horizon = self._decisions + 1 - STARVATION_WINDOW * len(fleet.replicas)  # this decision is the next
             loads, last_chosen = fleet.loads, self._last_chosen
             for replica in order:
                 if loads[replica].in_flight:
@@ -222,16 +248,15 @@ class _RingPolicy(RoutingPolicy):
                     depth = matched[fleet.index_of[replica]] if matched else 0
                     decision = RouteDecision(replica, "idle", depth, (decision.replica,))
                     break
-        self._last_chosen[decision.replica] = self._decisions
         return decision
 
 
 class SessionAffinity(_RingPolicy):
     name = "session"
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
         key = request.session_id if request.session_id is not None else request.request_id
-        order = self.ring(fleet).successors(key)
+        order = self.order(key, fleet, members)
         replica, skipped = self._walk(order, fleet)
         if replica is None:
             return self._guarded(self._least_loaded(order, fleet), order, fleet)
@@ -248,20 +273,31 @@ class PrefixRing(_RingPolicy):
     def __init__(self, options: PolicyOptions) -> None:
         super().__init__(options)
         self.sketch = CommonPrefixSketch()
+        # The last placed request's blocks and sketch cells: a cache, not memory (no decision reads it), so that
+        # observing the request does not compute them again.
+        self._cells: tuple[Sequence[BlockKey], np.ndarray] | None = None
 
-    def placement(self, request: RouteRequest, fleet: FleetView) -> Placement:
-        """The request's key, common depth and ring order; records the request in the sketch."""
-        ring = self.ring(fleet)
+    def _cells_of(self, blocks: Sequence[BlockKey]) -> np.ndarray:
+        if self._cells is None or self._cells[0] is not blocks:
+            self._cells = (blocks, self.sketch.cells(blocks))
+        return self._cells[1]
+
+    def placement(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> Placement:
+        """The request's key, common depth (over the sketch of the requests observed before it) and order."""
         blocks = request.block_hashes
         if not blocks:
-            return Placement(request.request_id, 0, ring.successors(request.request_id))
-        cells = self.sketch.cells(blocks)
-        common, _ = self.sketch.observe(cells, len(fleet.replicas))
+            return Placement(request.request_id, 0, self.order(request.request_id, fleet, members))
+        common, _ = self.sketch.common_prefix(self._cells_of(blocks), len(members))
         key = blocks[min(common, len(blocks) - 1)]
-        return Placement(key, common, ring.successors(key))
+        return Placement(key, common, self.order(key, fleet, members))
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
-        order = self.placement(request, fleet).order
+    def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
+        super().observe(request, decision)
+        if request.block_hashes:
+            self.sketch.observe(self._cells_of(request.block_hashes))
+
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
+        order = self.placement(request, fleet, members).order
         replica, skipped = self._walk(order, fleet, 1 + HIT_SLACK)
         if replica is None:
             return self._guarded(self._least_loaded(order, fleet), order, fleet)
@@ -272,8 +308,8 @@ class PrefixRing(_RingPolicy):
 class KVAware(PrefixRing):
     name = "kv_aware"
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
-        place = self.placement(request, fleet)
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
+        place = self.placement(request, fleet, members)
         matched = fleet.kv_index.match(request.block_hashes)
         total = len(request.block_hashes)
         in_flight = fleet.total_in_flight  # read once: a sum over the fleet, and every bound below needs it

@@ -12,7 +12,6 @@ The slot of token position p of a sequence is block_table[p // block_size] * blo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,18 +69,6 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens_cpu)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
 
 
 def token_positions(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
@@ -159,34 +146,3 @@ class AttentionBackend(Protocol):
         """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim] in q's dtype.
         GQA: num_heads % num_kv_heads == 0; query head h reads KV head h // (num_heads // num_kv_heads)."""
         ...
-
-
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
-
-
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """name in {"auto", "torch", "cpu", "triton"}; auto = triton on CUDA, cpu elsewhere. "cpu" runs bfloat16
-    models on the AVX-512 BF16 kernel, float32 ones on AVX2 CPUs without AVX-512 on the AVX2 float32 kernel, and
-    everything else on the torch path (kernels/cpu_backend.py; the torch path, with a warning, also where a kernel
-    cannot run). Triton needs CUDA, or TRITON_INTERPRET=1 (set
-    before triton is first imported) to run its kernels on the CPU for tests."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
-    device = torch.device(device)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
-    if name == "torch":
-        from kernels.torch_attention import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention backend 'cpu' runs on the CPU, got {device}")
-        from kernels.cpu_backend import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
-    from kernels.triton_backend import TritonAttentionBackend
-
-    return TritonAttentionBackend()

@@ -39,7 +39,6 @@ from kvroute.hashing import HASH_BYTES
 DEFAULT_PREFIX = "kvroute"
 DATA_TTL_S = 600
 ENGINE_STATES = ("serving", "draining", "dead", "stopped")  # "stopped": deregistered; leave at once
-KINDS = ("stored", "removed", "cleared")
 _WORKER_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,253}")
 
 

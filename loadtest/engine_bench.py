@@ -89,10 +89,6 @@ def real_text() -> str:
     return "\n\n".join(parts)
 
 
-def median_time(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
-
-
 def interleaved_medians(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
     """The median of each of `fns` (each returns seconds), run in turn `repeats` times, so that the load of a
     shared machine falls on all of them alike and their ratios hold."""
@@ -289,8 +285,10 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
         short = corpus.take(20)
         decode = interleaved(
             lambda e: 1 / kvroute_decode(e, short),
-            lambda: (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
-            / (OUTPUT_TOKENS - 1),
+            lambda: (
+                (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
+                / (OUTPUT_TOKENS - 1)
+            ),
             1,
             "transformers_tok_s",
         )

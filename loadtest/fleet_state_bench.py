@@ -244,7 +244,9 @@ def simulate(
             request = requests[i]
             g = i % num_gateways
             running = [w.running for w in workers.values()]
-            decision = policies[g].pick(RouteRequest(f"r{i}", request.hashes, len(request.tokens)), views[g])
+            route = RouteRequest(f"r{i}", request.hashes, len(request.tokens))
+            decision = policies[g].pick(route, views[g])
+            policies[g].observe(route, decision)
             if index_mode == "private":
                 views[g].kv_index.record_routed(decision.replica, request.hashes)
             worker = workers[decision.replica]

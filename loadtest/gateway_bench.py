@@ -302,11 +302,12 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
     template_tokenize = median_us(lambda: tokenizer.encode_chat(messages))
     hashing = median_us(lambda: block_hashes(ids, model_id=source.model_id))
     request = RouteRequest("r", hashes, len(ids))
-    pick = median_us(lambda: policy.pick(request, view))
+    pick = median_us(lambda: policy.observe(request, policy.pick(request, view)))
 
     def whole(scope: str | None) -> None:
         prompt = tokenizer.encode_chat(messages, cache_scope=scope)
-        policy.pick(RouteRequest("r", block_hashes(prompt, model_id=source.model_id), len(prompt)), view)
+        route = RouteRequest("r", block_hashes(prompt, model_id=source.model_id), len(prompt))
+        policy.observe(route, policy.pick(route, view))
 
     whole("tenant")  # the system prompt is now remembered for this scope (a tenant's repeated system prompt)
     return {

@@ -174,6 +174,7 @@ def routing_decision(workers: int, blocks: int, block_size: int) -> tuple[float,
         request = RouteRequest(f"r{i}", target[:200] + [rng.randbytes(16) for _ in range(56)], 256 * block_size)
         start = time.perf_counter()
         decision = policy.pick(request, book.fleet)
+        policy.observe(request, decision)
         times.append(time.perf_counter() - start)
         assert decision.matched_blocks == 200, decision
     times.sort()

@@ -33,7 +33,7 @@ class BoundedOracle(RoutingPolicy):
         self._assigned: dict[str, int] = {}
         self._routed = 0
 
-    def _pick(self, request: RouteRequest, fleet: FleetView) -> RouteDecision:
+    def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
         n = len(fleet.replicas)
         cap = math.ceil(ORACLE_SLACK * (self._routed + 1) / n)
         matched = fleet.kv_index.match(request.block_hashes)
@@ -42,7 +42,8 @@ class BoundedOracle(RoutingPolicy):
             (i for i in range(n) if assigned[i] + 1 <= cap),
             key=lambda i: (-matched[i], assigned[i], i),
         )
-        replica = fleet.replicas[best]
-        self._assigned[replica] = assigned[best] + 1
+        return RouteDecision(fleet.replicas[best], "oracle", matched[best])
+
+    def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
+        self._assigned[decision.replica] = self._assigned.get(decision.replica, 0) + 1
         self._routed += 1
-        return RouteDecision(replica, "oracle", matched[best])

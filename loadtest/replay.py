@@ -39,6 +39,7 @@ from gateway.fleet import FleetView, ReplicaLoad
 from gateway.kv_index import LearnedKVIndex
 from gateway.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
+from kvroute.prefix import common_prefix_length
 from loadtest.oracle import BoundedOracle
 from loadtest.traces import Trace, TraceRequest
 from worker.kv_cache_manager import KVCacheManager
@@ -343,6 +344,7 @@ class Simulation:
             if gateway.learned is None:
                 self._refresh_loads(p.arrival_ms)
             decision = gateway.policy.pick(p.route, gateway.view)
+            gateway.policy.observe(p.route, decision)
             self.reasons[decision.reason] += 1
             r = self.fleet.index_of[decision.replica]
             self.replica_of[p.index] = r
@@ -526,15 +528,6 @@ def first_divergence(trace: Trace) -> Divergence:
         buckets[_bucket(common_prefix_length(previous, seq))] += 1
     labels = {f"{lo}-{hi}": buckets[(lo, hi)] for lo, hi in sorted(buckets)}
     return Divergence("blocks" if mooncake else "tokens", first, labels)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share (the doctor uses it too)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _bucket(position: int) -> tuple[int, int]:

@@ -49,7 +49,7 @@ def bench(num_tokens: int, num_replicas: int, iterations: int, seed: int = 0) ->
         request = RouteRequest(f"req-{i}", hashes, num_tokens)
         for name, policy in policies.items():
             start = time.perf_counter()
-            policy.pick(request, fleet)
+            policy.observe(request, policy.pick(request, fleet))
             samples[name].append(time.perf_counter() - start)
     return samples
 

@@ -111,11 +111,15 @@ def book_for(model_id: str, worker_id: str = "w") -> FleetBook:
 def held(book: FleetBook, worker_id: str, hashes: set[bytes]) -> bool:
     """The book's index holds exactly `hashes` for the worker (and matches on them: not stale)."""
     index = book.fleet.kv_index
-    return (
-        not index.is_stale(worker_id)
-        and index.num_blocks(worker_id) == len(hashes)
-        and all(index.holds(worker_id, h) for h in hashes)
-    )
+    i = index.replicas.index(worker_id)
+    return index.held(worker_id) == hashes and all(index.match([h])[i] == 1 for h in hashes)
+
+
+def stale(book: FleetBook, worker_id: str) -> bool:
+    """The worker's entries are ignored (after a gap, until a resync): nothing it holds matches."""
+    index = book.fleet.kv_index
+    i = index.replicas.index(worker_id)
+    return bool(index.held(worker_id)) and all(index.match([h])[i] == 0 for h in index.held(worker_id))
 
 
 async def traffic(server: WorkerServer, publisher: KVEventPublisher, rounds: int = 3) -> None:
@@ -205,7 +209,7 @@ def test_a_gap_is_filled_from_the_replay_socket() -> None:
             for i, message in enumerate(received):
                 if i != 2:  # batch 2 is lost on the way
                     subscriber.handle(message)
-            assert book.fleet.kv_index.is_stale("w")  # routed by load while the replay runs
+            assert stale(book, "w")  # routed by load while the replay runs
             cached = await pool_hashes(server)
             await until(lambda: held(book, "w", cached), what="the replayed index")
             assert subscriber.counters.gaps == 1 and subscriber.counters.rebuilds == 0
@@ -238,10 +242,10 @@ def test_a_gap_past_the_replay_buffer_drops_the_entries_and_rebuilds_from_what_f
             await until(lambda: subscriber.counters.rebuilds == 1, what="the rebuild")
             index = book.fleet.kv_index
             cached = await pool_hashes(server)
-            assert not index.is_stale("w") and 0 < index.num_blocks("w") < len(cached)
+            assert not stale(book, "w") and 0 < index.num_blocks("w") < len(cached)
             # Nothing it holds is wrong: every entry is in the worker's pool.
             hashes = [h for message in received for h in _stored_hashes(book, message)]
-            assert all(h in cached for h in hashes if index.holds("w", h))
+            assert all(h in cached for h in hashes if h in index.held("w"))
         finally:
             frames.close()
             await subscriber.stop()
@@ -311,7 +315,7 @@ def test_a_worker_restarted_behind_the_same_endpoint_is_a_restart() -> None:
             new = await pool_hashes(server)
             await until(lambda: held(book, "w", new), what="the new process's blocks only")
             assert restarted == ["w"] and subscriber.counters.restarts == 1
-            assert not any(book.fleet.kv_index.holds("w", h) for h in old - new)
+            assert not any(h in book.fleet.kv_index.held("w") for h in old - new)
         finally:
             await subscriber.stop()
             await stop_worker(server, publisher)
@@ -377,7 +381,7 @@ def test_a_dropped_connection_to_the_same_engine_is_not_a_restart() -> None:
             await traffic(server, publisher, rounds=1)
             await until(lambda: subscriber.counters.batches == publisher.published, what="every batch")
             await proxy.cut()
-            await until(lambda: book.fleet.kv_index.is_stale("w"), what="routed by load while the link is down")
+            await until(lambda: stale(book, "w"), what="routed by load while the link is down")
             await generate(server, list(range(900, 940)))  # published while nobody receives it
             await caught_up(server, publisher)
             await proxy.start()

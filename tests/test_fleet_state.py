@@ -336,6 +336,32 @@ def test_a_parity_mismatch_is_counted_and_routed_by_load_only(kind, redis_server
 # -- Redis: late gateways, outages, agreement ----------------------------------------------------------------
 
 
+def test_an_embedded_gateway_that_lost_events_rebuilds_the_worker_from_seq_0(caplog):
+    """A gap in a worker's events (here: the index marked stale, as a gap leaves it): the next poll rebuilds the
+    worker's cached set from seq 0 apart from the book, then swaps it in; the book then holds the worker's pool."""
+
+    async def main() -> None:
+        worker = await start_worker("w0", None)
+        state = EmbeddedFleetState([worker.address], identity_of(worker), poll_interval=POLL, unreachable_after=0.3)
+        await state.start()
+        try:
+            first, second = prompt(1), prompt(2)
+            await worker.generate(first)
+            await eventually(lambda: matched(state, "w0", hashes(first)) == 6)
+            state.book.fleet.kv_index.mark_stale("w0")
+            await worker.generate(second)
+            await eventually(lambda: "resyncing" in caplog.text and matched(state, "w0", hashes(second)) == 6)
+            assert matched(state, "w0", hashes(first)) == 6
+            _, pool = await worker.server.engine.call(lambda e: e.kv_manager.pool.snapshot())
+            await eventually(lambda: state.view().kv_index.held("w0") == set(pool))
+        finally:
+            await state.stop()
+            await worker.stop()
+
+    with caplog.at_level("WARNING", logger="gateway.embedded_fleet"):
+        run(main)
+
+
 def test_a_late_gateway_sees_blocks_cached_before_it_started(redis_server):
     async def main() -> None:
         # A snapshot after every event trims the stream: the late gateway must start from a snapshot.

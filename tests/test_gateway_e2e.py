@@ -226,6 +226,31 @@ def test_a_killed_worker_is_retried_elsewhere_and_leaves_the_candidates() -> Non
     run(body)
 
 
+def test_a_retried_request_moves_the_policys_memory_once() -> None:
+    """The policy observes a request once, on the worker it was finally sent to: round robin's turn moves one
+    step for a request that was retried, so the requests after it keep the rotation."""
+
+    async def body() -> None:
+        async with fleet(3, policy="round_robin") as f:
+            await until(lambda: f.state.view().replicas == ("w0", "w1", "w2"))
+            await f.servers[1].server.stop(grace=None)  # w1 is next but gone, before the fleet state notices
+            routes = []
+            for question in ("one", "two"):
+                generation = await f.path.generate(chat(question))
+                await complete(generation)
+                routes.append((generation.route.worker_id, generation.route.attempts))
+            assert routes == [("w0", 1), ("w2", 2)]  # turn 1 retried among (w0, w2): w2, and the turn moved once
+            await until(lambda: "w1" not in f.state.view().replicas, timeout=6.0)
+            workers = []
+            for question in ("three", "four"):
+                generation = await f.path.generate(chat(question))
+                await complete(generation)
+                workers.append(generation.route.worker_id)
+            assert workers == ["w0", "w2"]  # turns 2 and 3 over (w0, w2)
+
+    run(body)
+
+
 def test_a_worker_that_dies_mid_stream_ends_it_with_an_upstream_error() -> None:
     async def body() -> None:
         async with fleet(1) as f:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata, get_attention_backend
+from kernels.attention import FP8_DTYPE, AttentionMetadata
+from kernels.backend_select import get_attention_backend
 from kernels.reference import make_paged_batch, reference_attend, reference_write_kv
 from kernels.torch_attention import TorchAttentionBackend
 

@@ -14,7 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.attention import FP8_DTYPE, get_attention_backend  # noqa: E402
+from kernels.attention import FP8_DTYPE  # noqa: E402
+from kernels.backend_select import get_attention_backend  # noqa: E402
 from kernels.reference import make_paged_batch, reference_attend, reference_write_kv  # noqa: E402
 from kernels.torch_attention import TorchAttentionBackend  # noqa: E402
 from kernels.triton_backend import TritonAttentionBackend  # noqa: E402

@@ -19,12 +19,19 @@ def request(i: int, prefix: str = "p", tail: int = 3, session: str | None = None
     return RouteRequest(f"req-{i}", blocks, 16 * len(blocks), session)
 
 
+def route(policy, req: RouteRequest, view: FleetView, exclude: frozenset[str] = frozenset()):
+    """One routed request as a gateway routes it: the pick, then the policy's memory updated with it."""
+    decision = policy.pick(req, view, exclude)
+    policy.observe(req, decision)
+    return decision
+
+
 def warm(policy, view: FleetView, prefix: str = "p", n: int = 8, blocks: int = 2) -> None:
     """Route `n` one-off requests that share `blocks` blocks of `prefix`, so the policy's sketch knows
     them as common (the view's loads are left as they were)."""
     for i in range(n):
         shared = [f"{prefix}/{j}" for j in range(blocks)]
-        policy.pick(RouteRequest(f"warm-{i}", [*shared, f"warm/{i}"], 16 * (blocks + 1)), view)
+        route(policy, RouteRequest(f"warm-{i}", [*shared, f"warm/{i}"], 16 * (blocks + 1)), view)
 
 
 def test_unknown_policy_and_option_are_named():
@@ -77,7 +84,7 @@ def test_a_conversation_stays_on_one_replica_past_a_long_shared_prefix():
     for turn in range(4):
         for chat in range(24):
             blocks = system + [f"chat{chat}/{t}" for t in range(turn + 1)]
-            picks[chat].add(policy.pick(RouteRequest(f"c{chat}t{turn}", blocks, 16 * len(blocks)), view).replica)
+            picks[chat].add(route(policy, RouteRequest(f"c{chat}t{turn}", blocks, 16 * len(blocks)), view).replica)
     assert all(len(replicas) == 1 for replicas in picks.values())
     assert len({r for replicas in picks.values() for r in replicas}) >= 6
 
@@ -126,7 +133,7 @@ def test_a_prefix_all_traffic_shares_reaches_every_replica():
         view = fleet()
         seen = []
         for i in range(64):
-            decision = policy.pick(request(i, "platform", tail=2), view)
+            decision = route(policy, request(i, "platform", tail=2), view)
             view.loads[decision.replica].in_flight += 1
             view.kv_index.add(decision.replica, request(i, "platform", tail=2).block_hashes)
             seen.append(decision.replica)
@@ -143,7 +150,7 @@ def test_identical_prompts_spill_in_ring_order():
     policy.sketch.observe(policy.sketch.cells(same.block_hashes))  # seen before: all of it is common
     seen = []
     for _ in range(24):
-        replica = policy.pick(same, view).replica
+        replica = route(policy, same, view).replica
         view.loads[replica].in_flight += 1
         seen.append(replica)
     first_use = list(dict.fromkeys(seen))
@@ -161,13 +168,13 @@ def test_two_router_instances_with_the_same_view_agree(name):
     a, b = make_policy(name), make_policy(name)
     for i in range(30):
         req = request(i, prefix=f"app{i % 4}", session=f"s{i % 5}")
-        assert a.pick(req, view) == b.pick(req, view)
+        assert route(a, req, view) == route(b, req, view)
 
 
 def test_round_robin_cycles_sorted_replicas():
     policy = make_policy("round_robin")
     view = fleet()
-    assert [policy.pick(request(i), view).replica for i in range(10)] == REPLICAS + REPLICAS[:2]
+    assert [route(policy, request(i), view).replica for i in range(10)] == REPLICAS + REPLICAS[:2]
 
 
 def test_random_is_seeded_by_request_id():
@@ -193,7 +200,7 @@ def test_least_loaded_picks_fewest_in_flight_plus_queued():
 def test_session_policy_follows_the_session_id():
     policy = make_policy("session")
     view = fleet()
-    picks = {policy.pick(request(i, prefix=f"x{i}", session="chat-7"), view).replica for i in range(10)}
+    picks = {route(policy, request(i, prefix=f"x{i}", session="chat-7"), view).replica for i in range(10)}
     assert len(picks) == 1
     assert policy.pick(request(0, session="chat-7"), view).reason == "session"
 
@@ -232,7 +239,7 @@ def test_kv_aware_ignores_stale_replicas():
     view = FleetView.empty(REPLICAS, KVIndex(REPLICAS))
     view.kv_index.add("r6", ["p/0", "p/1", "p/req0/0"])
     view.kv_index.apply("r6", [type("E", (), {"seq": 5, "kind": "stored", "block_hashes": ()})()])
-    assert view.kv_index.is_stale("r6")
+    assert view.kv_index.match(["p/0"])[6] == 0  # stale: what it holds matches nothing
     assert make_policy("kv_aware").pick(request(0), view).reason == "ring"
 
 
@@ -259,15 +266,15 @@ def test_starvation_guard_sends_a_new_prefix_to_an_idle_replica():
     for r in "abc":
         view.kv_index.add(r, ["p/0", "p/1"])
     warm(policy, view)
-    assert {policy.pick(request(i), view).replica for i in range(40)} <= {"a", "b", "c"}  # light: sticky
+    assert {route(policy, request(i), view).replica for i in range(40)} <= {"a", "b", "c"}  # light: sticky
     for r in "abc":
         view.loads[r].in_flight = 3
-    decision = policy.pick(request(50), view)
+    decision = route(policy, request(50), view)
     assert (decision.replica, decision.reason) == ("d", "idle") and decision.skipped[0] in "abc"
-    assert policy.pick(request(51), view).replica != "d"  # chosen recently: the window runs again
+    assert route(policy, request(51), view).replica != "d"  # chosen recently: the window runs again
     view.loads["d"].in_flight = 1
     for i in range(STARVATION_WINDOW * len(names)):
-        policy.pick(request(60 + i), view)
+        route(policy, request(60 + i), view)
     view.loads["d"].in_flight = 0
     for r in "abc":
         view.loads[r].queued = 1  # the chosen replica has a prefill queue: busy
@@ -291,7 +298,7 @@ def test_pick_never_returns_an_excluded_replica(name):
     policy = make_policy(name)
     for i in range(20):
         request = RouteRequest(f"r{i}", [b"h0", b"h1"], 40, session_id="s")
-        assert policy.pick(request, fleet, exclude=frozenset({"b"})).replica in ("a", "c")
+        assert route(policy, request, fleet, exclude=frozenset({"b"})).replica in ("a", "c")
 
 
 def test_kv_aware_routes_a_prompt_with_no_full_block():
@@ -299,3 +306,40 @@ def test_kv_aware_routes_a_prompt_with_no_full_block():
     fleet = FleetView.empty(["a", "b"])
     decision = make_policy("kv_aware").pick(RouteRequest("short", [], 9), fleet)
     assert decision.reason == "ring" and decision.matched_blocks == 0
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_pick_is_pure_and_a_retry_is_observed_once(name):
+    """A retry picks again with the failed worker excluded, then the request is observed once, with the
+    decision it was sent on: the policy then decides the next requests as if the retry's first pick never
+    happened (the sketch counted the request once, the guard and round robin's turn moved once)."""
+    view = fleet()
+    view.kv_index.add("r3", ["p/0", "p/1", "p/req5/0"])
+    for i, r in enumerate(REPLICAS):
+        view.loads[r].in_flight = i % 3
+    retried, direct = make_policy(name), make_policy(name)
+    for i in range(40):
+        req = request(i, prefix=f"app{i % 3}", session=f"s{i % 5}")
+        first = retried.pick(req, view)
+        assert retried.pick(req, view) == first  # pure: the same pick again
+        again = route(retried, req, view, exclude=frozenset({first.replica}))
+        assert again.replica != first.replica
+        assert route(direct, req, view, exclude=frozenset({first.replica})) == again
+        probe = request(100 + i, prefix=f"app{i % 3}")
+        assert retried.pick(probe, view) == direct.pick(probe, view)
+
+
+@pytest.mark.parametrize("name", ["session", "prefix", "kv_aware"])
+def test_a_retry_walks_the_whole_rings_order_skipping_the_excluded(name):
+    """The retry's ring is the fleet's ring (not one rebuilt over the workers left, then rebuilt back), and
+    its order is that ring's order less the excluded workers."""
+    policy = make_policy(name)
+    view = fleet()
+    req = RouteRequest("req", ["k"], 16, session_id="k")
+    ring = policy.ring(view.replicas)
+    order = ring.successors("k")
+    assert route(policy, req, view).replica == order[0]
+    for tried in range(1, 4):
+        decision = route(policy, req, view, exclude=frozenset(order[:tried]))
+        assert decision.replica == order[tried], tried
+    assert policy.ring(view.replicas) is ring

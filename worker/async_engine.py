@@ -40,8 +40,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvroute.kv_events import BlockKey, KVEvent
 from kvroute.sampling import InvalidRequest, SamplingParams
-from worker.block_pool import BlockKey, KVEvent
 from worker.engine import EngineStats, LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)

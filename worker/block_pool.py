@@ -20,11 +20,11 @@ bounded memory, and its reader sees the gap and resyncs.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-BlockKey = Hashable  # a BlockHash (bytes) in the engine; any hashable id in the replay
+from kvroute.kv_events import BlockKey, KVEvent, KVEventKind
+
 # Events kept between two drains. A step emits at most about twice the blocks it allocates (a `removed` per
 # eviction, a `stored` per run of new blocks), a few hundred at the default token budget, so a reader that
 # drains every step never loses one.
@@ -91,18 +91,6 @@ class FreeBlockQueue:
         prev.next_free = block
         nxt.prev_free = block
         self.num_free += 1
-
-
-@dataclass(frozen=True)
-class KVEvent:
-    """One change to the set of cached blocks, in the order it happened."""
-
-    seq: int
-    kind: Literal["stored", "removed", "cleared"]
-    block_hashes: tuple[BlockKey, ...] = ()
-    parent_hash: BlockKey | None = None
-    token_ids: tuple[int, ...] = ()  # a `stored` run's tokens, when the caller gave them (vLLM's events carry them)
-    cache_salt: str = ""  # the salt a `stored` run's sequence was hashed under
 
 
 class BlockPool:
@@ -260,7 +248,7 @@ class BlockPool:
         self._emit("removed", (block.block_hash,))
         block.block_hash = None
 
-    def _emit(self, kind: Literal["stored", "removed", "cleared"], hashes: tuple, parent=None) -> None:
+    def _emit(self, kind: KVEventKind, hashes: tuple, parent=None) -> None:
         self.event_seq += 1
         self._events.append(KVEvent(self.event_seq, kind, hashes, parent))
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.block_pool import BlockKey, BlockPool, KVBlock, KVEvent
+from kvroute.kv_events import BlockKey, KVEvent
+from worker.block_pool import BlockPool, KVBlock
 
 
 @dataclass

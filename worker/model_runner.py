@@ -17,7 +17,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, get_attention_backend, token_positions
+from kernels.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, token_positions
+from kernels.backend_select import get_attention_backend
 from kernels.cpu_backend import CpuAttentionBackend, native_bf16
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory

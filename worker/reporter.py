@@ -111,11 +111,6 @@ class WorkerReporter:
         self._down_since: float | None = None
         self._last_error: str | None = None  # an unexpected error is logged once, not every publish interval
 
-    @property
-    def connected(self) -> bool:
-        """Registered and publishing (False while Redis is unreachable)."""
-        return self._registered
-
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"reporter {self.identity.worker_id}")
 

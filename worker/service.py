@@ -43,6 +43,7 @@ from opentelemetry import trace
 from kvroute.credentials import AUTHORIZATION_KEY
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.hashing import block_hashes, hash_fingerprint
+from kvroute.proto_maps import FINISH_REASONS, KV_EVENT_KINDS
 from kvroute.sampling import InvalidRequest, SamplingParams
 from kvroute.sampling_proto import sampling_from_proto
 from proto import worker_pb2, worker_pb2_grpc
@@ -73,17 +74,6 @@ KV_SNAPSHOT_PAGE_BLOCKS = 8192
 # after a gap in the events, so a burst covers a rolling restart of several gateways.
 KV_SNAPSHOT_RATE = 2.0
 KV_SNAPSHOT_BURST = 8.0
-
-FINISH_REASONS = {
-    "stop": worker_pb2.FINISH_REASON_STOP,
-    "length": worker_pb2.FINISH_REASON_LENGTH,
-    "abort": worker_pb2.FINISH_REASON_ABORT,
-}
-KV_EVENT_KINDS = {
-    "stored": worker_pb2.KVEvent.KIND_STORED,
-    "removed": worker_pb2.KVEvent.KIND_REMOVED,
-    "cleared": worker_pb2.KVEvent.KIND_CLEARED,
-}
 
 
 @dataclass(frozen=True)

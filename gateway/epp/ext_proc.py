@@ -227,6 +227,7 @@ class Picker:
                 decision = path.policy.pick(route_request, fleet, frozenset(fleet.replicas) - eligible.keys())
             except NoReplicaAvailable as exc:
                 raise NoWorkerAvailable(str(exc)) from None
+            path.policy.observe(route_request, decision)
         except BaseException:
             path.concurrency.release(prepared.tenant)
             raise

@@ -1,0 +1,173 @@
+"""Imports run down the layers, never up or across (DESIGN §6), read from every module's source with `ast`
+(nothing is imported, so a module that needs a GPU or a missing package is checked too).
+
+    proto, kvroute (the bottom) ──► kernels ──► worker
+                   kvroute ──────────────────► gateway
+    sim, loadtest, launch, exercises, deploy above them all
+
+`MAY_IMPORT` is the one table: a row per package (a top-level folder, or a room inside one such as
+"gateway/epp") and the packages it may import besides itself. A module belongs to the longest row whose
+folder holds it, and so does each module it imports; an import is allowed within one row, or to a row named
+in the importer's (naming a package allows its rooms: "gateway" allows "gateway/epp"). Add a folder, or split
+one into rooms, here and nowhere else.
+
+Every `import` and `from ... import` counts, under `if TYPE_CHECKING:` and inside functions too. A module that
+imports by name (`importlib.import_module`, `__import__`) is taken to import every module of this repository
+that one of its string constants names.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_DOTTED = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+")  # a module named by a string: "loadtest.doctor"
+NOT_CHECKED = {"tests"}  # the tests import every layer they test
+_BOTTOM = {"proto", "kvroute"}
+_ENGINE = _BOTTOM | {"kernels", "worker"}
+_SERVING = _ENGINE | {"gateway"}
+
+MAY_IMPORT: dict[str, set[str]] = {
+    "proto": set(),  # generated from proto/*.proto
+    "kvroute": {"proto"},  # hashing, tokenizer, chat template, wire formats: shared by every layer
+    "kernels": {"kvroute"},
+    "worker": {"kvroute", "kernels", "proto"},
+    "gateway": {"kvroute", "proto"},  # never the worker: it speaks to workers over the wire only
+    "sim": _SERVING,  # the simulator runs the real engine and the real router
+    "loadtest": _SERVING | {"sim", "launch"},  # the bench starts its fleets with the launcher
+    "launch": _SERVING | {"sim", "loadtest"},  # the command line dispatches to every subcommand
+    "exercises": _SERVING | {"sim", "loadtest", "launch"},
+    "deploy": set(),  # the images' health check runs on the standard library alone
+}
+# Imports allowed against the table, each by file and the packages it may import besides its row's.
+EXCEPTIONS: dict[str, set[str]] = {
+    # issue 22: the dispatcher moves up to launch/ (slice "launch"); remove this entry after the merge.
+    "kvroute/cli.py": {"gateway", "worker", "launch", "loadtest"},
+}
+
+
+def row_of(path: str) -> str | None:
+    """The table's row for a file or module path ("gateway/epp/cli.py", "gateway/epp/cli"), or None."""
+    parts = path.split("/")
+    for n in range(len(parts), 0, -1):
+        if "/".join(parts[:n]) in MAY_IMPORT:
+            return "/".join(parts[:n])
+    return None
+
+
+def allowed(importer: str, target: str) -> bool:
+    if target == importer:
+        return True
+    return any(target == name or target.startswith(name + "/") for name in MAY_IMPORT[importer])
+
+
+def source_files(root: Path) -> list[Path]:
+    """Every .py file of the repository outside the tests and hidden folders."""
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] not in NOT_CHECKED and not any(p.startswith(".") for p in parts):
+            files.append(path)
+    return files
+
+
+def imports(path: Path, root: Path, ours: set[str]) -> list[tuple[int, str, str]]:
+    """(line, module as written, module as a path) of every import of this repository's modules in `path`;
+    `from a import b` is a/b as a path, since b may be a module (the longer path finds the longer row)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = list(path.relative_to(root).parts[:-1])
+    found: list[tuple[int, str, str]] = []
+    by_name = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, alias.name.replace(".", "/")) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the importer's package, `level - 1` folders up
+                base = package[: len(package) - (node.level - 1)]
+                parts = base + (node.module.split(".") if node.module else [])
+            else:
+                parts = (node.module or "").split(".")
+            shown = ".".join(parts)
+            found += [(node.lineno, shown or alias.name, "/".join([*parts, alias.name])) for alias in node.names]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            by_name |= name in ("import_module", "__import__")
+    if by_name:
+        found += [
+            (node.lineno, node.value, node.value.replace(".", "/"))
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _DOTTED.fullmatch(node.value)
+        ]
+    return [(line, shown, module) for line, shown, module in found if module.split("/")[0] in ours]
+
+
+def offences(root: Path = ROOT) -> list[str]:
+    """One line per import against the table: "file:line: row imports module (its row)"."""
+    files = source_files(root)
+    ours = {f.relative_to(root).parts[0] for f in files if len(f.relative_to(root).parts) > 1}
+    ours |= {name.split("/")[0] for name in MAY_IMPORT}
+    found = []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        importer = row_of(rel)
+        if importer is None:
+            found.append(f"{rel}: its folder has no row in MAY_IMPORT (tests/test_import_direction.py)")
+            continue
+        for line, shown, module in imports(path, root, ours):
+            target = row_of(module)
+            if target is None or allowed(importer, target) or target.split("/")[0] in EXCEPTIONS.get(rel, ()):
+                continue
+            found.append(f"{rel}:{line}: {importer} imports {shown} ({target})")
+    return found
+
+
+def test_every_import_runs_down_the_table():
+    found = offences()
+    assert not found, "imports against MAY_IMPORT:\n" + "\n".join(found)
+
+
+def test_the_table_keeps_the_serving_layers_apart():
+    """The rules the table must keep, whatever rows are added: gateway and worker never import each other, and
+    kernels and kvroute import neither of them nor anything above them."""
+
+    def reaches(row: str, name: str) -> bool:
+        return any(allowed(row, target) for target in MAY_IMPORT if target.split("/")[0] == name)
+
+    rows = list(MAY_IMPORT)
+    for row in rows:
+        top = row.split("/")[0]
+        if top == "gateway":
+            assert not reaches(row, "worker"), row
+        if top == "worker":
+            assert not reaches(row, "gateway"), row
+        if top in ("kernels", "kvroute", "proto"):
+            above = {"gateway", "worker", "sim", "loadtest", "launch", "exercises"}
+            assert not any(reaches(row, name) for name in above), row
+
+
+def test_an_upward_import_is_reported_with_its_file_and_line(tmp_path: Path):
+    """The scan itself: a kvroute module that imports the gateway, plainly and by name, is caught at each line;
+    relative imports resolve from the importer's folder; a folder with no row is named."""
+    (tmp_path / "kvroute").mkdir()
+    (tmp_path / "kvroute" / "__init__.py").write_text("")
+    (tmp_path / "kvroute" / "bad.py").write_text(
+        "import importlib\n"
+        "from kvroute import hashing\n"
+        "from gateway.router import make_policy\n"
+        "def later():\n"
+        "    return importlib.import_module('worker.engine')\n"
+    )
+    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "router.py").write_text("from . import fleet\nfrom ..kvroute import hashing\n")
+    (tmp_path / "gateway" / "bad.py").write_text("from .. import worker\n")
+    (tmp_path / "attic").mkdir()
+    (tmp_path / "attic" / "old.py").write_text("")
+    assert offences(tmp_path) == [
+        "attic/old.py: its folder has no row in MAY_IMPORT (tests/test_import_direction.py)",
+        "gateway/bad.py:1: gateway imports worker (worker)",
+        "kvroute/bad.py:3: kvroute imports gateway.router (gateway)",
+        "kvroute/bad.py:5: kvroute imports worker.engine (worker)",
+    ]
