@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from gateway.auth import SALT_SECRET_ENV, SALT_SECRET_FILE_ENV
 from gateway.router import POLICY_NAMES
-from kvroute.cli import UserError
 from kvroute.credentials import WORKER_TOKEN_ENV, WORKER_TOKEN_FILE_ENV, generate_secret
+from kvroute.errors import UserError
 from launch.worker import free_port
 
 READY_TIMEOUT_S = 600.0  # SmolLM2 on two busy cores: load, warm-up (kernel build on first use)
@@ -119,7 +119,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def kvroute_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvroute.cli", *args]
+    return [sys.executable, "-m", "launch.cli", *args]
 
 
 def fleet_environment(environ: Mapping[str, str]) -> dict[str, str]:

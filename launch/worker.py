@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import uvloop
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from worker import cli_worker
 
 if TYPE_CHECKING:

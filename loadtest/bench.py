@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import orjson
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from loadtest.bench_stats import OK, SLO, RequestRecord, Summary, format_summary, summarize
 from loadtest.render import CHAT_THINK_MS, BenchRequest, RenderError, Workload, render, workload_names
 from loadtest.traces import MOONCAKE_BLOCK_TOKENS

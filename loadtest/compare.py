@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
 from loadtest.bench import (
     Arrivals,
@@ -188,7 +188,7 @@ class Fleet:
         for i in range(self.config.workers):
             grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
             argv = [
-                sys.executable, "-m", "kvroute.cli", "worker", "--model", self.config.model,
+                sys.executable, "-m", "launch.cli", "worker", "--model", self.config.model,
                 "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
                 "--metrics-port", str(metrics_port), "--worker-id", f"w{i}", "--seed", str(self.config.seed),
                 *(["--num-kv-blocks", str(self.config.num_kv_blocks)] if self.config.num_kv_blocks else []),
@@ -229,7 +229,7 @@ class Fleet:
         if self.entry.router == KVROUTE:
             addresses = ",".join(f"127.0.0.1:{w.grpc_port}" for w in self.workers)
             return [
-                sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.config.model,
+                sys.executable, "-m", "launch.cli", "gateway", "--model", self.config.model,
                 "--host", "127.0.0.1", "--http-port", port, "--grpc-port", "0",
                 "--metrics-port", str(self.router_metrics_port), "--workers", addresses, "--policy", self.entry.policy,
                 *self.config.gateway_args,

@@ -44,7 +44,7 @@ class Result:
 @contextlib.contextmanager
 def process(argv: list[str]) -> Iterator[subprocess.Popen]:
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     try:

@@ -327,7 +327,7 @@ def profiled_gateway(argv: list[str]) -> None:
     import uvloop
 
     from gateway.cli_gateway import build_gateway, serve
-    from kvroute.cli import build_parser
+    from launch.cli import build_parser
 
     out, gateway_args = argv[0], ["gateway", *argv[1:]]
     args = build_parser(gateway_args).parse_args(gateway_args)

@@ -173,7 +173,7 @@ def start_gateways(fleet: Fleet, trees: dict[str, Path]) -> dict[str, tuple[int,
     worker_port = free_port()
     fleet.spawn(
         "worker",
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", str(worker_port),
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", str(worker_port),
          "--max-model-len", "32768", "--num-kv-blocks", "32768", "--sim-prefill-us-per-token", "0",
          "--sim-decode-ms-per-step", "0"],
     )  # fmt: skip
@@ -183,7 +183,7 @@ def start_gateways(fleet: Fleet, trees: dict[str, Path]) -> dict[str, tuple[int,
         # `env -C` runs the gateway in `root` with `root` on its path: the tree under test, whatever this one is.
         fleet.spawn(
             f"gateway ({label})",
-            ["env", "-C", str(root), f"PYTHONPATH={root}", sys.executable, "-m", "kvroute.cli", "gateway",
+            ["env", "-C", str(root), f"PYTHONPATH={root}", sys.executable, "-m", "launch.cli", "gateway",
              "--model", "sim", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
              "--workers", f"127.0.0.1:{worker_port}", "--log-level", "warning"],
         )  # fmt: skip

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from loadtest.bench import Arrivals, HttpSender, Target, arrivals_from, bench_json, run_requests, workload_from
 from loadtest.bench_stats import RequestRecord, format_summary, summarize
 from loadtest.compare import STARTUP_TIMEOUT_S, free_port
@@ -106,7 +106,7 @@ class SoakFleet:
         for i, port in enumerate(grpc_ports):
             metrics_port = free_port()
             argv = [
-                sys.executable, "-m", "kvroute.cli", "worker", "--model", self.args.model, "--host", "127.0.0.1",
+                sys.executable, "-m", "launch.cli", "worker", "--model", self.args.model, "--host", "127.0.0.1",
                 "--port", str(port), "--metrics-port", str(metrics_port), "--worker-id", f"w{i}",
                 "--redis", self.redis.url, "--seed", str(self.args.seed),
                 *(["--num-kv-blocks", str(self.args.num_kv_blocks)] if self.args.num_kv_blocks else []),
@@ -118,7 +118,7 @@ class SoakFleet:
         for j in range(GATEWAYS):
             port, metrics_port = free_port(), free_port()
             argv = [
-                sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.args.model, "--host", "127.0.0.1",
+                sys.executable, "-m", "launch.cli", "gateway", "--model", self.args.model, "--host", "127.0.0.1",
                 "--http-port", str(port), "--grpc-port", "0", "--metrics-port", str(metrics_port),
                 "--redis", self.redis.url, "--workers", addresses, *self.args.gateway_arg,
             ]  # fmt: skip

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     port = free_port()
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--http-port", str(port)],
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", "0", "--http-port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

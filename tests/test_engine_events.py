@@ -562,7 +562,7 @@ def test_the_kv_events_config_flag_takes_vllms_json_and_names_what_is_wrong() ->
         with pytest.raises(ValueError, match=needle):
             KVEventsConfig.from_json(text)
     result = subprocess.run(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--kv-events-config", '{"endpont": 1}'],
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--kv-events-config", '{"endpont": 1}'],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "endpont" in result.stderr
@@ -582,7 +582,7 @@ def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -
         "endpoint": f"tcp://127.0.0.1:{events_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }  # fmt: skip
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", str(port), "--block-size",
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", str(port), "--block-size",
          str(BLOCK), "--num-kv-blocks", "64", "--max-model-len", "256", "--kv-events-config", json.dumps(config)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

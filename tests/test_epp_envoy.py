@@ -42,7 +42,7 @@ LONG = "You are the support assistant of a hardware shop; answer in one sentence
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=out)
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=out)
 
 
 def _wait(check, what: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:

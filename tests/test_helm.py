@@ -320,7 +320,7 @@ def expand(arg: str, container: dict[str, Any], release: Release) -> str:
 
 def parse_kvroute(args: list[str]) -> argparse.Namespace:
     """Parse a container's args (the image's entrypoint is `kvroute`) with the real parser, as the process would."""
-    from kvroute.cli import build_parser
+    from launch.cli import build_parser
 
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -1205,9 +1205,9 @@ class SlimImage(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in absent:
             raise ModuleNotFoundError(f"the gateway image has no {name}", name=name)
 sys.meta_path.insert(0, SlimImage())
-from kvroute.cli import build_parser
+from launch.cli import build_parser
 build_parser(["gateway"])
-modules = ["kvroute.cli", "proto.worker_pb2_grpc", "proto.gateway_pb2_grpc"]
+modules = ["launch.cli", "proto.worker_pb2_grpc", "proto.gateway_pb2_grpc"]
 for package in ("gateway", "kvroute"):
     modules += [f"{package}.{m.name}" for m in pkgutil.iter_modules(importlib.import_module(package).__path__)]
 for name in modules:

@@ -23,7 +23,7 @@ def test_the_gateway_and_its_front_doors_import_without_torch() -> None:
         "import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
         "import gateway.cli_gateway, gateway.http_server, gateway.grpc_server, gateway.request_path\n"
         "import gateway.embedded_fleet, gateway.redis_fleet, launch.up\n"
-        "from kvroute.cli import build_parser\n"
+        "from launch.cli import build_parser\n"
         "build_parser(['gateway']).parse_args(['gateway', '--workers', 'a:1'])\n"
         "assert 'torch' not in [m.split('.')[0] for m, v in sys.modules.items() if v is not None]\n"
     )
@@ -55,7 +55,7 @@ def alive(pid: int) -> bool:
 def test_kvroute_up_serves_and_ctrl_c_stops_every_child() -> None:
     port, metrics_port = free_port(), free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "up", "--workers", "2", "--model", "sim", "--http-port", str(port),
+        [sys.executable, "-m", "launch.cli", "up", "--workers", "2", "--model", "sim", "--http-port", str(port),
          "--grpc-port", "0", "--metrics-port", str(metrics_port),
          "--worker-args", "--num-kv-blocks 64 --max-model-len 512 --http-port 0"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -376,7 +376,7 @@ def test_refused_prompts_do_not_grow_a_gateway_process() -> None:
     refuses; its RSS grows by less than 64 MiB."""
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "gateway", "--model", "sim", "--workers", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "launch.cli", "gateway", "--model", "sim", "--workers", f"127.0.0.1:{free_port()}",
          "--http-port", str(port), "--grpc-port", "0", "--host", "127.0.0.1", "--max-prompt-tokens", "2048",
          "--tokenizer-cache-bytes", str(32 * 2**20), "--log-level", "warning"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -238,7 +238,7 @@ def process(argv: list[str], log_dir: Path, name: str) -> Iterator[Process]:
     log = log_dir / f"{name}.log"
     with log.open("w") as stderr:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr,
+            [sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr,
             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
     running = Process(popen, log)

@@ -89,7 +89,7 @@ def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(phoenix: Pho
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: export at once rather than every 5 s
     }
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "up", "--workers", "1", "--model", "sim", "--http-port", str(port),
+        [sys.executable, "-m", "launch.cli", "up", "--workers", "1", "--model", "sim", "--http-port", str(port),
          "--grpc-port", "0", "--metrics-port", "0", "--worker-args", "--num-kv-blocks 64 --max-model-len 512"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

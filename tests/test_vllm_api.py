@@ -169,7 +169,7 @@ def worker_process() -> Iterator[WorkerProcess]:
     http_port = free_port()
     env = {**os.environ, "KVROUTE_API_KEYS": json.dumps(API_KEYS)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--http-port",
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", "0", "--http-port",
          str(http_port), "--num-kv-blocks", "48", "--block-size", "16", "--max-model-len", "384",
          "--sim-decode-ms-per-step", "10", "--allow-derived-salt"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -319,7 +319,7 @@ def test_kvroute_worker_and_gateway_processes_share_their_secrets_through_files_
 
         def spawn(*argv: str) -> subprocess.Popen[str]:
             process = subprocess.Popen(
-                [sys.executable, "-m", "kvroute.cli", *argv], env=env, text=True, stdout=subprocess.PIPE
+                [sys.executable, "-m", "launch.cli", *argv], env=env, text=True, stdout=subprocess.PIPE
             )
             processes.append(process)
             return process
