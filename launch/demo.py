@@ -20,8 +20,8 @@ import sys
 
 import httpx
 
+from launch.fleet import free_port
 from launch.up import kvroute_argv
-from launch.worker import free_port
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from launch.worker import free_port
+from launch.fleet import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are the support assistant of a large shop. " + " ".join(f"rule {i}: be precise." for i in range(60))

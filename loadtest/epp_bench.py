@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from loadtest.envoy_proxy import Envoy, EnvoyConfig
 
 ROOT = Path(__file__).resolve().parents[1]

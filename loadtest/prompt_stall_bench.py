@@ -34,8 +34,7 @@ from typing import Any
 
 import grpc
 
-from launch.up import Fleet
-from launch.worker import free_port
+from launch.fleet import Fleet, free_port
 from loadtest.bench_stats import percentiles
 from loadtest.gateway_bench import wait_ok
 from proto import gateway_pb2, gateway_pb2_grpc

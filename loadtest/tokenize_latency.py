@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from launch.worker import free_port
+from launch.fleet import free_port
 
 TEXT = "The quick brown fox jumps over the lazy dog, 12345 times. " * 70
 BODIES: dict[str, tuple[str, dict[str, Any]]] = {

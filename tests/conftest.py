@@ -20,8 +20,8 @@ def tokenizer_smollm2(model_smollm2_source: ModelSource) -> Tokenizer:
 
 @pytest.fixture
 def redis_server():
-    """A real redis-server on a free port (loadtest/redis_server.py); `.stop()`, `.start()`, `.restart()`, `.url`."""
-    from loadtest.redis_server import RedisServer
+    """A real redis-server on a free port (launch/redis_server.py); `.stop()`, `.start()`, `.restart()`, `.url`."""
+    from launch.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server

@@ -288,7 +288,7 @@ def test_a_sequence_back_at_zero_is_a_restart_and_drops_the_old_entries() -> Non
 
 
 def test_a_worker_restarted_behind_the_same_endpoint_is_a_restart() -> None:
-    from launch.worker import free_port
+    from launch.fleet import free_port
 
     events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
 
@@ -359,7 +359,7 @@ class Proxy:
 
 
 def test_a_dropped_connection_to_the_same_engine_is_not_a_restart() -> None:
-    from launch.worker import free_port
+    from launch.fleet import free_port
 
     events_port = free_port()
 
@@ -573,7 +573,7 @@ def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -
     import grpc
 
     from kvroute.model_source import resolve_model
-    from launch.worker import free_port
+    from launch.fleet import free_port
     from proto import worker_pb2, worker_pb2_grpc
 
     port, events_port, replay_port = free_port(), free_port(), free_port()

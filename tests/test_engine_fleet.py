@@ -26,7 +26,7 @@ from gateway.metrics import label_value
 from gateway.retry import StreamDeadlines
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
-from launch.worker import free_port
+from launch.fleet import free_port
 from proto import worker_pb2, worker_pb2_grpc
 from tests.engine_stack import EngineStack, EngineStackOptions
 from tests.gateway_stack import KEY, SMALL_KEY

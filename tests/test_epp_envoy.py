@@ -26,7 +26,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 
 # Each test takes under 6 s; the module's fleet (three worker processes and the picker) takes about 33 s to start.

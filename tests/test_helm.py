@@ -775,7 +775,8 @@ def test_bundled_redis_runs_with_the_password_on_no_command_line(tmp_path: Path)
     directories): clients need the Secret's password, and no process's arguments or environment carry it."""
     import redis
 
-    from loadtest.redis_server import find_redis_server, free_port
+    from launch.fleet import free_port
+    from launch.redis_server import find_redis_server
 
     port = free_port()
     manifests = chart().render({"redis": {"bundled": {"port": port}}}, name=RELEASE, namespace=NAMESPACE)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.worker import free_port
+from launch.fleet import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.service import WorkerServer, start_worker_server

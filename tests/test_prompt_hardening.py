@@ -28,7 +28,7 @@ from gateway_stack import KEY, SMALL_KEY, GatewayStack, StackOptions, stack_fixt
 from gateway.limits import Limits
 from kvroute.chat_template import render_chat_template
 from kvroute.tokenizer import PromptTooLong, Tokenizer
-from loadtest.redis_server import free_port
+from launch.fleet import free_port
 from proto import gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

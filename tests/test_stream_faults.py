@@ -33,7 +33,7 @@ from gateway.request_path import RequestPath, fleet_identity
 from gateway.retry import RetryPolicy, StreamDeadlines
 from gateway.router import make_policy
 from kvroute.sampling import SamplingParams
-from launch.worker import free_port
+from launch.fleet import free_port
 from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

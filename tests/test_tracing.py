@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from launch.worker import free_port
+from launch.fleet import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PHOENIX = Path(os.environ.get("KVROUTE_PHOENIX_VENV", "/opt/phoenix-venv")) / "bin" / "phoenix"

@@ -25,7 +25,7 @@ import pytest
 from gateway_stack import API_KEYS, KEY, SERVED_MODEL, GatewayStack, StackOptions, stack_fixture
 
 from gateway.limits import Limits
-from launch.worker import free_port
+from launch.fleet import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -29,8 +29,8 @@ from gateway.worker_client import worker_stub
 from kvroute import cli
 from kvroute.credentials import generate_secret
 from kvroute.sampling import SamplingParams
-from launch.worker import free_port
-from loadtest.redis_server import RedisServer
+from launch.fleet import free_port
+from launch.redis_server import RedisServer
 from proto import worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

