@@ -23,7 +23,7 @@ SUBCOMMANDS = {
     "gateway": ("gateway.cli_gateway", "run a gateway: OpenAI HTTP and gRPC front doors routing over a fleet"),
     "epp": ("gateway.epp.cli", "run an endpoint picker: Envoy ext_proc for a Gateway API InferencePool"),
     "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
-    "bench": ("loadtest.bench", "send a workload to a live fleet (or compare routers) and report latencies"),
+    "bench": ("loadtest.bench_cli", "send a workload to a live fleet (or compare routers) and report latencies"),
     "sweep": ("loadtest.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),
     "export-tokenizer": (
         "kvroute.export_tokenizer",

@@ -43,13 +43,10 @@ from loadtest.bench import (
     HttpSender,
     Target,
     bench_json,
-    plot_runs,
     run_requests,
     send_one,
-    slo_from,
-    workload_from,
 )
-from loadtest.bench_stats import RequestRecord, Summary, format_summary, summarize
+from loadtest.bench_stats import SLO, RequestRecord, Summary, format_summary, summarize
 from loadtest.render import BenchRequest, Workload, token_ids
 
 if TYPE_CHECKING:
@@ -308,7 +305,13 @@ class RunResult:
 
 
 def run_entry(
-    entry: Entry, config: FleetConfig, workload: Workload, arrivals: Arrivals, args: argparse.Namespace, log_dir: Path
+    entry: Entry,
+    config: FleetConfig,
+    workload: Workload,
+    arrivals: Arrivals,
+    slo: SLO,
+    args: argparse.Namespace,
+    log_dir: Path,
 ) -> RunResult:
     with RouterFleet(entry, config, log_dir) as fleet:
         model = args.served_model_name or config.model
@@ -325,7 +328,7 @@ def run_entry(
         time.sleep(0.2)  # the last request's counters are updated as its stream ends
         workers = counter_delta(before, fleet.counters())
         overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
-    summary = summarize(records, duration, slo_from(args))
+    summary = summarize(records, duration, slo)
     return RunResult(entry, records, summary, workers, overhead, capacity_blocks)
 
 
@@ -405,7 +408,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals, slo: SLO) -> int:
+    """`--compare`: each entry over a fresh fleet, the table on stdout; 0 when every entry ran without errors."""
     entries = parse_entries(args.compare)
     if args.url:
         raise UserError("--compare starts its own fleets; drop --url")
@@ -413,10 +417,6 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.probes < 2:
         raise UserError(f"--probes must be >= 2 (percentiles of each side), got {args.probes}")
-    from loadtest.bench import arrivals_from
-
-    arrivals = arrivals_from(args)
-    workload = workload_from(args)
     config = FleetConfig(
         args.workers, args.model, args.seed, args.num_kv_blocks, tuple(args.worker_arg), tuple(args.gateway_arg)
     )
@@ -436,7 +436,7 @@ def run_compare(args: argparse.Namespace) -> int:
             try:
                 logs = log_dir / entry.name.replace(":", "-")
                 logs.mkdir(parents=True, exist_ok=True)
-                results[entry.name] = run_entry(entry, config, workload, arrivals, args, logs)
+                results[entry.name] = run_entry(entry, config, workload, arrivals, slo, args, logs)
             except LaunchError as exc:
                 skipped[entry.name] = str(exc).splitlines()[0]
                 print(f"{entry.name} failed: {exc}", file=sys.stderr)
@@ -465,6 +465,8 @@ def run_compare(args: argparse.Namespace) -> int:
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot is not None:
+        from loadtest.plot import plot_runs
+
         plot_runs(
             {n: (r.records, r.workers["per_worker_requests"]) for n, r in results.items()},
             args.plot,

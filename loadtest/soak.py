@@ -36,9 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.errors import UserError
 from launch.fleet import Child, Fleet, LaunchError, free_port, http_ok, kvroute_argv
-from loadtest.bench import Arrivals, HttpSender, Target, arrivals_from, bench_json, run_requests, workload_from
+from loadtest.bench import Arrivals, HttpSender, Target, bench_json, run_requests
 from loadtest.bench_stats import RequestRecord, format_summary, summarize
-from loadtest.render import BenchRequest
+from loadtest.render import BenchRequest, Workload
 
 SILENT = ("incomplete_stream", "bad_stream", "empty_stream", "transport_error")
 FAILOVER_STATUSES = ("connect_error", "http_503")
@@ -198,11 +198,10 @@ class FailoverSender:
             await sender.close()
 
 
-def run_soak(args: argparse.Namespace) -> int:
+def run_soak(args: argparse.Namespace, workload: Workload, arrivals: Arrivals) -> int:
+    """`--faults`: the soak of the module docstring; 0 when no request was lost silently and no worker leaked."""
     if args.duration is None:
         raise UserError("--faults needs --duration S (the faults are scheduled over it)")
-    arrivals: Arrivals = arrivals_from(args)
-    workload = workload_from(args)
     fault_log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-soak-") as tmp:
         log_dir = args.keep_logs or Path(tmp)
