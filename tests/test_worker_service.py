@@ -22,9 +22,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute import cli
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.sampling import SamplingParams
+from launch import cli
 from proto import worker_pb2, worker_pb2_grpc
 from worker.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine, EngineDead, EngineError, EngineStopped
 from worker.config import EngineConfig
