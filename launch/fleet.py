@@ -5,9 +5,9 @@ A `Fleet` starts children (`spawn`) and ends every one it started, by its id (`s
 block): SIGTERM (each drains), then SIGKILL for any still alive after the grace period, then reaps them.
 Each child leads a process group of its own, which is what gets the signals, so a child's own children (a
 gateway's `--processes`) go with it; a Ctrl-C at a terminal reaches the launcher only, which then stops the
-fleet. Each child also asks the kernel for SIGTERM should the launcher die without cleaning up
-(PR_SET_PDEATHSIG, Linux), so no worker outlives it: the kernel sends it when the *thread* that spawned the
-child ends, so spawn from a thread that outlives the children (the main thread, an event loop's).
+fleet. A child spawned by the main thread also asks the kernel for SIGTERM should the launcher die without
+cleaning up (PR_SET_PDEATHSIG, Linux), so no worker outlives it; the kernel sends that signal when the
+*thread* that spawned the child ends, so a child spawned by another thread (`asyncio.to_thread`) goes without.
 
 A child's output goes to `<log_dir>/<name>.log` when the fleet has a `log_dir` (the launcher's own errors
 then end with the tail of the log), else to the launcher's own stdout and stderr. `wait_until` polls a
@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -84,7 +85,8 @@ class Child:
         try:
             self.process = subprocess.Popen(
                 self.argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=None if out is None else subprocess.STDOUT, process_group=0, preexec_fn=_die_with_parent,
+                stderr=None if out is None else subprocess.STDOUT, process_group=0,
+                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )  # fmt: skip
         finally:
             if out is not None:

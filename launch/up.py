@@ -3,10 +3,11 @@
     kvroute up --workers 2 --model smollm2            # then: POST http://127.0.0.1:8000/v1/chat/completions
 
 Each worker gets a free gRPC port; the gateway routes over them (embedded fleet state, or Redis with
---redis, the workers then reporting there too). The fleet's shared secrets, the worker token and the
-tenants' cache-salt secret, are drawn at random for each `up` and handed to the children in their
-environment (never on a command line), unless this environment already names them
-(KVROUTE_WORKER_TOKEN[_FILE], KVROUTE_CACHE_SALT_SECRET[_FILE]): set those when several `up`s share a Redis.
+--redis URL, the workers then reporting there too; `--redis local` starts a redis-server for the fleet). The
+fleet's shared secrets, the worker token and the tenants' cache-salt secret, are drawn at random for each
+`up` and handed to the children in their environment (never on a command line), unless this environment
+already names them (KVROUTE_WORKER_TOKEN[_FILE], KVROUTE_CACHE_SALT_SECRET[_FILE]): set those when several
+`up`s share a Redis.
 
 `up` prints where the gateway listens once it is ready, and stops every child on Ctrl-C or SIGTERM: SIGTERM
 (each drains), then SIGKILL for any still alive after the grace period (launch/fleet.py, which also makes
@@ -27,6 +28,7 @@ from gateway.router import POLICY_NAMES
 from kvroute.credentials import WORKER_TOKEN_ENV, WORKER_TOKEN_FILE_ENV, generate_secret
 from kvroute.errors import UserError
 from launch.fleet import Fleet, LaunchError, free_port, grpc_serving, kvroute_argv, routable
+from launch.redis_server import RedisServer
 
 READY_TIMEOUT_S = 600.0  # SmolLM2 on two busy cores: load, warm-up (kernel build on first use)
 
@@ -40,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=9091, help="the gateway's Prometheus /metrics port (0: off)"
     )
-    parser.add_argument("--redis", default=None, help="fleet state in Redis at this URL (default: embedded)")
+    parser.add_argument(
+        "--redis",
+        default=None,
+        metavar="URL|local",
+        help="fleet state in Redis at this URL, or `local`: a redis-server of this fleet's own, on a free "
+        "loopback port, stopped with it (default: embedded)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (workers stay on loopback)")
     parser.add_argument("--worker-args", default="", help='extra `kvroute worker` flags, e.g. "--num-kv-blocks 512"')
     parser.add_argument(
@@ -65,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be in [0, 65536), got {getattr(args, flag)}")
     http_port = args.http_port or free_port(args.host)
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(args.workers)]
-    redis = ["--redis", args.redis] if args.redis else []
     env = fleet_environment(os.environ)
     fleet = Fleet(env=env)
+    local_redis = _start_local_redis() if args.redis == "local" else None
+    redis_url = local_redis.url if local_redis is not None else args.redis
+    redis = ["--redis", redis_url] if redis_url else []
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -107,10 +117,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
         if not stopping:
             grpc_where = f", gRPC 127.0.0.1:{args.grpc_port}" if args.grpc_port else ""
+            redis_where = f", fleet state in Redis at {redis_url}" if redis_url else ""
             metrics_where = f", metrics on port {args.metrics_port}" if args.metrics_port else ""
             print(
                 f"kvroute up: {args.workers} {args.model} workers ({', '.join(addresses)}) behind {url}/v1"
-                f"{grpc_where}{metrics_where}, policy {args.policy}; Ctrl-C stops them all",
+                f"{grpc_where}{metrics_where}{redis_where}, policy {args.policy}; Ctrl-C stops them all",
                 flush=True,
             )
         try:
@@ -122,5 +133,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("kvroute up: stopping the fleet", flush=True)
         fleet.stop()
+        if local_redis is not None:
+            local_redis.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _start_local_redis() -> RedisServer:
+    """`--redis local`: a redis-server for this fleet alone (launch/redis_server.py, the tests' own)."""
+    try:
+        server = RedisServer()
+        server.start()
+    except RuntimeError as exc:
+        raise UserError(f"--redis local: {exc}") from None
+    return server

@@ -117,3 +117,24 @@ def test_a_child_that_exits_while_the_fleet_starts_is_named_with_its_log(launche
 def test_free_port_never_hands_out_a_port_twice() -> None:
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.slow
+def test_kvroute_up_with_a_local_redis_runs_it_and_stops_it_with_the_fleet(launcher_up) -> None:
+    port = free_port()
+    up = launcher_up(
+        "--workers", "1", "--model", "sim", "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0",
+        "--redis", "local", "--worker-args", "--num-kv-blocks 64 --max-model-len 512",
+    )  # fmt: skip
+    assert "fleet state in Redis at redis://127.0.0.1:" in up.output()
+    children = children_of(up.pid)
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children]  # redis-server retitles itself
+    assert len(children) == 3 and any(b"redis-server" in command for command in commands)
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["x-kvroute-worker"] == "worker-0"
+    assert up.signal(signal.SIGINT, wait_s=60) == 0
+    assert not [pid for pid in children if alive(pid)]
