@@ -1199,8 +1199,9 @@ import importlib, importlib.abc, importlib.metadata, json, pkgutil, sys
 allowed = set(json.loads(sys.argv[1]))
 # Every installed third-party module whose distribution the gateway image does not carry (torch among them)
 # fails to import, as it would there; optional imports (e.g. psutil in opentelemetry) take their fallback.
+ours = {"gateway", "kvroute", "launch", "proto"}  # the image's own packages (launch: the command line)
 absent = {module for module, dists in importlib.metadata.packages_distributions().items()
-          if not any(dist.lower().replace("_", "-") in allowed for dist in dists)} - {"gateway", "kvroute", "proto"}
+          if not any(dist.lower().replace("_", "-") in allowed for dist in dists)} - ours
 class SlimImage(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in absent:
