@@ -2,12 +2,13 @@
 `--faults`, and the tests that run real workers and gateways.
 
 A `Fleet` starts children (`spawn`) and ends every one it started, by its id (`stop`, or leaving the `with`
-block): SIGTERM (each drains), then SIGKILL for any still alive after the grace period, then reaps them.
-Each child leads a process group of its own, which is what gets the signals, so a child's own children (a
-gateway's `--processes`) go with it; a Ctrl-C at a terminal reaches the launcher only, which then stops the
-fleet. A child spawned by the main thread also asks the kernel for SIGTERM should the launcher die without
-cleaning up (PR_SET_PDEATHSIG, Linux), so no worker outlives it; the kernel sends that signal when the
-*thread* that spawned the child ends, so a child spawned by another thread (`asyncio.to_thread`) goes without.
+block): one SIGTERM to each child (it drains and stops its own children; a second signal would cut the drain
+short), then SIGKILL to the process group of any still alive after the grace period, then reaps them. Each
+child leads a process group of its own, so the SIGKILL takes a child's own children (a gateway's
+`--processes`) with it, and a Ctrl-C at a terminal reaches the launcher only, which then stops the fleet.
+A child spawned by the main thread also asks the kernel for SIGTERM should the launcher die without cleaning
+up (PR_SET_PDEATHSIG, Linux), so no worker outlives it; the kernel sends that signal when the *thread* that
+spawned the child ends, so a child spawned by another thread (`asyncio.to_thread`) goes without.
 
 A child's output goes to `<log_dir>/<name>.log` when the fleet has a `log_dir` (the launcher's own errors
 then end with the tail of the log), else to the launcher's own stdout and stderr. `wait_until` polls a
@@ -106,16 +107,18 @@ class Child:
         return None if self.process is None else self.process.poll()
 
     def signal(self, sig: signal.Signals, wait_s: float = STOP_GRACE_S) -> int | None:
-        """Send `sig` to the child's process group and wait up to `wait_s` for it to exit, then SIGKILL the
-        group; returns its exit status (None if it was never started)."""
+        """Send `sig` to the child, wait up to `wait_s` for it to exit, then SIGKILL its process group (its
+        own children too); returns its exit status (None if it was never started)."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            _signal_group(self.process.pid, sig)
-            try:
-                self.process.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
+            self.process.send_signal(sig)
+        return self._reap(wait_s)
+
+    def _reap(self, wait_s: float) -> int:
+        assert self.process is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=wait_s)
         _signal_group(self.process.pid, signal.SIGKILL)  # the group's stragglers too
         return self.process.wait()
 
@@ -181,15 +184,15 @@ class Fleet:
         return wait_until(self.children, ready, what, timeout_s, interrupted)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every running child's group, SIGKILL to each group still alive after `grace_s` in all;
-        returns once every child is reaped."""
+        """SIGTERM to every running child, once; SIGKILL to the group of each still alive after `grace_s` in
+        all; returns once every child is reaped."""
         started = [c for c in self.children if c.process is not None]
         for child in started:
             if child.running:
-                _signal_group(child.pid, signal.SIGTERM)
+                child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in started:
-            child.signal(signal.SIGTERM, wait_s=max(0.0, deadline - time.monotonic()))
+            child._reap(max(0.0, deadline - time.monotonic()))
 
 
 def wait_until(

@@ -104,6 +104,24 @@ def test_the_launcher_stops_a_child_that_ignores_sigterm_and_its_own_children(la
     assert not alive(grandchild)
 
 
+def test_the_launcher_signals_a_draining_child_once(launcher) -> None:
+    """A worker or gateway takes a second SIGTERM as "stop without draining" (exit 130): stop sends one."""
+    code = (
+        "import signal, sys, time\n"
+        "signals = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: signals.append(1) if len(signals) == 0 else sys.exit(130))\n"
+        "print('ready', flush=True)\n"
+        "while not signals:\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"  # the drain
+        "sys.exit(0)\n"
+    )
+    drainer = launcher.spawn("drainer", [sys.executable, "-c", code])
+    drainer.wait_for_line("ready", timeout_s=30)
+    launcher.stop(grace_s=20)
+    assert drainer.returncode == 0
+
+
 def test_a_child_that_exits_while_the_fleet_starts_is_named_with_its_log(launcher) -> None:
     launcher.spawn("waiter", [sys.executable, "-c", "import time; time.sleep(60)"])
     launcher.spawn("crasher", [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
