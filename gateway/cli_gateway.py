@@ -36,7 +36,7 @@ import uvicorn
 
 from gateway.http_protocol import HttpLimits, raise_open_files_limit
 from gateway.router import POLICY_NAMES
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 
 logger = logging.getLogger("kvroute.gateway")
 

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.model_source import ModelSource, resolve_model, smollm2_gguf_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -20,8 +20,7 @@ import sys
 
 import httpx
 
-from launch.up import kvroute_argv
-from launch.worker import free_port
+from launch.fleet import free_port, kvroute_argv
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 

@@ -21,13 +21,13 @@ stops serving.
 from __future__ import annotations
 
 import argparse
-import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import uvloop
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
+from launch.fleet import free_port
 from worker import cli_worker
 
 if TYPE_CHECKING:
@@ -159,11 +159,3 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
 def dial_host(host: str) -> str:
     """An address to reach a server listening on `host` from this machine."""
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (the OS's pick; another process could take it before us)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

@@ -1,22 +1,20 @@
-"""`kvroute bench`: send a rendered workload to a live OpenAI-compatible endpoint (a kvroute gateway, one
-worker's own HTTP port, or another router) and report the latencies users feel.
+"""The live load generator as a library: send a rendered workload to a live OpenAI-compatible endpoint (a
+kvroute gateway, one worker's own HTTP port, or another router) and time what users feel. The command line
+is loadtest.bench_cli (`kvroute bench`); the statistics are loadtest.bench_stats'.
 
-Arrivals: `--rate R` is open-loop Poisson at R requests/s (seeded); `--concurrency C` keeps C requests in
-flight; neither replays the workload's own timestamps. In every mode a request that continues a
-conversation (`BenchRequest.after`) is sent only once the turn before it has finished, and a request with a
-think time (`chat`'s turns) waits that long more, holding no concurrency slot meanwhile. Sessions are
-closed-loop by default (`--history live`): a chat turn carries the answers the server streamed for the
-session's earlier turns, as a chat client does. `--requests N` takes the workload's first N requests;
-`--duration S` stops sending after S seconds (requests in flight finish and count; requests not sent do not).
+Arrivals: Poisson at `rate` requests/s (open loop, seeded), `concurrency` requests in flight, or the
+workload's own timestamps. In every mode a request that continues a conversation (`BenchRequest.after`) is
+sent only once the turn before it has finished, and a request with a think time (`chat`'s turns) waits that
+long more, holding no concurrency slot meanwhile. With `live_history` a chat turn carries the answers the
+server streamed for the session's earlier turns, as a chat client does; `duration_s` stops sending after that
+many seconds (requests in flight finish and count; requests not sent do not).
 
 Every request streams (`stream_options.include_usage`), so TTFT, ITL and the server's token counts come
-from the stream itself; the statistics are loadtest.bench_stats'. `--compare` runs one fleet per entry
-instead of a URL (loadtest.compare).
+from the stream itself.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -26,17 +24,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
-from kvroute.cli import UserError
-from loadtest.bench_stats import OK, SLO, RequestRecord, Summary, format_summary, summarize
-from loadtest.render import CHAT_THINK_MS, BenchRequest, RenderError, Workload, render, workload_names
-from loadtest.traces import MOONCAKE_BLOCK_TOKENS
+from kvroute.errors import UserError
+from loadtest.bench_stats import OK, RequestRecord, Summary
+from loadtest.render import BenchRequest, Workload
 
 WORKER_HEADER = "x-kvroute-worker"
 DEFAULT_TIMEOUT_S = 600.0
@@ -406,155 +401,6 @@ async def served_model(url: str, api_key: str | None) -> str:
     return models[0]["id"]
 
 
-# -- the command ------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (with --grpc: HOST:PORT)"
-    )
-    parser.add_argument("--workload", default="chat", help=f"workload (default chat): {', '.join(workload_names())}")
-    arrivals = parser.add_mutually_exclusive_group()
-    arrivals.add_argument("--rate", type=float, default=None, help="open-loop Poisson arrivals, requests/s")
-    arrivals.add_argument("--concurrency", type=int, default=None, help="keep this many requests in flight")
-    parser.add_argument(
-        "--time-scale", type=float, default=1.0, help="without --rate/--concurrency: multiply the timestamps"
-    )
-    parser.add_argument("--requests", type=int, default=None, help="send the workload's first N requests")
-    parser.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
-    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
-    parser.add_argument(
-        "--grpc", action="store_true", help="send through the gateway's gRPC front door; --url is then HOST:PORT"
-    )
-    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT objective, ms")
-    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT objective, ms")
-    parser.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: end-to-end objective, ms")
-    parser.add_argument("--served-model-name", default=None, help="the request's `model` (default: GET /v1/models)")
-    parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
-    parser.add_argument(
-        "--history",
-        choices=("live", "logged"),
-        default="live",
-        help="chat turns carry the answers the server streamed (closed-loop sessions, as a chat client; default: "
-        "the worker that decoded an answer holds its KV) or resend the logged answers (no worker computed them)",
-    )
-    parser.add_argument(
-        "--think-ms",
-        type=float,
-        default=CHAT_THINK_MS,
-        help=f"chat: mean think time before each turn, exponential and seeded (default {CHAT_THINK_MS:g}; 0: none)",
-    )
-    parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
-    parser.add_argument(
-        "--exact-length",
-        action="store_true",
-        help="send min_tokens = max_tokens: every answer has the workload's length and, unlike --ignore-eos, no "
-        "end-of-turn token inside it, so a closed-loop chat's next turn still hits the answer's cached KV",
-    )
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-request timeout, s")
-    parser.add_argument(
-        "--tokenizer", default="smollm2", help="model spec whose tokenizer renders the text (default smollm2)"
-    )
-    parser.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=MOONCAKE_BLOCK_TOKENS,
-        help=f"trace:FILE only: tokens per hash id (default {MOONCAKE_BLOCK_TOKENS}; fewer scales the trace down)",
-    )
-    parser.add_argument("--dump-workload", type=Path, default=None, metavar="JSONL", help="write the rendered requests")
-    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
-    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="TTFT / E2E CDFs, per-worker load")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from loadtest.compare import add_compare_arguments
-
-    add_compare_arguments(parser)
-
-
-def arrivals_from(args: argparse.Namespace) -> Arrivals:
-    try:
-        return Arrivals(args.rate, args.concurrency, args.duration, args.time_scale, args.seed)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
-def slo_from(args: argparse.Namespace) -> SLO:
-    try:
-        return SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
-def workload_from(args: argparse.Namespace) -> Workload:
-    requests = args.requests
-    if requests is None and args.duration is not None and args.rate is not None:
-        requests = math.ceil(args.rate * args.duration) + 1  # enough to keep the rate for the whole duration
-    try:
-        workload = render(
-            args.workload,
-            requests,
-            seed=args.seed,
-            model=args.tokenizer,
-            block_tokens=args.trace_block_tokens,
-            think_ms=args.think_ms,
-        )
-    except RenderError as exc:
-        raise UserError(str(exc)) from None
-    if args.dump_workload is not None:
-        from loadtest.render import dump_jsonl
-
-        dump_jsonl(workload, args.dump_workload)
-    return workload
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.compare and args.faults:
-        raise UserError("give --compare or --faults, not both")
-    if args.compare:
-        from loadtest.compare import run_compare
-
-        return run_compare(args)
-    if args.faults:
-        from loadtest.soak import run_soak
-
-        return run_soak(args)
-    if not args.url:
-        raise UserError("give --url URL (a running server), --compare LIST or --faults (fleets started here)")
-    arrivals, slo = arrivals_from(args), slo_from(args)
-    make_sender: Callable[[], Sender]
-    if args.grpc:
-        model = args.served_model_name or "the served model"
-        make_sender = partial(GrpcSender, args.url, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
-    else:
-        model = args.served_model_name or asyncio.run(served_model(args.url, args.api_key))
-        make_sender = partial(
-            HttpSender, Target(args.url, model, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
-        )
-    workload = workload_from(args)
-    print(
-        f"kvroute bench: {len(workload.requests):,} requests of {workload.name} to {args.url} ({model}), "
-        f"{arrivals.describe()}",
-        file=sys.stderr,
-    )
-    records, duration = asyncio.run(
-        run_requests(
-            workload, make_sender, arrivals, progress=not args.no_progress, live_history=args.history == "live"
-        )
-    )
-    summary = summarize(records, duration, slo)
-    print(format_summary(summary, f"{workload.name} @ {args.url}"))
-    if args.json is not None:
-        report = {
-            "workload": workload.name,
-            "url": args.url,
-            "arrivals": arrivals.describe(),
-            **bench_json(summary, records),
-        }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.plot is not None:
-        plot_runs({workload.name: (records, summary.per_worker_requests)}, args.plot, f"{workload.name} @ {args.url}")
-    return 0 if summary.completed == summary.requests else 1
-
-
 def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]:
     """The summary and every request's figures (times in ms)."""
     return {
@@ -577,29 +423,3 @@ def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]
             for r in records
         ],
     }
-
-
-def plot_runs(runs: dict[str, tuple[list[RequestRecord], dict[str, int]]], path: Path, title: str) -> None:
-    """TTFT and E2E CDFs (one line per run) and requests per worker (run name -> (records, worker -> requests)).
-    Matplotlib's object API on the Agg canvas: no display needed, no global backend changed."""
-    from matplotlib.figure import Figure
-
-    from loadtest.plot import cdf_line, grouped_bars
-
-    fig = Figure(figsize=(16, 4.8))
-    ttft_ax, e2e_ax, load_ax = fig.subplots(1, 3)
-    fig.suptitle(title)
-    for ax, attribute, label in ((ttft_ax, "ttft_s", "TTFT"), (e2e_ax, "e2e_s", "E2E")):
-        for name, (records, _) in runs.items():
-            cdf_line(ax, [getattr(r, attribute) * 1e3 for r in records if r.ok and getattr(r, attribute)], name)
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{label} (ms)")
-        ax.set_ylabel("share of requests")
-        ax.set_title(f"{label} CDF")
-        if ax.lines:
-            ax.legend(fontsize=8)
-    workers = sorted({w for _, per_worker in runs.values() for w in per_worker})
-    counts = {name: [per_worker.get(w, 0) for w in workers] for name, (_, per_worker) in runs.items()}
-    grouped_bars(load_ax, counts, workers, "worker", "requests served", "per-worker load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)

@@ -22,9 +22,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,20 +35,18 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
+from launch.fleet import Child, Fleet, LaunchError, free_port, http_ok, kvroute_argv
 from loadtest.bench import (
     Arrivals,
     HttpSender,
     Target,
     bench_json,
-    plot_runs,
     run_requests,
     send_one,
-    slo_from,
-    workload_from,
 )
-from loadtest.bench_stats import RequestRecord, Summary, format_summary, summarize
+from loadtest.bench_stats import SLO, RequestRecord, Summary, format_summary, summarize
 from loadtest.render import BenchRequest, Workload, token_ids
 
 if TYPE_CHECKING:
@@ -63,10 +58,6 @@ PEER_INSTALL_HINT = "pip install 'kvroute[peers]'"
 STARTUP_TIMEOUT_S = 180.0
 PROBES = 40
 PROBE_TOKENS = 24
-
-
-class CompareError(RuntimeError):
-    """A fleet or router that did not start; the message ends with the tail of its log."""
 
 
 @dataclass(frozen=True)
@@ -112,22 +103,6 @@ def peer_binary(router: str) -> str | None:
     return shutil.which(router)
 
 
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free local port never handed out before by this process: the OS may offer a port again as soon as
-    its probe socket closes, before the child it was meant for has bound it, and two children on one port
-    make a fleet with a duplicate address."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-
-
 @dataclass(frozen=True)
 class FleetConfig:
     workers: int
@@ -144,7 +119,7 @@ class WorkerProcess:
     grpc_port: int
     http_port: int
     metrics_port: int
-    process: subprocess.Popen
+    process: Child
 
     @property
     def http_url(self) -> str:
@@ -155,56 +130,56 @@ class WorkerProcess:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
-class Fleet:
-    """N workers and one router, started fresh; `stop()` (or the context manager) ends every process it
-    started, by its id: SIGTERM, then SIGKILL after a grace period."""
+class RouterFleet:
+    """N workers and one router, started fresh on launch.fleet; the context manager ends every process it
+    started. A worker or router that exits or is not ready in time raises LaunchError (with its log's tail)."""
 
     def __init__(self, entry: Entry, config: FleetConfig, log_dir: Path) -> None:
         self.entry = entry
         self.config = config
-        self.log_dir = log_dir
+        self.fleet = Fleet(log_dir)
         self.workers: list[WorkerProcess] = []
-        self.router: subprocess.Popen | None = None
         self.router_port = free_port()
         self.router_metrics_port = free_port()  # our gateway's /metrics, apart from its API port
-        self._logs: dict[int, Path] = {}
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> RouterFleet:
         try:
             self.start()
         except BaseException:
-            self.stop()
+            self.fleet.stop()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.fleet.stop()
 
     def start(self) -> None:
         for i in range(self.config.workers):
             grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-            argv = [
-                sys.executable, "-m", "kvroute.cli", "worker", "--model", self.config.model,
+            argv = kvroute_argv(
+                "worker", "--model", self.config.model,
                 "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
                 "--metrics-port", str(metrics_port), "--worker-id", f"w{i}", "--seed", str(self.config.seed),
                 *(["--num-kv-blocks", str(self.config.num_kv_blocks)] if self.config.num_kv_blocks else []),
                 *self.config.worker_args,
-            ]  # fmt: skip
-            process = self._spawn(argv, f"worker-{i}")
-            self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, process))
+            )  # fmt: skip
+            child = self.fleet.spawn(f"worker-{i}", argv)
+            self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, child))
         ours = self.entry.router == KVROUTE
-        if ours:  # our gateway finds workers as they come up, so it starts alongside them
-            self.router = self._spawn(self._router_argv(), self.entry.name)
+        # Our gateway finds workers as they come up, so it starts alongside them; the peers check their
+        # workers once at startup, so they start after.
+        router = self.fleet.spawn(self.entry.name, self._router_argv(), start=ours)
         for worker in self.workers:
-            self._wait_http(worker.process, worker.http_url + "/health", f"worker {worker.worker_id}")
-        if not ours:  # the peers check their workers once at startup
-            self.router = self._spawn(self._router_argv(), self.entry.name.replace(":", "-"))
-        assert self.router is not None
-        self._wait_http(self.router, self.url + ("/ready" if ours else "/health"), f"router {self.entry.name}")
+            url = worker.http_url + "/health"
+            self.fleet.wait_until(partial(http_ok, url), f"worker {worker.worker_id} at {url}", STARTUP_TIMEOUT_S)
+        if not ours:
+            router.start()
+        url = self.url + ("/ready" if ours else "/health")
+        self.fleet.wait_until(partial(http_ok, url), f"router {self.entry.name} at {url}", STARTUP_TIMEOUT_S)
         if ours:
             self._wait_all_joined()
 
@@ -228,55 +203,17 @@ class Fleet:
         port = str(self.router_port)
         if self.entry.router == KVROUTE:
             addresses = ",".join(f"127.0.0.1:{w.grpc_port}" for w in self.workers)
-            return [
-                sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.config.model,
+            return kvroute_argv(
+                "gateway", "--model", self.config.model,
                 "--host", "127.0.0.1", "--http-port", port, "--grpc-port", "0",
                 "--metrics-port", str(self.router_metrics_port), "--workers", addresses, "--policy", self.entry.policy,
                 *self.config.gateway_args,
-            ]  # fmt: skip
+            )  # fmt: skip
         binary = peer_binary(self.entry.router)
         assert binary is not None, "run_compare skips a peer that is not installed"
         urls = [w.http_url for w in self.workers]
         prefix = [binary, "launch"] if self.entry.router == "smg" else [binary]
         return [*prefix, "--host", "127.0.0.1", "--port", port, "--worker-urls", *urls, "--policy", self.entry.policy]
-
-    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
-        log = self.log_dir / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self._logs[process.pid] = log
-        return process
-
-    def _wait_http(self, process: subprocess.Popen, url: str, what: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise CompareError(f"{what} exited with code {process.returncode}\n{self._tail(process)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise CompareError(f"{what} not ready at {url} after {STARTUP_TIMEOUT_S:.0f} s\n{self._tail(process)}")
-
-    def _tail(self, process: subprocess.Popen, lines: int = 15) -> str:
-        log = self._logs.get(process.pid)
-        text = log.read_text(errors="replace") if log and log.exists() else ""
-        return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        processes = [p for p in [self.router, *(w.process for w in self.workers)] if p is not None]
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15.0
-        for process in processes:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
     def counters(self) -> dict[str, dict[str, float]]:
         """Each worker's cumulative counters: prompt tokens, prefix-cache hits, finished requests."""
@@ -312,7 +249,7 @@ def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
     }
 
 
-async def probe_overhead(fleet: Fleet, model: str, probes: int = PROBES) -> dict[str, float]:
+async def probe_overhead(fleet: RouterFleet, model: str, probes: int = PROBES) -> dict[str, float]:
     """TTFT through the router minus TTFT straight to a worker, p50 and p99, from `probes` short requests
     each way, alternated (the same text each time, so both paths see a warm cache after the first)."""
     prompt = " probe" * PROBE_TOKENS
@@ -368,9 +305,15 @@ class RunResult:
 
 
 def run_entry(
-    entry: Entry, config: FleetConfig, workload: Workload, arrivals: Arrivals, args: argparse.Namespace, log_dir: Path
+    entry: Entry,
+    config: FleetConfig,
+    workload: Workload,
+    arrivals: Arrivals,
+    slo: SLO,
+    args: argparse.Namespace,
+    log_dir: Path,
 ) -> RunResult:
-    with Fleet(entry, config, log_dir) as fleet:
+    with RouterFleet(entry, config, log_dir) as fleet:
         model = args.served_model_name or config.model
         capacity_blocks = worker_capacity_blocks(fleet.workers[0].grpc_port)
         before = fleet.counters()
@@ -385,7 +328,7 @@ def run_entry(
         time.sleep(0.2)  # the last request's counters are updated as its stream ends
         workers = counter_delta(before, fleet.counters())
         overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
-    summary = summarize(records, duration, slo_from(args))
+    summary = summarize(records, duration, slo)
     return RunResult(entry, records, summary, workers, overhead, capacity_blocks)
 
 
@@ -465,7 +408,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals, slo: SLO) -> int:
+    """`--compare`: each entry over a fresh fleet, the table on stdout; 0 when every entry ran without errors."""
     entries = parse_entries(args.compare)
     if args.url:
         raise UserError("--compare starts its own fleets; drop --url")
@@ -473,10 +417,6 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.probes < 2:
         raise UserError(f"--probes must be >= 2 (percentiles of each side), got {args.probes}")
-    from loadtest.bench import arrivals_from
-
-    arrivals = arrivals_from(args)
-    workload = workload_from(args)
     config = FleetConfig(
         args.workers, args.model, args.seed, args.num_kv_blocks, tuple(args.worker_arg), tuple(args.gateway_arg)
     )
@@ -496,8 +436,8 @@ def run_compare(args: argparse.Namespace) -> int:
             try:
                 logs = log_dir / entry.name.replace(":", "-")
                 logs.mkdir(parents=True, exist_ok=True)
-                results[entry.name] = run_entry(entry, config, workload, arrivals, args, logs)
-            except CompareError as exc:
+                results[entry.name] = run_entry(entry, config, workload, arrivals, slo, args, logs)
+            except LaunchError as exc:
                 skipped[entry.name] = str(exc).splitlines()[0]
                 print(f"{entry.name} failed: {exc}", file=sys.stderr)
                 continue
@@ -525,6 +465,8 @@ def run_compare(args: argparse.Namespace) -> int:
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot is not None:
+        from loadtest.plot import plot_runs
+
         plot_runs(
             {n: (r.records, r.workers["per_worker_requests"]) for n, r in results.items()},
             args.plot,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from pathlib import Path
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from kvroute.prefix import common_prefix_length
 from loadtest.traces import MOONCAKE_BLOCK_TOKENS, TraceError, json_object_line, read_mooncake

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from launch.worker import free_port
+from launch.fleet import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are the support assistant of a large shop. " + " ".join(f"rule {i}: be precise." for i in range(60))
@@ -44,7 +44,7 @@ class Result:
 @contextlib.contextmanager
 def process(argv: list[str]) -> Iterator[subprocess.Popen]:
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     try:

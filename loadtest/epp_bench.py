@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from loadtest.envoy_proxy import Envoy, EnvoyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ MODEL_LEN = 8192
 def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, env=env,
+        [sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 

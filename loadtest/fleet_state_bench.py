@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = None
     if args.redis is None:
-        from loadtest.redis_server import RedisServer
+        from launch.redis_server import RedisServer
 
         server = RedisServer()
         server.start()

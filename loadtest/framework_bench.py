@@ -13,13 +13,14 @@ import asyncio
 import http.client
 import json
 import multiprocessing
-import socket
 import statistics
 import sys
 import time
 
 import orjson
 from pydantic import BaseModel
+
+from launch.fleet import free_port
 
 BODY = json.dumps({"model": "m", "prompt": "hello world " * 40, "max_tokens": 16, "temperature": 0.5}).encode()
 EVENTS = 8
@@ -89,12 +90,6 @@ def serve(name: str, port: int) -> None:
     uvicorn.run(
         APPS[name](), host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="error", access_log=False
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one(conn: http.client.HTTPConnection, path: str) -> float:

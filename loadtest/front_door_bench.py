@@ -17,6 +17,8 @@ import statistics
 import time
 import uuid
 
+from launch.fleet import free_port
+
 N_CHUNKS = 16
 
 
@@ -75,12 +77,6 @@ def serve(kind: str, port: int) -> None:
     else:
         app = build_app(InstantPath(), default_max_tokens=256)
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="error", access_log=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BODY = json.dumps(

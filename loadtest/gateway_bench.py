@@ -35,7 +35,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,8 +43,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from launch.up import Fleet, kvroute_argv
-from launch.worker import free_port
+from launch.fleet import Fleet, free_port, kvroute_argv
 
 SYSTEM = "You are a concise assistant for a bicycle shop. Answer in one short sentence. " * 6
 MAX_TOKENS = 4
@@ -328,7 +326,7 @@ def profiled_gateway(argv: list[str]) -> None:
     import uvloop
 
     from gateway.cli_gateway import build_gateway, serve
-    from kvroute.cli import build_parser
+    from launch.cli import build_parser
 
     out, gateway_args = argv[0], ["gateway", *argv[1:]]
     args = build_parser(gateway_args).parse_args(gateway_args)
@@ -395,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             results["overhead_ratio_p50_gateway_over_smg"] = ours / theirs if theirs > 0 else float("inf")
         pids = {"gateway_http": "gateway", "worker_http": "worker-0", "smg_http": "smg"}
-        by_name = {name: child.pid for child, name in fleet.names.items()}
+        by_name = {child.name: child.pid for child in fleet.children}
         results["throughput"] = {
             name: uvloop.run(measure_throughput(ports[name], args.concurrency, args.duration, by_name[pids[name]]))
             for name in ("gateway_http", "worker_http", "smg_http")
@@ -403,12 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         if profile_raw:  # SIGINT: the gateway drains and returns, so cProfile writes its file
-            gateway = next(c for c, n in fleet.names.items() if n == "gateway")
-            gateway.send_signal(signal.SIGINT)
-            try:
-                gateway.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
+            fleet.child("gateway").signal(signal.SIGINT, wait_s=30)
         fleet.stop()
     if profile_raw and Path(profile_raw).is_file():
         Path(args.profile).write_text(profile_top(profile_raw))

@@ -199,7 +199,7 @@ for kv in ('auto', 'fp8'):
         print(f\"  KV {kv}: {row['output_tok_s']:.0f} output tok/s (32 x 128, temperature 0.8); {row['dtype_reason']}; attention {row['attention']}\")
 " "$OUT/engine.json" | tee -a "$SUMMARY"
 
-step "kvroute generate (CLI, FP8 KV)" 60 bash -c "set -o pipefail; '$PY' -m kvroute.cli generate --model smollm2 --device cuda \
+step "kvroute generate (CLI, FP8 KV)" 60 bash -c "set -o pipefail; '$PY' -m launch.cli generate --model smollm2 --device cuda \
     --kv-cache-dtype fp8 --chat --prompt 'What is the capital of France?' --prompt 'Name three prime numbers.' \
     --max-tokens 48 --temperature 0.7 --top-p 0.9 --seed 7 --json | tee '$OUT/generate.jsonl'"
 

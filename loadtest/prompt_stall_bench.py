@@ -34,8 +34,7 @@ from typing import Any
 
 import grpc
 
-from launch.up import Fleet
-from launch.worker import free_port
+from launch.fleet import Fleet, free_port, kvroute_argv
 from loadtest.bench_stats import percentiles
 from loadtest.gateway_bench import wait_ok
 from proto import gateway_pb2, gateway_pb2_grpc
@@ -173,17 +172,18 @@ def start_gateways(fleet: Fleet, trees: dict[str, Path]) -> dict[str, tuple[int,
     worker_port = free_port()
     fleet.spawn(
         "worker",
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", str(worker_port),
-         "--max-model-len", "32768", "--num-kv-blocks", "32768", "--sim-prefill-us-per-token", "0",
-         "--sim-decode-ms-per-step", "0"],
+        kvroute_argv("worker", "--model", "sim", "--port", str(worker_port), "--max-model-len", "32768",
+                     "--num-kv-blocks", "32768", "--sim-prefill-us-per-token", "0", "--sim-decode-ms-per-step", "0"),
     )  # fmt: skip
     ports = {}
     for label, root in trees.items():
         http_port, grpc_port = free_port(), free_port()
-        # `env -C` runs the gateway in `root` with `root` on its path: the tree under test, whatever this one is.
+        # `env -C` runs the gateway in `root` with `root` on its path: the tree under test, whatever this one is;
+        # a tree from before issue 22 has its command line in kvroute/cli.py.
+        cli = "launch.cli" if (root / "launch" / "cli.py").exists() else "kvroute.cli"
         fleet.spawn(
             f"gateway ({label})",
-            ["env", "-C", str(root), f"PYTHONPATH={root}", sys.executable, "-m", "kvroute.cli", "gateway",
+            ["env", "-C", str(root), f"PYTHONPATH={root}", sys.executable, "-m", cli, "gateway",
              "--model", "sim", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
              "--workers", f"127.0.0.1:{worker_port}", "--log-level", "warning"],
         )  # fmt: skip

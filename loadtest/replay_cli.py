@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
 from loadtest.replay import (
     ORACLE,

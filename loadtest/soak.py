@@ -22,119 +22,94 @@ import argparse
 import asyncio
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.cli import UserError
-from loadtest.bench import Arrivals, HttpSender, Target, arrivals_from, bench_json, run_requests, workload_from
+from kvroute.errors import UserError
+from launch.fleet import Child, Fleet, LaunchError, free_port, http_ok, kvroute_argv
+from loadtest.bench import Arrivals, HttpSender, Target, bench_json, run_requests
 from loadtest.bench_stats import RequestRecord, format_summary, summarize
-from loadtest.compare import STARTUP_TIMEOUT_S, free_port
-from loadtest.render import BenchRequest
+from loadtest.render import BenchRequest, Workload
 
 SILENT = ("incomplete_stream", "bad_stream", "empty_stream", "transport_error")
 FAILOVER_STATUSES = ("connect_error", "http_503")
 GATEWAYS = 2
 WORKER_DOWN_S = 3.0
-
-
-@dataclass
-class Process:
-    """A child the soak can stop and start again with the same command line (so the same ports)."""
-
-    name: str
-    argv: list[str]
-    log: Path
-    process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-
-    def signal(self, sig: signal.Signals, wait_s: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(sig)
-        try:
-            self.process.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def wait_http(self, url: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
-                raise UserError(f"{self.name} exited while starting:\n{tail}")
-            try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise UserError(f"{self.name} not ready at {url} after {STARTUP_TIMEOUT_S:.0f} s")
+STARTUP_TIMEOUT_S = 180.0
 
 
 @dataclass
 class SoakFleet:
+    """Redis, the workers and the gateways on launch.fleet; each child can be stopped and started again with the
+    same command line (so the same ports)."""
+
     args: argparse.Namespace
     log_dir: Path
-    workers: list[Process] = field(default_factory=list)
+    fleet: Fleet = field(init=False)
+    workers: list[Child] = field(default_factory=list)
     worker_metrics: list[str] = field(default_factory=list)
-    gateways: list[Process] = field(default_factory=list)
+    gateways: list[Child] = field(default_factory=list)
     gateway_urls: list[str] = field(default_factory=list)
     gateway_metrics: list[str] = field(default_factory=list)  # each gateway's /metrics (on its metrics port)
     retries_seen: float = 0.0  # gateway retries counted before a gateway restart reset its counters
 
+    def __post_init__(self) -> None:
+        self.fleet = Fleet(self.log_dir)
+
     def start(self) -> None:
-        from loadtest.redis_server import RedisServer
+        from launch.redis_server import RedisServer
 
         self.redis = RedisServer()
         self.redis.start()
         grpc_ports = [free_port() for _ in range(self.args.workers)]
         for i, port in enumerate(grpc_ports):
             metrics_port = free_port()
-            argv = [
-                sys.executable, "-m", "kvroute.cli", "worker", "--model", self.args.model, "--host", "127.0.0.1",
+            argv = kvroute_argv(
+                "worker", "--model", self.args.model, "--host", "127.0.0.1",
                 "--port", str(port), "--metrics-port", str(metrics_port), "--worker-id", f"w{i}",
                 "--redis", self.redis.url, "--seed", str(self.args.seed),
                 *(["--num-kv-blocks", str(self.args.num_kv_blocks)] if self.args.num_kv_blocks else []),
                 *self.args.worker_arg,
-            ]  # fmt: skip
-            self.workers.append(Process(f"worker w{i}", argv, self.log_dir / f"worker-{i}.log"))
+            )  # fmt: skip
+            self.workers.append(self.fleet.spawn(f"worker-w{i}", argv, start=False))
             self.worker_metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
         addresses = ",".join(f"127.0.0.1:{p}" for p in grpc_ports)
         for j in range(GATEWAYS):
             port, metrics_port = free_port(), free_port()
-            argv = [
-                sys.executable, "-m", "kvroute.cli", "gateway", "--model", self.args.model, "--host", "127.0.0.1",
+            argv = kvroute_argv(
+                "gateway", "--model", self.args.model, "--host", "127.0.0.1",
                 "--http-port", str(port), "--grpc-port", "0", "--metrics-port", str(metrics_port),
                 "--redis", self.redis.url, "--workers", addresses, *self.args.gateway_arg,
-            ]  # fmt: skip
-            self.gateways.append(Process(f"gateway g{j}", argv, self.log_dir / f"gateway-{j}.log"))
+            )  # fmt: skip
+            self.gateways.append(self.fleet.spawn(f"gateway-g{j}", argv, start=False))
             self.gateway_urls.append(f"http://127.0.0.1:{port}")
             self.gateway_metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
         for process in [*self.workers, *self.gateways]:
             process.start()
-        for process, url in zip(self.workers, self.worker_metrics, strict=True):
-            process.wait_http(url)
-        for process, url in zip(self.gateways, self.gateway_urls, strict=True):
-            process.wait_http(url + "/ready")
+        for url in self.worker_metrics:
+            self.wait_http(url)
+        for url in self.gateway_urls:
+            self.wait_http(url + "/ready")
+
+    def wait_http(self, url: str) -> None:
+        """Until `url` answers 200; UserError when a child exits first (a worker killed by the schedule is
+        started again before anyone waits) or after STARTUP_TIMEOUT_S."""
+        try:
+            self.fleet.wait_until(partial(http_ok, url), url, STARTUP_TIMEOUT_S)
+        except LaunchError as exc:
+            raise UserError(f"the soak fleet did not start: {exc}") from None
 
     def stop(self) -> None:
-        for process in [*self.gateways, *self.workers]:
-            process.signal(signal.SIGTERM, wait_s=15.0)
+        self.fleet.stop()
         if hasattr(self, "redis"):
             self.redis.close()
 
@@ -154,7 +129,7 @@ class SoakFleet:
         await asyncio.to_thread(self.workers[1].signal, signal.SIGKILL)
         await asyncio.sleep(WORKER_DOWN_S)
         self.workers[1].start()
-        await asyncio.to_thread(self.workers[1].wait_http, self.worker_metrics[1])
+        await asyncio.to_thread(self.wait_http, self.worker_metrics[1])
         note("worker w1 back (new incarnation)")
         await at(0.45)
         note("Redis restart")
@@ -165,7 +140,7 @@ class SoakFleet:
         note("SIGTERM gateway g1 (drain)")
         await asyncio.to_thread(self.gateways[1].signal, signal.SIGTERM)
         self.gateways[1].start()
-        await asyncio.to_thread(self.gateways[1].wait_http, self.gateway_urls[1] + "/ready")
+        await asyncio.to_thread(self.wait_http, self.gateway_urls[1] + "/ready")
         note("gateway g1 back")
 
 
@@ -223,11 +198,10 @@ class FailoverSender:
             await sender.close()
 
 
-def run_soak(args: argparse.Namespace) -> int:
+def run_soak(args: argparse.Namespace, workload: Workload, arrivals: Arrivals) -> int:
+    """`--faults`: the soak of the module docstring; 0 when no request was lost silently and no worker leaked."""
     if args.duration is None:
         raise UserError("--faults needs --duration S (the faults are scheduled over it)")
-    arrivals: Arrivals = arrivals_from(args)
-    workload = workload_from(args)
     fault_log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-soak-") as tmp:
         log_dir = args.keep_logs or Path(tmp)

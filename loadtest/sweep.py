@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from loadtest.replay import ORACLE, REPLAY_POLICIES, ReplayConfig, ReplayError, ReplayResult, replay
 from loadtest.replay_cli import load_trace, write_output
 from loadtest.traces import Trace

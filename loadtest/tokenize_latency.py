@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from launch.worker import free_port
+from launch.fleet import free_port
 
 TEXT = "The quick brown fox jumps over the lazy dog, 12345 times. " * 70
 BODIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     port = free_port()
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--http-port", str(port)],
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", "0", "--http-port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

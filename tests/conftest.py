@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
 import pytest
 
 from kvroute.model_source import ModelSource, resolve_model
 from kvroute.tokenizer import Tokenizer
+from launch.fleet import Child, Fleet, kvroute_argv
+
+UP_READY_LINE = "Ctrl-C stops them all"  # what `kvroute up` prints once its fleet serves
 
 
 @pytest.fixture(scope="session")
@@ -20,8 +26,36 @@ def tokenizer_smollm2(model_smollm2_source: ModelSource) -> Tokenizer:
 
 @pytest.fixture
 def redis_server():
-    """A real redis-server on a free port (loadtest/redis_server.py); `.stop()`, `.start()`, `.restart()`, `.url`."""
-    from loadtest.redis_server import RedisServer
+    """A real redis-server on a free port (launch/redis_server.py); `.stop()`, `.start()`, `.restart()`, `.url`."""
+    from launch.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Fleet]:
+    """The fleet launcher (launch/fleet.py) for the test's processes: `spawn(name, argv)` logs each child to
+    `tmp_path/logs/NAME.log`; at the end of the test every child still running gets SIGTERM, then SIGKILL."""
+    with Fleet(tmp_path / "logs") as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def launcher_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """`launcher` for a module-scoped fixture's processes, stopped after the test module."""
+    with Fleet(tmp_path_factory.mktemp("logs")) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def launcher_up(launcher: Fleet) -> Callable[..., Child]:
+    """`launcher_up(*ARGS, env=None, timeout_s=240)`: `kvroute up ARGS` started by `launcher`, returned once it
+    prints that its fleet serves (its workers and gateway write to its log too); LaunchError if it exits first."""
+
+    def start(*args: str, env: Mapping[str, str] | None = None, timeout_s: float = 240.0) -> Child:
+        up = launcher.spawn("up", kvroute_argv("up", *args), env=env)
+        up.wait_for_line(UP_READY_LINE, timeout_s)
+        return up
+
+    return start

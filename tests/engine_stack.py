@@ -28,7 +28,8 @@ from gateway.router import make_policy
 from gateway.worker_spec import WorkerSpec, parse_worker_spec
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
-from launch.worker import FrontDoor, free_port, start_http_front_door
+from launch.fleet import free_port
+from launch.worker import FrontDoor, start_http_front_door
 from tests.gateway_stack import API_KEYS, SERVED_MODEL, LoopThreadStack
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

@@ -14,7 +14,6 @@ A test module that shares one stack among its tests: `stack = stack_fixture(Stac
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -36,6 +35,7 @@ from gateway.request_path import RequestPath, fleet_identity
 from gateway.router import make_policy
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
+from launch.fleet import free_port
 from proto import worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -188,7 +188,7 @@ class GatewayStack(LoopThreadStack):
         self.request_path, self.http, self.grpc = await self._gateway(addresses, source.model_id, tokenizer)
         self.metrics_http = HttpServer.start(metrics_app(self.request_path.metrics), "127.0.0.1", 0)
         if o.dead_fleet:
-            dead_address = f"127.0.0.1:{unused_port()}"
+            dead_address = f"127.0.0.1:{free_port()}"
             _, self.dead_http, self.dead_grpc = await self._gateway([dead_address], source.model_id, tokenizer)
 
     async def _gateway(
@@ -220,10 +220,3 @@ class GatewayStack(LoopThreadStack):
             await request_path.close()
         for worker in self.workers:
             await worker.stop(drain_timeout=0)
-
-
-def unused_port() -> int:
-    """A loopback port that was free a moment ago, with nothing listening on it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.tokenizer import Tokenizer
 from loadtest.bench import Arrivals, with_answers
 from loadtest.bench_stats import SLO, RequestRecord, format_summary, percentiles, summarize
@@ -307,7 +307,7 @@ def test_a_short_compare_run_reports_every_router_alike(tmp_path):
     the workers' start (torch import, tokenizer), so it sends few requests and few overhead probes."""
     out = tmp_path / "compare.json"
     argv = [
-        sys.executable, "-m", "kvroute.cli", "bench", "--compare", "kv_aware,smg:cache_aware",
+        sys.executable, "-m", "launch.cli", "bench", "--compare", "kv_aware,smg:cache_aware",
         "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "5", "--concurrency", "2",
         "--probes", "6", "--worker-arg=--sim-decode-ms-per-step=1", "--think-ms", "100", "--no-progress",
         "--json", str(out),

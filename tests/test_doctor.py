@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from kvroute.cli import main
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
+from launch.cli import main
 from loadtest.doctor import run_doctor
 from loadtest.doctor_example import write_example
 from loadtest.replay import ReplayConfig, replay

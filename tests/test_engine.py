@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from kvroute.cli import main as cli_main
 from kvroute.sampling import InvalidRequest, SamplingParams
+from launch.cli import main as cli_main
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, RequestOutput
 from worker.model.tiny import tiny_config

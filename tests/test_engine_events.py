@@ -292,7 +292,7 @@ def test_a_sequence_back_at_zero_is_a_restart_and_drops_the_old_entries() -> Non
 
 
 def test_a_worker_restarted_behind_the_same_endpoint_is_a_restart() -> None:
-    from launch.worker import free_port
+    from launch.fleet import free_port
 
     events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
 
@@ -363,7 +363,7 @@ class Proxy:
 
 
 def test_a_dropped_connection_to_the_same_engine_is_not_a_restart() -> None:
-    from launch.worker import free_port
+    from launch.fleet import free_port
 
     events_port = free_port()
 
@@ -566,7 +566,7 @@ def test_the_kv_events_config_flag_takes_vllms_json_and_names_what_is_wrong() ->
         with pytest.raises(ValueError, match=needle):
             KVEventsConfig.from_json(text)
     result = subprocess.run(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--kv-events-config", '{"endpont": 1}'],
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--kv-events-config", '{"endpont": 1}'],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "endpont" in result.stderr
@@ -577,7 +577,7 @@ def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -
     import grpc
 
     from kvroute.model_source import resolve_model
-    from launch.worker import free_port
+    from launch.fleet import free_port
     from proto import worker_pb2, worker_pb2_grpc
 
     port, events_port, replay_port = free_port(), free_port(), free_port()
@@ -586,7 +586,7 @@ def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -
         "endpoint": f"tcp://127.0.0.1:{events_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }  # fmt: skip
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", str(port), "--block-size",
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", str(port), "--block-size",
          str(BLOCK), "--num-kv-blocks", "64", "--max-model-len", "256", "--kv-events-config", json.dumps(config)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

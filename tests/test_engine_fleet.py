@@ -26,7 +26,7 @@ from gateway.metrics import label_value
 from gateway.retry import StreamDeadlines
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
-from launch.worker import free_port
+from launch.fleet import free_port
 from proto import worker_pb2, worker_pb2_grpc
 from tests.engine_stack import EngineStack, EngineStackOptions
 from tests.gateway_stack import KEY, SMALL_KEY
@@ -302,7 +302,7 @@ def test_a_hung_engine_ends_the_stream_at_its_inter_token_deadline() -> None:
     # A real `kvroute worker` process, stopped (SIGSTOP) mid-stream: a member still (its health checks have not
     # failed long enough to leave), but no longer answering them, so the stream's deadline ends it.
     grpc_port, http_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--host", "127.0.0.1", "--port",
+    argv = [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--host", "127.0.0.1", "--port",
             str(grpc_port), "--http-port", str(http_port), "--sim-decode-ms-per-step", "20"]  # fmt: skip
     worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -264,7 +264,7 @@ def test_the_picker_imports_without_torch_or_the_worker() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import gateway.epp.cli, gateway.epp.ext_proc\n"
-        "from kvroute.cli import build_parser\n"
+        "from launch.cli import build_parser\n"
         "build_parser(['epp']).parse_args(['epp', '--workers', 'a:1', '--target-port', '8000'])\n"
         "loaded = {m.split('.')[0] for m, v in sys.modules.items() if v is not None}\n"
         "assert not loaded & {'torch', 'worker'}, loaded & {'torch', 'worker'}\n"
@@ -283,7 +283,7 @@ def test_the_picker_imports_without_torch_or_the_worker() -> None:
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvroute.cli import main
+    from launch.cli import main
 
     assert main(["epp", "--model", "sim", *argv]) == 2
     assert message in capsys.readouterr().err

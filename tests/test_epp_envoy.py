@@ -26,7 +26,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 
 # Each test takes under 6 s; the module's fleet (three worker processes and the picker) takes about 33 s to start.
@@ -42,7 +42,7 @@ LONG = "You are the support assistant of a hardware shop; answer in one sentence
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=out)
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=out)
 
 
 def _wait(check, what: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from tests.test_epp_envoy import _shared_prefix, _spawn, _start_epp, _wait
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_epp_envoy import _shared_prefix, _spawn, _start_epp, _wait
 
-from launch.worker import free_port
+from launch.fleet import free_port
 from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 
 pytestmark = [

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.cli import main
 from kvroute.model_source import smollm2_gguf_path
 from kvroute.tokenizer import Tokenizer
+from launch.cli import main
 
 TEXTS = [
     "Hello, world!",

@@ -18,7 +18,8 @@ from gateway.redis_fleet import RedisFleetState
 from gateway.router import RouteRequest, make_policy
 from kvroute.fleet_keys import FleetKeys, WorkerRecord, redis_client
 from kvroute.hashing import block_hashes
-from loadtest.redis_server import RedisSentinel, free_port
+from launch.fleet import free_port
+from launch.redis_server import RedisSentinel
 from proto import worker_pb2, worker_pb2_grpc
 from worker.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from worker.config import EngineConfig

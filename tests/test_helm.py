@@ -320,7 +320,7 @@ def expand(arg: str, container: dict[str, Any], release: Release) -> str:
 
 def parse_kvroute(args: list[str]) -> argparse.Namespace:
     """Parse a container's args (the image's entrypoint is `kvroute`) with the real parser, as the process would."""
-    from kvroute.cli import build_parser
+    from launch.cli import build_parser
 
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -775,7 +775,8 @@ def test_bundled_redis_runs_with_the_password_on_no_command_line(tmp_path: Path)
     directories): clients need the Secret's password, and no process's arguments or environment carry it."""
     import redis
 
-    from loadtest.redis_server import find_redis_server, free_port
+    from launch.fleet import free_port
+    from launch.redis_server import find_redis_server
 
     port = free_port()
     manifests = chart().render({"redis": {"bundled": {"port": port}}}, name=RELEASE, namespace=NAMESPACE)
@@ -1198,16 +1199,17 @@ import importlib, importlib.abc, importlib.metadata, json, pkgutil, sys
 allowed = set(json.loads(sys.argv[1]))
 # Every installed third-party module whose distribution the gateway image does not carry (torch among them)
 # fails to import, as it would there; optional imports (e.g. psutil in opentelemetry) take their fallback.
+ours = {"gateway", "kvroute", "launch", "proto"}  # the image's own packages (launch: the command line)
 absent = {module for module, dists in importlib.metadata.packages_distributions().items()
-          if not any(dist.lower().replace("_", "-") in allowed for dist in dists)} - {"gateway", "kvroute", "proto"}
+          if not any(dist.lower().replace("_", "-") in allowed for dist in dists)} - ours
 class SlimImage(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in absent:
             raise ModuleNotFoundError(f"the gateway image has no {name}", name=name)
 sys.meta_path.insert(0, SlimImage())
-from kvroute.cli import build_parser
+from launch.cli import build_parser
 build_parser(["gateway"])
-modules = ["kvroute.cli", "proto.worker_pb2_grpc", "proto.gateway_pb2_grpc"]
+modules = ["launch.cli", "proto.worker_pb2_grpc", "proto.gateway_pb2_grpc"]
 for package in ("gateway", "kvroute"):
     modules += [f"{package}.{m.name}" for m in pkgutil.iter_modules(importlib.import_module(package).__path__)]
 for name in modules:

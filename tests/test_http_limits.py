@@ -23,7 +23,8 @@ from gateway.cli_gateway import HttpServer, add_arguments, build_gateway
 from gateway.http_protocol import HttpLimits
 from gateway.http_server import build_app
 from gateway.openai_protocol import ErrorResponse
-from kvroute.cli import UserError, build_parser
+from kvroute.errors import UserError
+from launch.cli import build_parser
 
 LIMITS = HttpLimits(
     max_header_bytes=4096, max_headers=20, header_timeout=1.0, keep_alive_timeout=1.0, max_connections=4

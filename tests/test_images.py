@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.redis_server import free_port
+from launch.fleet import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "deploy" / "build-images.sh"

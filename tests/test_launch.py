@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.worker import free_port
+from launch.fleet import LaunchError, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ def test_the_gateway_and_its_front_doors_import_without_torch() -> None:
         "import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
         "import gateway.cli_gateway, gateway.http_server, gateway.grpc_server, gateway.request_path\n"
         "import gateway.embedded_fleet, gateway.redis_fleet, launch.up\n"
-        "from kvroute.cli import build_parser\n"
+        "from launch.cli import build_parser\n"
         "build_parser(['gateway']).parse_args(['gateway', '--workers', 'a:1'])\n"
         "assert 'torch' not in [m.split('.')[0] for m, v in sys.modules.items() if v is not None]\n"
     )
@@ -52,46 +52,107 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_kvroute_up_serves_and_ctrl_c_stops_every_child() -> None:
+def test_kvroute_up_serves_and_ctrl_c_stops_every_child(launcher_up) -> None:
     port, metrics_port = free_port(), free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "up", "--workers", "2", "--model", "sim", "--http-port", str(port),
-         "--grpc-port", "0", "--metrics-port", str(metrics_port),
-         "--worker-args", "--num-kv-blocks 64 --max-model-len 512 --http-port 0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    up = launcher_up(
+        "--workers", "2", "--model", "sim", "--http-port", str(port), "--grpc-port", "0",
+        "--metrics-port", str(metrics_port), "--worker-args", "--num-kv-blocks 64 --max-model-len 512 --http-port 0",
     )  # fmt: skip
-    try:
-        lines = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, "kvroute up exited:\n" + "".join(lines)
-            lines.append(line)
-            if "Ctrl-C stops them all" in line:
-                break
-        assert "2 sim workers" in lines[-1] and f"http://127.0.0.1:{port}/v1" in lines[-1]
-        children = children_of(up.pid)
-        assert len(children) == 3  # two workers and the gateway
-        # Through the gateway, and (`kvroute worker --http-port`) through a worker's own OpenAI front door.
-        worker_urls = [line.split(" on ")[1].strip() for line in lines if "OpenAI HTTP API on" in line]
-        assert len(worker_urls) == 2
-        body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        for url, worker_ids in ((f"http://127.0.0.1:{port}/v1", ("worker-0", "worker-1")), (worker_urls[0], None)):
-            request = urllib.request.Request(
-                f"{url}/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-            )
-            with urllib.request.urlopen(request, timeout=30) as response:
-                assert worker_ids is None or response.headers["x-kvroute-worker"] in worker_ids
-                assert json.loads(response.read())["usage"]["completion_tokens"] == 3
-        # The gateway's metrics on their own port, not on the API's.
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-            assert b"kvroute:gateway_requests_total{" in response.read()
-        with pytest.raises(urllib.error.HTTPError, match="404"):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
-        up.send_signal(signal.SIGINT)  # Ctrl-C
-        assert up.wait(timeout=60) == 0
-        assert not [pid for pid in children if alive(pid)]
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    lines = up.output().splitlines()
+    ready = next(line for line in lines if "Ctrl-C stops them all" in line)
+    assert "2 sim workers" in ready and f"http://127.0.0.1:{port}/v1" in ready
+    children = children_of(up.pid)
+    assert len(children) == 3  # two workers and the gateway
+    # Through the gateway, and (`kvroute worker --http-port`) through a worker's own OpenAI front door.
+    worker_urls = [line.split(" on ")[1].strip() for line in lines if "OpenAI HTTP API on" in line]
+    assert len(worker_urls) == 2
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for url, worker_ids in ((f"http://127.0.0.1:{port}/v1", ("worker-0", "worker-1")), (worker_urls[0], None)):
+        request = urllib.request.Request(
+            f"{url}/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert worker_ids is None or response.headers["x-kvroute-worker"] in worker_ids
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 3
+    # The gateway's metrics on their own port, not on the API's.
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        assert b"kvroute:gateway_requests_total{" in response.read()
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert up.signal(signal.SIGINT, wait_s=60) == 0  # Ctrl-C
+    assert not [pid for pid in children if alive(pid)]
+
+
+def test_the_launcher_stops_a_child_that_ignores_sigterm_and_its_own_children(launcher) -> None:
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('grandchild', grandchild.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    stubborn = launcher.spawn("stubborn", [sys.executable, "-c", code])
+    grandchild = int(stubborn.wait_for_line("grandchild", timeout_s=30).split()[1])
+    assert stubborn.running and alive(grandchild)
+    started = time.monotonic()
+    launcher.stop(grace_s=0.5)
+    assert time.monotonic() - started < 10
+    assert stubborn.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init once its parent is gone
+    assert not alive(grandchild)
+
+
+def test_the_launcher_signals_a_draining_child_once(launcher) -> None:
+    """A worker or gateway takes a second SIGTERM as "stop without draining" (exit 130): stop sends one."""
+    code = (
+        "import signal, sys, time\n"
+        "signals = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: signals.append(1) if len(signals) == 0 else sys.exit(130))\n"
+        "print('ready', flush=True)\n"
+        "while not signals:\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"  # the drain
+        "sys.exit(0)\n"
+    )
+    drainer = launcher.spawn("drainer", [sys.executable, "-c", code])
+    drainer.wait_for_line("ready", timeout_s=30)
+    launcher.stop(grace_s=20)
+    assert drainer.returncode == 0
+
+
+def test_a_child_that_exits_while_the_fleet_starts_is_named_with_its_log(launcher) -> None:
+    launcher.spawn("waiter", [sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher.spawn("crasher", [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
+    with pytest.raises(LaunchError, match=r"crasher exited with status 3\n.*no model here"):
+        launcher.wait_until(lambda: False, "the fleet", timeout_s=30)
+    assert launcher.exited() == "crasher exited with status 3"
+    with pytest.raises(LaunchError, match="the fleet was not ready after 0.3 s"):
+        wait_until(launcher.children[:1], lambda: False, "the fleet", timeout_s=0.3)
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.slow
+def test_kvroute_up_with_a_local_redis_runs_it_and_stops_it_with_the_fleet(launcher_up) -> None:
+    port = free_port()
+    up = launcher_up(
+        "--workers", "1", "--model", "sim", "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0",
+        "--redis", "local", "--worker-args", "--num-kv-blocks 64 --max-model-len 512",
+    )  # fmt: skip
+    assert "fleet state in Redis at redis://127.0.0.1:" in up.output()
+    children = children_of(up.pid)
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children]  # redis-server retitles itself
+    assert len(children) == 3 and any(b"redis-server" in command for command in commands)
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["x-kvroute-worker"] == "worker-0"
+    assert up.signal(signal.SIGINT, wait_s=60) == 0
+    assert not [pid for pid in children if alive(pid)]

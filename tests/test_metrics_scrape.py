@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +18,7 @@ from typing import Any
 import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions
 
-from launch.worker import free_port
+from launch.fleet import Fleet, free_port
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.service import WorkerServer, start_worker_server
@@ -142,30 +140,25 @@ def scrape_with_prometheus(
     )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "prometheus.log").open("wb")
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-            try:
-                up = query(url, "/api/v1/query", query="up == 1")
-                names = set(query(url, "/api/v1/label/__name__/values"))
-            except (urllib.error.URLError, OSError):
-                up, names = [], set()
-            if len(up) == 2 and {"vllm:request_decode_time_seconds_count", "kvroute:gateway_requests_total"} <= names:
-                labels = {}
-                for name in INFO_LABELS:
-                    series = query(url, "/api/v1/series", **{"match[]": name})
-                    labels[name] = series[0] if series else {}
-                return names, labels
-            assert time.monotonic() < deadline, f"Prometheus had not scraped both targets in 30 s: {up}"
-            time.sleep(0.3)
-    finally:
-        process.terminate()
-        process.wait(15)
-        log.close()
+    argv = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    found: dict[str, Any] = {}
+
+    def scraped() -> bool:
+        try:
+            found["up"] = query(url, "/api/v1/query", query="up == 1")
+            found["names"] = set(query(url, "/api/v1/label/__name__/values"))
+        except (urllib.error.URLError, OSError):
+            return False
+        return len(found["up"]) == 2 and {
+            "vllm:request_decode_time_seconds_count", "kvroute:gateway_requests_total"
+        } <= found["names"]  # fmt: skip
+
+    with Fleet(tmp_path / "logs") as fleet:
+        fleet.spawn("prometheus", argv)
+        fleet.wait_until(scraped, "Prometheus's scrape of both targets", 30)
+        labels = {}
+        for name in INFO_LABELS:
+            series = query(url, "/api/v1/series", **{"match[]": name})
+            labels[name] = series[0] if series else {}
+    return found["names"], labels

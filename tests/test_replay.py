@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.cli import main
+from launch.cli import main
 from loadtest.replay import ReplayConfig, ReplayError, replay, simulate
 from loadtest.traces import Trace, TraceError, TraceRequest, read_mooncake
 from loadtest.workloads import generate

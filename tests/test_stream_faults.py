@@ -9,14 +9,11 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -33,13 +30,14 @@ from gateway.request_path import RequestPath, fleet_identity
 from gateway.retry import RetryPolicy, StreamDeadlines
 from gateway.router import make_policy
 from kvroute.sampling import SamplingParams
-from launch.worker import free_port
+from launch.fleet import Child, free_port, kvroute_argv
+from launch.fleet import Fleet as Launcher
 from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.service import WorkerServer, start_worker_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line in the log as it is printed
 
 # -- the rule ---------------------------------------------------------------------------------------------------
 
@@ -209,68 +207,22 @@ def test_a_drain_waits_for_a_request_still_before_its_first_token() -> None:
 
 
 @dataclass
-class Process:
-    popen: subprocess.Popen
-    log: Path  # stderr
-    lines: list[str] = field(default_factory=list)  # stdout so far
-
-    def wait_line(self, needle: str, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.popen.stdout.readline()
-            if not line:
-                raise AssertionError(f"exited ({self.popen.poll()}) before {needle!r}:\n{self.log.read_text()[-3000:]}")
-            self.lines.append(line)
-            if needle in line:
-                return line
-        raise AssertionError(f"no {needle!r} within {timeout} s")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGCONT)
-            self.popen.kill()
-        self.popen.wait(10)
-        self.popen.stdout.close()
-
-
-@contextmanager
-def process(argv: list[str], log_dir: Path, name: str) -> Iterator[Process]:
-    log = log_dir / f"{name}.log"
-    with log.open("w") as stderr:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr,
-            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    running = Process(popen, log)
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-@dataclass
 class Workers:
     addresses: list[str]
-    processes: list[Process]
+    processes: list[Child]
 
 
 @pytest.fixture(scope="module")
-def log_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvroute-stream-faults-") as name:
-        yield Path(name)
-
-
-@pytest.fixture(scope="module")
-def workers(log_dir: Path) -> Iterator[Workers]:
+def workers(launcher_module: Launcher) -> Workers:
     """Two `kvroute worker --model sim` processes, 20 ms a decode step (a 1,000-token answer takes 20 s)."""
     ports = [free_port(), free_port()]
-    with (
-        process(_worker_argv(ports[0], "w0"), log_dir, "w0") as w0,
-        process(_worker_argv(ports[1], "w1"), log_dir, "w1") as w1,
-    ):
-        for w in (w0, w1):
-            w.wait_line("kvroute worker: serving", timeout=120)
-        yield Workers([f"127.0.0.1:{p}" for p in ports], [w0, w1])
+    processes = [
+        launcher_module.spawn(f"w{i}", kvroute_argv(*_worker_argv(port, f"w{i}")), env=ENV)
+        for i, port in enumerate(ports)
+    ]
+    for w in processes:
+        w.wait_for_line("kvroute worker: serving", timeout_s=120)
+    return Workers([f"127.0.0.1:{p}" for p in ports], processes)
 
 
 def _worker_argv(port: int, worker_id: str) -> list[str]:
@@ -281,20 +233,24 @@ def _worker_argv(port: int, worker_id: str) -> list[str]:
 
 
 @contextmanager
-def gateway(workers: Workers, log_dir: Path, *extra: str) -> Iterator[tuple[Process, str, str]]:
+def gateway(workers: Workers, launcher: Launcher, *extra: str) -> Iterator[tuple[Child, str, str]]:
+    """A gateway over `workers`, started by `launcher`, killed on the way out."""
     http_port, grpc_port = free_port(), free_port()
     argv = [
         "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port",
         str(grpc_port), "--workers", ",".join(workers.addresses), *extra,
     ]  # fmt: skip
-    with process(argv, log_dir, f"gateway-{http_port}") as gw:
-        gw.wait_line("kvroute gateway: serving", timeout=60)
+    gw = launcher.spawn(f"gateway-{http_port}", kvroute_argv(*argv), env=ENV)
+    try:
+        gw.wait_for_line("kvroute gateway: serving", timeout_s=60)
         url = f"http://127.0.0.1:{http_port}"
         deadline = time.monotonic() + 20
         while httpx.get(f"{url}/ready").status_code != 200 or _routable(url) < len(workers.addresses):
             assert time.monotonic() < deadline, "the gateway never saw both workers"
             time.sleep(0.1)
         yield gw, url, f"127.0.0.1:{grpc_port}"
+    finally:
+        gw.signal(signal.SIGKILL, wait_s=10)
 
 
 def _routable(url: str) -> int:
@@ -380,9 +336,9 @@ def start_streams(url: str, count: int, **kw: object) -> list[SseStream]:
 
 @pytest.mark.slow
 def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewhere(
-    workers: Workers, log_dir: Path
+    workers: Workers, launcher: Launcher
 ) -> None:
-    with gateway(workers, log_dir, "--policy", "round_robin") as (_, url, grpc_address):
+    with gateway(workers, launcher, "--policy", "round_robin") as (_, url, grpc_address):
         streams = start_streams(url, 4, max_tokens=400)  # 8 s: they outlast the stop
         on = {w: [s for s in streams if s.worker == w] for w in ("w0", "w1")}
         assert on["w0"] and on["w1"], [s.worker for s in streams]
@@ -390,7 +346,7 @@ def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewher
         assert set(grpc_streams) == {"w0", "w1"}  # round robin: one each
         for g in grpc_streams.values():
             g.start()
-        victim = workers.processes[0].popen
+        victim = workers.processes[0].process
         victim.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
@@ -428,9 +384,9 @@ def test_streams_on_a_stopped_worker_end_in_seconds_and_new_requests_go_elsewher
 
 @pytest.mark.slow
 def test_the_drain_deadline_ends_each_stream_with_an_error_and_done_and_exits_in_time(
-    workers: Workers, log_dir: Path
+    workers: Workers, launcher: Launcher
 ) -> None:
-    with gateway(workers, log_dir, "--drain-timeout", "2") as (gw, url, grpc_address):
+    with gateway(workers, launcher, "--drain-timeout", "2") as (gw, url, grpc_address):
         streams = start_streams(url, 2)
         channel = grpc.insecure_channel(grpc_address)
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(
@@ -441,7 +397,7 @@ def test_the_drain_deadline_ends_each_stream_with_an_error_and_done_and_exits_in
         )
         next(call)
         signalled = time.monotonic()
-        gw.popen.send_signal(signal.SIGTERM)
+        gw.process.send_signal(signal.SIGTERM)
         with pytest.raises(grpc.RpcError) as raised:
             for _ in call:
                 pass
@@ -454,7 +410,7 @@ def test_the_drain_deadline_ends_each_stream_with_an_error_and_done_and_exits_in
             assert "drain timeout (2 s) passed" in error["message"]
             assert 1.8 < stream.ended_at - signalled < 3.0
         assert 1.8 < grpc_ended < 3.0
-        assert gw.popen.wait(timeout=10) == 0
+        assert gw.process.wait(timeout=10) == 0
         exited = time.monotonic() - signalled
         assert exited < 2 + 2.0, exited  # stated: --drain-timeout + 2 s
         channel.close()
@@ -463,14 +419,14 @@ def test_the_drain_deadline_ends_each_stream_with_an_error_and_done_and_exits_in
 
 
 @pytest.mark.slow
-def test_a_second_signal_stops_the_gateway_at_once_with_status_130(workers: Workers, log_dir: Path) -> None:
-    with gateway(workers, log_dir, "--drain-timeout", "30") as (gw, url, _grpc):
+def test_a_second_signal_stops_the_gateway_at_once_with_status_130(workers: Workers, launcher: Launcher) -> None:
+    with gateway(workers, launcher, "--drain-timeout", "30") as (gw, url, _grpc):
         (stream,) = start_streams(url, 1)
-        gw.popen.send_signal(signal.SIGINT)
-        gw.wait_line("kvroute gateway: draining", timeout=5)
+        gw.process.send_signal(signal.SIGINT)
+        gw.wait_for_line("kvroute gateway: draining", timeout_s=5)
         signalled = time.monotonic()
-        gw.popen.send_signal(signal.SIGINT)
-        assert gw.popen.wait(timeout=10) == 130
+        gw.process.send_signal(signal.SIGINT)
+        assert gw.process.wait(timeout=10) == 130
         exited = time.monotonic() - signalled
         assert exited < 2.0, exited
         stream.join(timeout=5)
@@ -480,21 +436,23 @@ def test_a_second_signal_stops_the_gateway_at_once_with_status_130(workers: Work
 
 
 @pytest.mark.slow
-def test_sighup_reloads_the_keys_and_routing_config_and_cuts_no_stream(workers: Workers, log_dir: Path) -> None:
-    keys, routing = log_dir / "keys.json", log_dir / "routing.json"
+def test_sighup_reloads_the_keys_and_routing_config_and_cuts_no_stream(
+    workers: Workers, launcher: Launcher, tmp_path: Path
+) -> None:
+    keys, routing = tmp_path / "keys.json", tmp_path / "routing.json"
     keys.write_text(json.dumps([{"tenant": "old", "key_sha256": key_sha256("sk-old")}]))
     routing.write_text(json.dumps({"epsilon": 0.5}))
     extra = ("--api-keys-file", str(keys), "--routing-config", str(routing), "--allow-derived-salt")
-    with gateway(workers, log_dir, *extra) as (gw, url, _grpc):
+    with gateway(workers, launcher, *extra) as (gw, url, _grpc):
         (stream,) = start_streams(url, 1, max_tokens=150, api_key="sk-old")  # about 3 s
         keys.write_text(json.dumps([{"tenant": "new", "key_sha256": key_sha256("sk-new"), "max_concurrency": 4}]))
         routing.write_text(json.dumps({"epsilon": 0.25}))
-        gw.popen.send_signal(signal.SIGHUP)
+        gw.process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
-        while "routing config reloaded" not in gw.log.read_text():
-            assert time.monotonic() < deadline and gw.popen.poll() is None, gw.log.read_text()[-2000:]
+        while "routing config reloaded" not in gw.output():
+            assert time.monotonic() < deadline and gw.process.poll() is None, gw.output()[-2000:]
             time.sleep(0.1)
-        log = gw.log.read_text()
+        log = gw.output()
         assert "API keys reloaded from" in log and "added ['new'], removed ['old']" in log
         assert "epsilon': '0.5 -> 0.25'" in log
         body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -503,12 +461,12 @@ def test_sighup_reloads_the_keys_and_routing_config_and_cuts_no_stream(workers: 
             assert r.status_code == status, r.text
         stream.join(timeout=20)
         assert stream.finished, (stream.events[-2:], stream.error)
-        assert gw.popen.poll() is None
+        assert gw.process.poll() is None
         keys.write_text("not json")  # a bad file keeps the keys in force
-        gw.popen.send_signal(signal.SIGHUP)
+        gw.process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
-        while "kept the API keys in force" not in gw.log.read_text():
-            assert time.monotonic() < deadline, gw.log.read_text()[-2000:]
+        while "kept the API keys in force" not in gw.output():
+            assert time.monotonic() < deadline, gw.output()[-2000:]
             time.sleep(0.1)
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-new"})
         assert r.status_code == 200
@@ -517,10 +475,10 @@ def test_sighup_reloads_the_keys_and_routing_config_and_cuts_no_stream(workers: 
 @pytest.mark.slow
 def test_a_worker_ignores_sighup(workers: Workers) -> None:
     worker = workers.processes[1]
-    worker.popen.send_signal(signal.SIGHUP)
+    worker.process.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
-    while "SIGHUP ignored" not in worker.log.read_text():
-        assert time.monotonic() < deadline and worker.popen.poll() is None, worker.log.read_text()[-2000:]
+    while "SIGHUP ignored" not in worker.output():
+        assert time.monotonic() < deadline and worker.process.poll() is None, worker.output()[-2000:]
         time.sleep(0.1)
     with grpc.insecure_channel(workers.addresses[1]) as channel:
         stats = worker_pb2_grpc.WorkerStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=5)

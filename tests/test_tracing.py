@@ -12,21 +12,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from launch.worker import free_port
+from launch.fleet import Fleet, free_port, http_ok
 
-ROOT = Path(__file__).resolve().parent.parent
 PHOENIX = Path(os.environ.get("KVROUTE_PHOENIX_VENV", "/opt/phoenix-venv")) / "bin" / "phoenix"
 MAX_TOKENS = 4
 
@@ -47,7 +43,7 @@ class Phoenix:
 
 
 @pytest.fixture()
-def phoenix(tmp_path: Path) -> Iterator[Phoenix]:
+def phoenix(tmp_path: Path, launcher: Fleet) -> Phoenix:
     http_port, grpc_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -56,31 +52,13 @@ def phoenix(tmp_path: Path) -> Iterator[Phoenix]:
         "PHOENIX_PORT": str(http_port),
         "PHOENIX_GRPC_PORT": str(grpc_port),
     }
-    log = (tmp_path / "phoenix.log").open("wb")
-    process = subprocess.Popen([str(PHOENIX), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    launcher.spawn("phoenix", [str(PHOENIX), "serve"], env=env)
     server = Phoenix(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{grpc_port}")
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, (tmp_path / "phoenix.log").read_text()[-2000:]
-            try:
-                server.spans()
-                break
-            except (urllib.error.URLError, OSError):
-                assert time.monotonic() < deadline, "Phoenix did not start in 90 s"
-                time.sleep(0.5)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    launcher.wait_until(lambda: http_ok(f"{server.http_url}/v1/projects/default/spans?limit=1"), "Phoenix", 90)
+    return server
 
 
-def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(phoenix: Phoenix) -> None:
+def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(phoenix: Phoenix, launcher_up) -> None:
     port = free_port()
     env = {
         **os.environ,
@@ -88,35 +66,23 @@ def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(phoenix: Pho
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: export at once rather than every 5 s
     }
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "up", "--workers", "1", "--model", "sim", "--http-port", str(port),
-         "--grpc-port", "0", "--metrics-port", "0", "--worker-args", "--num-kv-blocks 64 --max-model-len 512"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    up = launcher_up(
+        "--workers", "1", "--model", "sim", "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0",
+        "--worker-args", "--num-kv-blocks 64 --max-model-len 512", env=env, timeout_s=120,
     )  # fmt: skip
-    try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, "kvroute up exited:\n" + "".join(lines)
-            lines.append(line)
-            if "Ctrl-C stops them all" in line:
-                break
-        body = {"model": "sim", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": MAX_TOKENS}
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
-            {"content-type": "application/json"},
-        )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=30) as response:
-            assert json.loads(response.read())["usage"]["completion_tokens"] == MAX_TOKENS
-        deadline = time.monotonic() + 30
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": MAX_TOKENS}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == MAX_TOKENS
+    deadline = time.monotonic() + 30
+    spans = phoenix.spans()
+    while len(spans) < 5 and time.monotonic() < deadline:
+        time.sleep(0.2)
         spans = phoenix.spans()
-        while len(spans) < 5 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            spans = phoenix.spans()
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.communicate(timeout=60)
+    up.signal(signal.SIGINT, wait_s=60)
 
     by_name = {span["name"]: span for span in spans}
     assert sorted(by_name) == sorted(

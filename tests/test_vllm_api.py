@@ -11,13 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,9 +21,8 @@ import pytest
 from gateway_stack import API_KEYS, KEY, SERVED_MODEL, GatewayStack, StackOptions, stack_fixture
 
 from gateway.limits import Limits
-from launch.worker import free_port
+from launch.fleet import Child, Fleet, free_port, http_ok, kvroute_argv
 
-ROOT = Path(__file__).resolve().parent.parent
 AUTH = {"authorization": f"Bearer {KEY}"}
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -160,40 +155,25 @@ def test_the_openapi_document_lists_the_tokenizer_endpoints(stack: GatewayStack)
 @dataclass
 class WorkerProcess:
     url: str
-    process: subprocess.Popen[str]
+    child: Child
 
 
 @pytest.fixture(scope="module")
-def worker_process() -> Iterator[WorkerProcess]:
+def worker_process(launcher_module: Fleet) -> WorkerProcess:
     """A sim worker process with its HTTP port (10 ms per decode step); stopped after the module."""
     http_port = free_port()
     env = {**os.environ, "KVROUTE_API_KEYS": json.dumps(API_KEYS)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--http-port",
-         str(http_port), "--num-kv-blocks", "48", "--block-size", "16", "--max-model-len", "384",
-         "--sim-decode-ms-per-step", "10", "--allow-derived-salt"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    process = launcher_module.spawn(
+        "worker",
+        kvroute_argv(
+            "worker", "--model", "sim", "--port", "0", "--http-port", str(http_port), "--num-kv-blocks", "48",
+            "--block-size", "16", "--max-model-len", "384", "--sim-decode-ms-per-step", "10", "--allow-derived-salt",
+        ),
+        env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{http_port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read() if process.stdout else ""
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the worker's front door was not ready in 120 s"
-            time.sleep(0.2)
-        yield WorkerProcess(url, process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    launcher_module.wait_until(lambda: http_ok(f"{url}/ready"), "the worker's front door", 120)
+    return WorkerProcess(url, process)
 
 
 @pytest.fixture
@@ -246,14 +226,14 @@ def test_a_draining_worker_answers_503_on_health_until_it_exits(worker_process: 
         while metric_samples(httpx.get(f"{url}/metrics", timeout=5).text)["vllm:num_requests_running"][0][1] < 1:
             assert time.monotonic() < deadline, "the long request never started"
             time.sleep(0.05)
-        worker_process.process.send_signal(signal.SIGTERM)
+        worker_process.child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
             assert time.monotonic() < deadline, "/health still says ok while the worker drains"
             time.sleep(0.05)
         assert (health.status_code, health.json()["status"]) == (503, "draining")
         assert running.result(timeout=30).status_code == 200, "the running request finishes"
-    assert worker_process.process.wait(30) == 0
+    assert worker_process.child.process.wait(30) == 0
 
 
 def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

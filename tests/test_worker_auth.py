@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,11 +24,11 @@ from gateway.auth import key_sha256, tenant_salt
 from gateway.embedded_fleet import EmbeddedFleetState
 from gateway.request_path import fleet_identity
 from gateway.worker_client import worker_stub
-from kvroute import cli
 from kvroute.credentials import generate_secret
 from kvroute.sampling import SamplingParams
-from launch.worker import free_port
-from loadtest.redis_server import RedisServer
+from launch import cli
+from launch.fleet import Fleet, free_port, kvroute_argv
+from launch.redis_server import RedisServer
 from proto import worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -285,20 +283,10 @@ def test_snapshot_reads_past_the_rate_limit_are_resource_exhausted_with_a_pushba
     asyncio.run(main())
 
 
-def wait_for_line(process: subprocess.Popen[str], needle: str, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    assert process.stdout is not None
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            raise AssertionError(f"process exited ({process.wait()}) before printing {needle!r}")
-        if needle in line:
-            return line
-    raise AssertionError(f"no {needle!r} within {timeout} s")
-
-
 @pytest.mark.slow
-def test_kvroute_worker_and_gateway_processes_share_their_secrets_through_files_only(tmp_path: Path) -> None:
+def test_kvroute_worker_and_gateway_processes_share_their_secrets_through_files_only(
+    tmp_path: Path, launcher: Fleet
+) -> None:
     """`kvroute worker --auth-token-file --redis` and `kvroute gateway --worker-token-file --redis` over a
     Redis that requires a password: the gateway finds the worker through Redis and serves HTTP (cached tokens
     on a repeat) and the routed Worker.Generate; the worker's own HTTP front door serves too; a client on the
@@ -314,30 +302,23 @@ def test_kvroute_worker_and_gateway_processes_share_their_secrets_through_files_
         "KVROUTE_CACHE_SALT_SECRET_FILE": str(tmp_path / "salt"),
     }
     worker_port, worker_http, http_port, grpc_port = free_port(), free_port(), free_port(), free_port()
-    processes: list[subprocess.Popen[str]] = []
     with RedisServer(password=secrets["redis"]) as redis:
-
-        def spawn(*argv: str) -> subprocess.Popen[str]:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "kvroute.cli", *argv], env=env, text=True, stdout=subprocess.PIPE
-            )
-            processes.append(process)
-            return process
-
         try:
-            worker_process = spawn(
+            worker_argv = kvroute_argv(
                 "worker", "--model", "sim", "--port", str(worker_port), "--http-port", str(worker_http),
                 "--auth-token-file", str(tmp_path / "token"), "--redis", redis.url, "--worker-id", "w0",
                 "--sim-decode-ms-per-step", "1",
             )  # fmt: skip
-            gateway_process = spawn(
+            gateway_argv = kvroute_argv(
                 "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(http_port),
                 "--grpc-port", str(grpc_port), "--redis", redis.url, "--worker-token-file", str(tmp_path / "token"),
                 "--api-keys-file", str(tmp_path / "keys.json"), "--log-level", "warning",
             )  # fmt: skip
-            wait_for_line(worker_process, "kvroute worker: serving")
-            wait_for_line(gateway_process, "kvroute gateway: serving")
-            for process in processes:
+            worker_process = launcher.spawn("worker", worker_argv, env=env)
+            gateway_process = launcher.spawn("gateway", gateway_argv, env=env)
+            worker_process.wait_for_line("kvroute worker: serving", timeout_s=60)
+            gateway_process.wait_for_line("kvroute gateway: serving", timeout_s=60)
+            for process in launcher.children:
                 command_line = Path(f"/proc/{process.pid}/cmdline").read_text()
                 assert not any(secret in command_line for secret in secrets.values())
 
@@ -371,14 +352,7 @@ def test_kvroute_worker_and_gateway_processes_share_their_secrets_through_files_
             own = httpx.post(f"http://127.0.0.1:{worker_http}/v1/completions", json=body, timeout=10)
             assert own.status_code == 200 and own.json()["usage"]["completion_tokens"] == 2
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            launcher.stop()  # before Redis stops: a worker drains by deregistering there
 
 
 def test_a_worker_refuses_to_start_with_an_unreadable_or_weak_token(

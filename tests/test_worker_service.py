@@ -22,9 +22,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute import cli
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.sampling import SamplingParams
+from launch import cli
 from proto import worker_pb2, worker_pb2_grpc
 from worker.async_engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncEngine, EngineDead, EngineError, EngineStopped
 from worker.config import EngineConfig
@@ -401,7 +401,7 @@ def test_leaving_the_iteration_aborts_the_request(sim_engine: LLMEngine) -> None
 
 def test_kvroute_worker_command_serves_until_sigterm() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--num-kv-blocks", "32"],
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", "0", "--num-kv-blocks", "32"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -869,7 +869,7 @@ def test_kvroute_worker_exits_1_after_the_engine_dead_grace() -> None:
 
 
 def test_a_second_signal_during_the_drain_stops_the_worker_at_once() -> None:
-    argv = ["-m", "kvroute.cli", "worker", "--model", "sim", "--port", "0", "--num-kv-blocks", "64"]
+    argv = ["-m", "launch.cli", "worker", "--model", "sim", "--port", "0", "--num-kv-blocks", "64"]
     process, address = worker_process([sys.executable, *argv, "--drain-timeout", "60"])
     try:
         with grpc.insecure_channel(address) as channel:
@@ -888,7 +888,7 @@ def test_a_second_signal_during_the_drain_stops_the_worker_at_once() -> None:
 
 def test_python_dash_m_prints_a_user_error_as_one_line() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvroute.cli", "worker", "--model", "sim", "--port", "70000"],
+        [sys.executable, "-m", "launch.cli", "worker", "--model", "sim", "--port", "70000"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,7 +12,8 @@ import pytest
 from gateway.cli_gateway import build_gateway
 from gateway.engine_fleet import EngineFleetState
 from gateway.worker_spec import WorkerSpec, parse_worker_spec, parse_worker_specs
-from kvroute.cli import UserError, build_parser
+from kvroute.errors import UserError
+from launch.cli import build_parser
 
 
 def test_bare_and_kvroute_specs_are_grpc_workers() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.sampling import InvalidRequest, SamplingParams
 from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 

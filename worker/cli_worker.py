@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 if TYPE_CHECKING:

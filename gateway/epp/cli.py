@@ -27,7 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from gateway import cli_gateway
 from gateway.epp.ext_proc import EndpointMap, ExternalProcessor, Picker
-from kvroute.cli import UserError
+from kvroute.errors import UserError
 from kvroute.grpc_options import grpc_address
 
 logger = logging.getLogger("kvroute.epp")

@@ -1,4 +1,5 @@
-"""`kvroute` command line: each subcommand lives beside the code it drives and is imported only when used."""
+"""`kvroute` command line, the top of the import graph: each subcommand lives beside the code it drives and is
+imported only when used. `python -m launch.cli ARGS` is the console script `kvroute ARGS`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import importlib
 import os
 import sys
+
+from kvroute.errors import UserError
 
 # gRPC's C core logs connection events (a worker's GOAWAY at shutdown) at INFO on stderr, where they read as
 # errors; an operator who wants them sets GRPC_VERBOSITY. It must be set before grpc is first imported.
@@ -20,17 +23,13 @@ SUBCOMMANDS = {
     "gateway": ("gateway.cli_gateway", "run a gateway: OpenAI HTTP and gRPC front doors routing over a fleet"),
     "epp": ("gateway.epp.cli", "run an endpoint picker: Envoy ext_proc for a Gateway API InferencePool"),
     "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
-    "bench": ("loadtest.bench", "send a workload to a live fleet (or compare routers) and report latencies"),
+    "bench": ("loadtest.bench_cli", "send a workload to a live fleet (or compare routers) and report latencies"),
     "sweep": ("loadtest.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),
     "export-tokenizer": (
         "kvroute.export_tokenizer",
         "write a model's tokenizer as an HF folder (tokenizer.json, tokenizer_config.json) for other tools",
     ),
 }
-
-
-class UserError(Exception):
-    """Bad user input: printed as one line, no traceback."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -60,8 +59,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Under `python -m kvroute.cli` this file runs as `__main__`, a second copy of the module whose UserError
-    # is not the class the subcommands raise (they import kvroute.cli). Run the imported module's main.
-    from kvroute.cli import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from launch.fleet import Child, free_port
 
 
 def find_redis_server() -> str:
@@ -34,12 +36,6 @@ def find_redis_server() -> str:
         ) from None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RedisServer:
     """One redis-server process. `start()`, `stop()`, `restart()`; `url` stays the same across restarts.
     With `password` it requires clients to authenticate (`requirepass`); `url` then carries no password."""
@@ -49,7 +45,7 @@ class RedisServer:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-redis-")
-        self._process: subprocess.Popen | None = None
+        self._child: Child | None = None
 
     @property
     def url(self) -> str:
@@ -57,7 +53,7 @@ class RedisServer:
 
     @property
     def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._child is not None and self._child.running
 
     def _args(self, log: Path) -> list[str]:
         return [
@@ -70,25 +66,21 @@ class RedisServer:
         if self.running:
             return
         log = Path(self._dir.name) / "redis.log"
-        self._process = subprocess.Popen(self._args(log), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self._child = Child("redis-server", self._args(log), log=Path(self._dir.name) / "stdout.log")
+        self._child.start()
         deadline = time.monotonic() + timeout
         while not self._answers_ping():
-            if self._process.poll() is not None or time.monotonic() > deadline:
+            if not self._child.running or time.monotonic() > deadline:
                 self.stop()
                 text = log.read_text() if log.exists() else ""
                 raise RuntimeError(f"redis-server did not start on port {self.port}:\n{text[-2000:]}")
             time.sleep(0.02)
 
     def stop(self) -> None:
-        if self._process is None:
+        if self._child is None:
             return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        self._process = None
+        self._child.signal(signal.SIGTERM, wait_s=5)
+        self._child = None
 
     def restart(self) -> None:
         self.stop()
