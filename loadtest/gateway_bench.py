@@ -251,11 +251,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds by thread name (Linux /proc; threads of one name summed)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 async def measure_throughput(port: int, concurrency: int, duration: float, pid: int | None) -> dict[str, float]:
     """Closed loop for `duration` s: the requests done, the errors, the seconds and (with `pid`) that
     process's CPU seconds over them (what it would need of a core of its own: the noise-free figure on a
     shared machine)."""
     cpu_before = cpu_seconds(pid) if pid else 0.0
+    threads_before = thread_cpu_seconds(pid) if pid else {}
     done = 0
     errors = 0
     stop_at = time.perf_counter() + duration
@@ -277,7 +291,9 @@ async def measure_throughput(port: int, concurrency: int, duration: float, pid: 
     await asyncio.gather(*(client(k) for k in range(concurrency)))
     elapsed = time.perf_counter() - start
     cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
-    return {"requests": done, "errors": errors, "seconds": elapsed, "server_cpu_s": cpu}
+    threads = thread_cpu_seconds(pid) if pid else {}
+    by_thread = {f"thread_cpu_s:{name}": t - threads_before.get(name, 0.0) for name, t in threads.items()}
+    return {"requests": done, "errors": errors, "seconds": elapsed, "server_cpu_s": cpu, **by_thread}
 
 
 def interleaved(names: list[str], slices: int, measure: Callable[[str, int], dict[str, float]]) -> dict[str, Any]:
@@ -378,6 +394,15 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
         return statistics.median(times) * 1e6
 
     template_tokenize = median_us(lambda: tokenizer.encode_chat(messages))
+    # The floor: the `tokenizers` library's own encode of the same rendered text (special tokens parsed from
+    # it, which the gateway must never do with client text), and of the text alone.
+    from kvroute.chat_template import render_chat_template
+
+    rendered = render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True)
+    floor_ids = tokenizer.backend.encode(rendered, add_special_tokens=False).ids
+    library_encode = median_us(lambda: tokenizer.backend.encode(rendered, add_special_tokens=False))
+    library_encode_fast = median_us(lambda: tokenizer.backend.encode_batch_fast([rendered], add_special_tokens=False))
+    render = median_us(lambda: render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True))
     hashing = median_us(lambda: block_hashes(ids, model_id=source.model_id))
     request = RouteRequest("r", hashes, len(ids))
     pick = median_us(lambda: policy.pick(request, view))
@@ -391,6 +416,10 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
         "prompt_tokens": len(ids),
         "replicas": replicas,
         "template_and_tokenize_us": template_tokenize,
+        "floor_tokenizers_encode_us": library_encode,
+        "floor_tokenizers_encode_batch_fast_us": library_encode_fast,
+        "floor_ids_equal": floor_ids == ids,
+        "template_render_us": render,
         "block_hashes_us": hashing,
         "pick_us": pick,
         "total_us": median_us(lambda: whole(None)),
@@ -422,11 +451,70 @@ def profiled_gateway(argv: list[str]) -> None:
 # -- the run ------------------------------------------------------------------------------------------------------
 
 
+# Where a function's own time goes: the first stage whose pattern its file name contains; a C function
+# (file "~") goes where its caller goes.
+STAGES = (
+    ("event loop (uvloop: sockets, callbacks)", ("asyncio/", "uvloop/")),
+    ("HTTP server (uvicorn, httptools, our limits)", ("uvicorn/", "gateway/http_protocol.py", "h11")),
+    ("web framework (Starlette)", ("starlette/",)),
+    ("front door: parse, validate, render (pydantic, orjson)", ("gateway/http_server.py", "openai_protocol.py",
+                                                                  "pydantic", "gateway/request.py")),
+    ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2",
+                                               "stop_strings.py")),
+    ("block hashes", ("kvroute/hashing.py",)),
+    ("routing pick + fleet view", ("gateway/router.py", "gateway/fleet", "kv_index.py", "common_prefix.py",
+                                   "embedded_fleet.py", "gateway/retry.py", "hash_ring.py")),
+    ("gRPC call and stream (grpc.aio, protobuf)", ("grpc/", "gateway/backends.py", "worker_client.py",
+                                                   "protobuf", "_pb2")),
+    ("metrics (prometheus_client)", ("prometheus_client", "gateway/metrics.py")),
+    ("spans (OpenTelemetry)", ("opentelemetry", "gateway/tracing.py")),
+    ("request path bookkeeping (auth, limits, Generation)", ("gateway/request_path.py", "gateway/auth.py",
+                                                            "gateway/limits.py", "uuid.py", "sampling")),
+    ("prompt pool handoff (threads)", ("concurrent/futures", "threading.py", "_weakrefset.py")),
+)  # fmt: skip
+
+
+def profile_stages(path: str) -> dict[str, float]:
+    """Each stage's share of the profile's CPU time (STAGES; "other" for the rest, start-up imports included)."""
+    import pstats
+
+    stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+
+    def stage_of(func: tuple[str, int, str], depth: int = 0) -> str:
+        filename = func[0]
+        if filename != "~":
+            return next((name for name, patterns in STAGES if any(p in filename for p in patterns)), "other")
+        return "other" if depth > 8 else ""  # a C function: its callers decide
+
+    totals: dict[str, float] = {}
+
+    def add(func: tuple[str, int, str], seconds: float, depth: int = 0) -> None:
+        stage = stage_of(func, depth)
+        if stage:
+            totals[stage] = totals.get(stage, 0.0) + seconds
+            return
+        callers = stats[func][4]
+        spent = sum(c[2] for c in callers.values())
+        if not callers or spent <= 0:
+            totals["other"] = totals.get("other", 0.0) + seconds
+            return
+        for caller, c in callers.items():
+            add(caller, seconds * c[2] / spent, depth + 1)
+
+    for func, (_, _, tottime, _, _) in stats.items():
+        add(func, tottime)
+    whole = sum(totals.values()) or 1.0
+    return {name: t / whole for name, t in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def profile_top(path: str, limit: int = 25) -> str:
     import io
     import pstats
 
     out = io.StringIO()
+    out.write("share of the gateway's CPU time by stage:\n")
+    for name, share in profile_stages(path).items():
+        out.write(f"  {share * 100:5.1f}%  {name}\n")
     pstats.Stats(path, stream=out).sort_stats("tottime").print_stats(limit)
     return out.getvalue()
 
@@ -562,7 +650,10 @@ def format_results(r: dict[str, Any]) -> str:
     d = r["routing_decision"]
     lines.append(
         f"routing decision, {d['prompt_tokens']}-token chat prompt, {d['replicas']} replicas (µs, median): "
-        f"template+tokenize {d['template_and_tokenize_us']:.0f}, hashes {d['block_hashes_us']:.0f}, "
+        f"template+tokenize {d['template_and_tokenize_us']:.0f} (the floor, `tokenizers`' encode of the "
+        f"rendered text: {d['floor_tokenizers_encode_us']:.0f}, encode_batch_fast "
+        f"{d['floor_tokenizers_encode_batch_fast_us']:.0f}, same ids: {d['floor_ids_equal']}; the template alone "
+        f"{d['template_render_us']:.0f}), hashes {d['block_hashes_us']:.0f}, "
         f"pick {d['pick_us']:.0f}, total {d['total_us']:.0f}; its system prompt seen before: "
         f"{d['total_system_prompt_seen_us']:.0f}"
     )
