@@ -28,7 +28,9 @@ the end.
 With `--baseline-tree DIR` a second gateway runs the same command from DIR's code (`baseline_http`), so a
 change is measured against the previous state in the same run.
 4. The routing decision for a 4,096-token chat prompt: template + tokenize, block hashes, and the pick
-   over an 8-worker view whose index holds half of the prompt, medians of 200 runs, in this process.
+   over an 8-worker view whose index holds half of the prompt, medians of 200 runs of this process's CPU
+   time, in this process (before the fleet starts); and the floor, `tokenizers`' own encode of the same
+   rendered text.
 The client is a minimal HTTP/1.1 keep-alive client (loadtest's own), so that it costs the same for every
 target and little.
 """
@@ -386,11 +388,13 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
     policy = make_policy("kv_aware")
 
     def median_us(fn: Callable[[], object]) -> float:
+        """The median CPU time of this process (its threads and the tokenizer's alike; nothing else runs in
+        it yet), so that other jobs on a shared machine do not count."""
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.process_time()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
         return statistics.median(times) * 1e6
 
     template_tokenize = median_us(lambda: tokenizer.encode_chat(messages))
