@@ -13,6 +13,12 @@ Signals:
   a second one      during the drain: every stream ends with an error at once and the process exits 130.
   SIGHUP            reload --api-keys-file and --routing-config (those given), logging what changed; a file
                     that fails to load keeps what was in force. No stream is touched.
+
+`--processes N` (N > 1) runs N gateway processes on one HTTP port (SO_REUSEPORT: the kernel spreads the
+connections) and one gRPC port (grpc's own SO_REUSEPORT), each with its own fleet state; process i serves
+metrics on --metrics-port + i. The first process, their parent, serves nothing: it passes SIGTERM, SIGINT
+(as SIGTERM) and SIGHUP to every child, and when one child exits by itself it drains the others. It exits
+with the first nonzero code of its children, else 0.
 It imports no torch (the gateway image has none) and loads only the tokenizer.
 """
 
@@ -27,6 +33,7 @@ import logging
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections", type=int, default=http.max_connections, help="HTTP connections per process; past it 503"
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="gateway processes sharing the ports (SO_REUSEPORT), one fleet view each",
+    )
     parser.add_argument(
         "--worker-token-file",
         default=None,
@@ -271,6 +284,14 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.processes < 1:
+        raise UserError(f"--processes must be at least 1, got {args.processes}")
+    if args.processes > 1:
+        return run_group(args)
+    return run_one(args)
+
+
+def run_one(args: argparse.Namespace) -> int:
     import uvloop
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -279,18 +300,81 @@ def run(args: argparse.Namespace) -> int:
     return uvloop.run(serve(gateway, args))
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: a free one), so the real port is known before serving."""
+def run_group(args: argparse.Namespace) -> int:
+    """`--processes N`: fork N gateways onto one port (module docstring). The parent holds the port bound,
+    not listening (so port 0 names one port for all, and no connection waits in its queue), before any
+    gRPC or event loop exists in it."""
+    import os
+
+    reserved = bound_socket(args.host, args.http_port, reuse_port=True)
+    args.http_port = reserved.getsockname()[1]
+    children: list[int] = []
+    stopping = False
+
+    def forward(sig: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = stopping or sig != signal.SIGHUP
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGHUP if sig == signal.SIGHUP else signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for i in range(args.processes):
+        pid = os.fork()
+        if pid == 0:
+            reserved.close()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent passes it on as SIGTERM
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() listens for it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if args.metrics_port:
+                args.metrics_port += i
+            code = 1
+            try:
+                code = run_one(args)
+            except UserError as exc:
+                print(f"kvroute gateway: {exc}", file=sys.stderr, flush=True)
+                code = 2
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        children.append(pid)
+    codes: list[int] = []
+    running = set(children)
+    while running:
+        pid, status = os.wait()
+        running.discard(pid)
+        codes.append(os.waitstatus_to_exitcode(status))
+        if not stopping and running:  # a child ended by itself: the group ends with it
+            stopping = True
+            for child in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGTERM)
+    reserved.close()
+    return next((code for code in codes if code != 0), 0)
+
+
+def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A bound TCP socket (port 0: a free one); `reuse_port`: SO_REUSEPORT, for several processes."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP spelled out: asyncio disables Nagle only on sockets whose proto says TCP, and accepted
     # sockets inherit it (with proto 0, keep-alive responses waited ~40 ms for delayed ACKs).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A bound, listening TCP socket (port 0: a free one), so the real port is known before serving."""
+    sock = bound_socket(host, port, reuse_port)
     sock.listen(2048)
     sock.setblocking(False)
     return sock
@@ -313,12 +397,15 @@ class HttpServer:
     task: asyncio.Task[None]
 
     @classmethod
-    def start(cls, app: Any, host: str, port: int, limits: HttpLimits | None = None) -> HttpServer:
+    def start(
+        cls, app: Any, host: str, port: int, limits: HttpLimits | None = None, reuse_port: bool = False
+    ) -> HttpServer:
         """Serve `app` on host:port (0: a free one) under `limits` (gateway.http_protocol; default: its
-        defaults). No WebSocket upgrade (the API has none) and no `server` header."""
+        defaults), sharing the port with other processes when `reuse_port`. No WebSocket upgrade (the API
+        has none) and no `server` header."""
         limits = limits or HttpLimits()
         raise_open_files_limit(limits.max_connections)
-        sock = listen_socket(host, port)
+        sock = listen_socket(host, port, reuse_port)
         config = uvicorn.Config(
             app, loop="none", http=limits.protocol_factory(), ws="none", lifespan="off", access_log=False,
             log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=limits.keep_alive_timeout,
@@ -357,7 +444,8 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     app = http_server.build_app(
         request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens
     )
-    http = HttpServer.start(app, args.host, args.http_port, gateway.http_limits)
+    in_group = getattr(args, "processes", 1) > 1
+    http = HttpServer.start(app, args.host, args.http_port, gateway.http_limits, reuse_port=in_group)
     grpc_server = None
     if args.grpc_port:
         from gateway.grpc_server import start_grpc_server
@@ -378,7 +466,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     )
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGTERM,) if in_group else (signal.SIGINT, signal.SIGTERM):  # a group's parent sends SIGTERM
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     loop.add_signal_handler(signal.SIGHUP, reload, gateway, args)
     first_signal = asyncio.ensure_future(signals.get())

@@ -4,8 +4,8 @@
       1. auth          API key -> Tenant (401)                                   gateway.auth
       2. limits        n, max_tokens, stop strings; tenant concurrency (429)     gateway.limits
       3. prompt        chat template + tokenize (typed special tokens stay text), or the prompt's ids;
-                       in the prompt pool, off the event loop, refused past max_prompt_tokens (before
-                       tokenizing where its length proves it)                    kvroute.tokenizer
+                       in the prompt pool off the event loop (short ones on it), refused past
+                       max_prompt_tokens (before tokenizing where its length proves it)   kvroute.tokenizer
       4. hash          block hashes with the tenant's salt (the client's mixed in under it)
       5. route         policy.pick(request, fleet.view(), exclude)               gateway.router
       6. forward       over the worker's backend (kvroute gRPC, or vLLM / SGLang OpenAI HTTP in the
@@ -34,9 +34,9 @@ Errors before any output are GatewayErrors raised from `generate` (the front doo
 status). Nothing here logs prompt text unless `log_prompts` is set.
 
 One request costs its own latency only: the cheap checks come first (auth, limits, the tenant's concurrency
-slot), and templating and tokenizing run in a bounded thread pool (the tokenizer releases the GIL while it
-encodes), so a multi-megabyte prompt neither stalls the event loop nor costs anything once its tenant is at its
-limit.
+slot), and templating and tokenizing a prompt of more than INLINE_PROMPT_CHARS characters run in a bounded
+thread pool (the tokenizer releases the GIL while it encodes), so a multi-megabyte prompt neither stalls the
+event loop nor costs anything once its tenant is at its limit; a shorter one is tokenized on the loop.
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ SHUTTING_DOWN = "gateway_shutting_down"  # the error code of a stream ended by t
 # Threads that template and tokenize prompts: the tokenizer uses one core per prompt, and a tenant's requests
 # beyond its concurrency never reach the pool; more prompts than threads wait their turn in the pool's queue.
 PROMPT_THREADS = max(2, min(8, os.cpu_count() or 1))
+# A prompt of at most this many characters of text is templated and tokenized on the event loop: handing it
+# to the pool and back costs more CPU than the work (docs/gateway.md, "CPU efficiency"), and its cold encode
+# holds the loop for well under a millisecond.
+INLINE_PROMPT_CHARS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +381,8 @@ class RequestPath:
             if request.prompt_token_ids is not None:
                 return self._checked_token_ids(request.prompt_token_ids)
             _check_prompt_fields(request)
+            if _small_prompt(request):
+                return self._tokenize(request, salt)
             job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
             return await asyncio.shield(job)
         except BaseException:
@@ -891,6 +897,27 @@ class _StreamingGeneration(Generation):
         tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
         self._span.end()
         path._generation_closed(self._tenant)
+
+
+def _small_prompt(request: GatewayRequest) -> bool:
+    """Whether the text to template and tokenize has at most INLINE_PROMPT_CHARS characters: a string prompt,
+    or messages whose contents are strings (anything else, template variables such as `tools` included, is
+    not counted and goes to the pool)."""
+    if request.messages is None:
+        return isinstance(request.prompt, str) and len(request.prompt) <= INLINE_PROMPT_CHARS
+    if request.template_kwargs.keys() - {"add_generation_prompt"}:
+        return False
+    total = 0
+    for message in request.messages:
+        if not isinstance(message, dict) or len(message) > 3:
+            return False
+        for value in message.values():
+            if not isinstance(value, str):
+                return False
+            total += len(value)
+        if total > INLINE_PROMPT_CHARS:
+            return False
+    return True
 
 
 def _check_prompt_fields(request: GatewayRequest) -> None:

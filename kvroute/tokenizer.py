@@ -30,6 +30,7 @@ queue on a lock instead of contending with an event loop's thread for the GIL, w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -633,12 +634,19 @@ def _all_strings(value: Any) -> Iterator[str]:
 
 
 def _pick_sentinels(messages: Any, extra: Any, template: str) -> _Sentinels:
-    """Three sentinel characters that appear in none of the request's strings nor in the template."""
-    seen = "".join(_all_strings([messages, extra, template]))
-    free = list(itertools.islice((c for c in SENTINELS if c not in seen), 3))  # each test scans the text
+    """Three sentinel characters that appear in none of the request's strings nor in the template: the first
+    three of SENTINELS that do not."""
+    seen = "".join(_all_strings([messages, extra]))
+    free = list(itertools.islice((c for c in _free_of(template) if c not in seen), 3))  # each test scans the text
     if len(free) < 3:
         raise ChatTemplateError("messages: too many C1 controls and Unicode noncharacters (U+FDD0..U+FDEF) in the text")
     return _Sentinels(*free)
+
+
+@functools.lru_cache(maxsize=16)
+def _free_of(template: str) -> str:
+    """SENTINELS without the characters `template` uses, in order (a template is scanned once, not per request)."""
+    return "".join(c for c in SENTINELS if c not in template)
 
 
 def _special_starts_pattern(spellings: list[str]) -> re.Pattern[str] | None:

@@ -2,6 +2,7 @@
 workers called directly and against SGLang's Rust router (smg) over the same workers, in one run.
 
     python -m loadtest.gateway_bench --json OUT [--workers 2] [--requests 300] [--duration 8] [--profile FILE]
+        [--streams 100] [--stream-tokens 200] [--stream-rounds 3] [--baseline-tree DIR]
 
 Set-up: `--workers` sim workers (`kvroute worker --model sim --http-port`, sim costs 0, so the worker is
 not the bottleneck), our gateway over their gRPC ports (`kvroute gateway`, kv_aware), and smg over their
@@ -17,11 +18,19 @@ the end.
    Added latency = a router's percentile less worker_http's (both sides do the HTTP, JSON and tokenizer
    work once, the router adds its hop and decision); ours is also given against worker_grpc.
 2. Throughput: `--concurrency` keep-alive connections for `--duration` seconds through the gateway (and,
-   for scale, to a worker's HTTP port and through smg). Client, gateway and workers share this machine's
-   cores, so this is a floor for a gateway on its own core; `--profile` runs the gateway under cProfile
-   during this phase and writes its top functions, which name what bounds it.
-3. The routing decision for a 4,096-token chat prompt: template + tokenize, block hashes, and the pick
-   over an 8-worker view whose index holds half of the prompt, medians of 200 runs, in this process.
+   for scale, to a worker's HTTP port and through smg), in slices of about a second, the targets in turn.
+   Client, gateway and workers share this machine's cores, so the figure that holds is the server
+   process's CPU time per request (from /proc); `--profile` runs the gateway under cProfile (timed in
+   process CPU time, so waiting costs nothing) and writes its top functions, which name what bounds it.
+3. Streams: `--streams` concurrent streamed chat completions of `--stream-tokens` tokens each
+   (`ignore_eos`), `--stream-rounds` rounds, the targets in turn: the server process's CPU time per
+   streamed token (the tokens counted from each stream's usage chunk).
+With `--baseline-tree DIR` a second gateway runs the same command from DIR's code (`baseline_http`), so a
+change is measured against the previous state in the same run.
+4. The routing decision for a 4,096-token chat prompt: template + tokenize, block hashes, and the pick
+   over an 8-worker view whose index holds half of the prompt, medians of 200 runs of this process's CPU
+   time, in this process (before the fleet starts); and the floor, `tokenizers`' own encode of the same
+   rendered text.
 The client is a minimal HTTP/1.1 keep-alive client (loadtest's own), so that it costs the same for every
 target and little.
 """
@@ -119,7 +128,9 @@ def wait_ok(request: str | urllib.request.Request, timeout: float, fleet: Fleet,
     raise RuntimeError(f"{url} did not answer 200 within {timeout:g} s")
 
 
-def start_fleet(num_workers: int, profile: str | None, with_smg: bool) -> tuple[Fleet, dict[str, Any]]:
+def start_fleet(
+    num_workers: int, profile: str | None, with_smg: bool, baseline_tree: str | None = None
+) -> tuple[Fleet, dict[str, Any]]:
     fleet = Fleet()
     grpc_ports = [free_port() for _ in range(num_workers)]
     http_ports = [free_port() for _ in range(num_workers)]
@@ -135,14 +146,20 @@ def start_fleet(num_workers: int, profile: str | None, with_smg: bool) -> tuple[
     gateway_port = free_port()
     gateway_argv = kvroute_argv(
         "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(gateway_port), "--grpc-port", "0",
-        "--workers", ",".join(f"127.0.0.1:{p}" for p in grpc_ports), "--log-level", "warning",
+        "--workers", ",".join(f"127.0.0.1:{p}" for p in grpc_ports), "--log-level", "warning", "--metrics-port", "0",
     )  # fmt: skip
     if profile:  # serving only, under cProfile (not the start-up's tokenizer load)
         code = "import sys; from loadtest.gateway_bench import profiled_gateway; profiled_gateway(sys.argv[1:])"
         gateway_argv = [sys.executable, "-c", code, profile, *gateway_argv[4:]]
     fleet.spawn("gateway", gateway_argv)
     ports = {"worker_grpc": grpc_ports[0], "worker_http": http_ports[0], "gateway_http": gateway_port}
-    for port in (*http_ports, gateway_port):
+    if baseline_tree:  # the same gateway command, run from another checkout's code
+        ports["baseline_http"] = free_port()
+        argv = kvroute_argv("gateway", *gateway_argv[4:])  # never under the profiler
+        argv[argv.index("--http-port") + 1] = str(ports["baseline_http"])
+        env = {**os.environ, "PYTHONPATH": str(Path(baseline_tree).resolve())}
+        fleet.spawn("baseline", argv, env=env)
+    for port in (*http_ports, *(p for name, p in ports.items() if name in ("gateway_http", "baseline_http"))):
         wait_ok(f"http://127.0.0.1:{port}/ready", 300, fleet)
     smg = shutil.which("smg", path=str(Path(sys.executable).parent)) if with_smg else None
     if smg:
@@ -234,10 +251,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds by thread name (Linux /proc; threads of one name summed)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 async def measure_throughput(port: int, concurrency: int, duration: float, pid: int | None) -> dict[str, float]:
-    """Closed loop for `duration` s; with `pid`, that process's CPU time per request too (what it would
-    need of a core of its own: the noise-free figure on a shared machine)."""
+    """Closed loop for `duration` s: the requests done, the errors, the seconds and (with `pid`) that
+    process's CPU seconds over them (what it would need of a core of its own: the noise-free figure on a
+    shared machine)."""
     cpu_before = cpu_seconds(pid) if pid else 0.0
+    threads_before = thread_cpu_seconds(pid) if pid else {}
     done = 0
     errors = 0
     stop_at = time.perf_counter() + duration
@@ -245,7 +277,7 @@ async def measure_throughput(port: int, concurrency: int, duration: float, pid: 
     async def client(k: int) -> None:
         nonlocal done, errors
         connection = HttpConnection("127.0.0.1", port)
-        i = k * 1_000_000
+        i = k * 1_000_000 + int(time.monotonic() * 1000) % 1_000_000
         while time.perf_counter() < stop_at:
             status, _ = await connection.post("/v1/chat/completions", chat_body(i))
             i += 1
@@ -258,15 +290,79 @@ async def measure_throughput(port: int, concurrency: int, duration: float, pid: 
     start = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(concurrency)))
     elapsed = time.perf_counter() - start
-    result = {"requests_per_s": done / elapsed, "requests": done, "errors": errors, "seconds": elapsed}
-    if pid and done:
-        cpu_ms = (cpu_seconds(pid) - cpu_before) * 1e3 / done
-        result["server_cpu_ms_per_request"] = cpu_ms
-        result["requests_per_s_per_core"] = 1e3 / cpu_ms
+    cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
+    threads = thread_cpu_seconds(pid) if pid else {}
+    by_thread = {f"thread_cpu_s:{name}": t - threads_before.get(name, 0.0) for name, t in threads.items()}
+    return {"requests": done, "errors": errors, "seconds": elapsed, "server_cpu_s": cpu, **by_thread}
+
+
+def interleaved(names: list[str], slices: int, measure: Callable[[str, int], dict[str, float]]) -> dict[str, Any]:
+    """`measure(name, k)` for slice k = 0..slices-1 of every target in turn (so the machine's drift hits all
+    alike), its figures summed per target."""
+    totals: dict[str, dict[str, float]] = {name: {} for name in names}
+    for k in range(slices):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            for key, value in measure(name, k).items():
+                totals[name][key] = totals[name].get(key, 0) + value
+    return totals
+
+
+def throughput_figures(raw: dict[str, float]) -> dict[str, float]:
+    result = {**raw, "requests_per_s": raw["requests"] / raw["seconds"]}
+    if raw["server_cpu_s"] and raw["requests"]:
+        result["server_cpu_ms_per_request"] = raw["server_cpu_s"] * 1e3 / raw["requests"]
+        result["requests_per_s_per_core"] = raw["requests"] / raw["server_cpu_s"]
     return result
 
 
-# -- 3. the routing decision --------------------------------------------------------------------------------
+# -- 3. streams ---------------------------------------------------------------------------------------------
+
+
+def stream_body(i: int, tokens: int) -> bytes:
+    body = json.loads(chat_body(i))
+    body.update(max_tokens=tokens, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    return json.dumps(body).encode()
+
+
+def completion_tokens(sse_body: bytes) -> int:
+    """The `completion_tokens` of a stream's usage chunk (0 when it has none)."""
+    for line in reversed(sse_body.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage":{' in line:
+            return int(json.loads(line[6:])["usage"]["completion_tokens"])
+    return 0
+
+
+async def measure_streams(port: int, streams: int, tokens: int, pid: int | None) -> dict[str, float]:
+    """`streams` concurrent streams of `tokens` tokens: the tokens delivered, the streams cut short, the
+    seconds and (with `pid`) that process's CPU seconds over them (each stream's request cost included)."""
+    cpu_before = cpu_seconds(pid) if pid else 0.0
+    delivered = 0
+    short = 0
+
+    async def one(k: int) -> None:
+        nonlocal delivered, short
+        connection = HttpConnection("127.0.0.1", port)
+        status, payload = await connection.post("/v1/chat/completions", stream_body(k, tokens))
+        await connection.close()
+        got = completion_tokens(payload) if status == 200 else 0
+        delivered += got
+        short += got != tokens
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(k) for k in range(streams)))
+    elapsed = time.perf_counter() - start
+    cpu = cpu_seconds(pid) - cpu_before if pid else 0.0
+    return {"tokens": delivered, "short_streams": short, "seconds": elapsed, "server_cpu_s": cpu}
+
+
+def stream_figures(raw: dict[str, float]) -> dict[str, float]:
+    result = {**raw, "tokens_per_s": raw["tokens"] / raw["seconds"]}
+    if raw["server_cpu_s"] and raw["tokens"]:
+        result["server_cpu_us_per_token"] = raw["server_cpu_s"] * 1e6 / raw["tokens"]
+    return result
+
+
+# -- 4. the routing decision --------------------------------------------------------------------------------
 
 
 def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repeats: int = 200) -> dict[str, float]:
@@ -290,14 +386,25 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
     policy = make_policy("kv_aware")
 
     def median_us(fn: Callable[[], object]) -> float:
+        """The median CPU time of this process (its threads and the tokenizer's alike; nothing else runs in
+        it yet), so that other jobs on a shared machine do not count."""
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.process_time()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
         return statistics.median(times) * 1e6
 
     template_tokenize = median_us(lambda: tokenizer.encode_chat(messages))
+    # The floor: the `tokenizers` library's own encode of the same rendered text (special tokens parsed from
+    # it, which the gateway must never do with client text), and of the text alone.
+    from kvroute.chat_template import render_chat_template
+
+    rendered = render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True)
+    floor_ids = tokenizer.backend.encode(rendered, add_special_tokens=False).ids
+    library_encode = median_us(lambda: tokenizer.backend.encode(rendered, add_special_tokens=False))
+    library_encode_fast = median_us(lambda: tokenizer.backend.encode_batch_fast([rendered], add_special_tokens=False))
+    render = median_us(lambda: render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True))
     hashing = median_us(lambda: block_hashes(ids, model_id=source.model_id))
     request = RouteRequest("r", hashes, len(ids))
     pick = median_us(lambda: policy.observe(request, policy.pick(request, view)))
@@ -312,6 +419,10 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
         "prompt_tokens": len(ids),
         "replicas": replicas,
         "template_and_tokenize_us": template_tokenize,
+        "floor_tokenizers_encode_us": library_encode,
+        "floor_tokenizers_encode_batch_fast_us": library_encode_fast,
+        "floor_ids_equal": floor_ids == ids,
+        "template_render_us": render,
         "block_hashes_us": hashing,
         "pick_us": pick,
         "total_us": median_us(lambda: whole(None)),
@@ -331,7 +442,7 @@ def profiled_gateway(argv: list[str]) -> None:
     out, gateway_args = argv[0], ["gateway", *argv[1:]]
     args = build_parser(gateway_args).parse_args(gateway_args)
     gateway = build_gateway(args)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:
         uvloop.run(serve(gateway, args))
@@ -343,11 +454,70 @@ def profiled_gateway(argv: list[str]) -> None:
 # -- the run ------------------------------------------------------------------------------------------------------
 
 
+# Where a function's own time goes: the first stage whose pattern its file name contains; a C function
+# (file "~") goes where its caller goes.
+STAGES = (
+    ("event loop (uvloop: sockets, callbacks)", ("asyncio/", "uvloop/")),
+    ("HTTP server (uvicorn, httptools, our limits)", ("uvicorn/", "gateway/http_protocol.py", "h11")),
+    ("web framework (Starlette)", ("starlette/",)),
+    ("front door: parse, validate, render (pydantic, orjson)", ("gateway/http_server.py", "openai_protocol.py",
+                                                                  "pydantic", "gateway/request.py")),
+    ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2",
+                                               "stop_strings.py")),
+    ("block hashes", ("kvroute/hashing.py",)),
+    ("routing pick + fleet view", ("gateway/router.py", "gateway/fleet", "kv_index.py", "common_prefix.py",
+                                   "embedded_fleet.py", "gateway/retry.py", "hash_ring.py")),
+    ("gRPC call and stream (grpc.aio, protobuf)", ("grpc/", "gateway/backends.py", "worker_client.py",
+                                                   "protobuf", "_pb2")),
+    ("metrics (prometheus_client)", ("prometheus_client", "gateway/metrics.py")),
+    ("spans (OpenTelemetry)", ("opentelemetry", "gateway/tracing.py")),
+    ("request path bookkeeping (auth, limits, Generation)", ("gateway/request_path.py", "gateway/auth.py",
+                                                            "gateway/limits.py", "uuid.py", "sampling")),
+    ("prompt pool handoff (threads)", ("concurrent/futures", "threading.py", "_weakrefset.py")),
+)  # fmt: skip
+
+
+def profile_stages(path: str) -> dict[str, float]:
+    """Each stage's share of the profile's CPU time (STAGES; "other" for the rest, start-up imports included)."""
+    import pstats
+
+    stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+
+    def stage_of(func: tuple[str, int, str], depth: int = 0) -> str:
+        filename = func[0]
+        if filename != "~":
+            return next((name for name, patterns in STAGES if any(p in filename for p in patterns)), "other")
+        return "other" if depth > 8 else ""  # a C function: its callers decide
+
+    totals: dict[str, float] = {}
+
+    def add(func: tuple[str, int, str], seconds: float, depth: int = 0) -> None:
+        stage = stage_of(func, depth)
+        if stage:
+            totals[stage] = totals.get(stage, 0.0) + seconds
+            return
+        callers = stats[func][4]
+        spent = sum(c[2] for c in callers.values())
+        if not callers or spent <= 0:
+            totals["other"] = totals.get("other", 0.0) + seconds
+            return
+        for caller, c in callers.items():
+            add(caller, seconds * c[2] / spent, depth + 1)
+
+    for func, (_, _, tottime, _, _) in stats.items():
+        add(func, tottime)
+    whole = sum(totals.values()) or 1.0
+    return {name: t / whole for name, t in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def profile_top(path: str, limit: int = 25) -> str:
     import io
     import pstats
 
     out = io.StringIO()
+    out.write("share of the gateway's CPU time by stage:\n")
+    for name, share in profile_stages(path).items():
+        out.write(f"  {share * 100:5.1f}%  {name}\n")
     pstats.Stats(path, stream=out).sort_stats("tottime").print_stats(limit)
     return out.getvalue()
 
@@ -360,8 +530,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per throughput target")
+    parser.add_argument("--streams", type=int, default=100, help="concurrent streams (0: no stream phase)")
+    parser.add_argument("--stream-tokens", type=int, default=200)
+    parser.add_argument("--stream-rounds", type=int, default=3)
     parser.add_argument("--no-smg", action="store_true", help="leave smg out")
-    parser.add_argument("--profile", default=None, help="write the gateway's cProfile top functions here")
+    parser.add_argument(
+        "--baseline-tree", default=None, help="also run the gateway from this checkout (`baseline_http`), same run"
+    )
+    parser.add_argument(
+        "--profile", default=None, help="write the gateway's cProfile top functions here (and FILE.pstats)"
+    )
     args = parser.parse_args(argv)
 
     import uvloop
@@ -369,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs, shared with the workers and the client"}
     results["routing_decision"] = measure_routing_decision()
     profile_raw = tempfile.mktemp(suffix=".prof") if args.profile else None
-    fleet, ports = start_fleet(args.workers, profile_raw, with_smg=not args.no_smg)
+    fleet, ports = start_fleet(args.workers, profile_raw, with_smg=not args.no_smg, baseline_tree=args.baseline_tree)
     try:
         latency = uvloop.run(measure_latency(ports, args.requests, args.warmup))
         results["latency"] = latency
@@ -379,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                 "p50": latency[router]["p50_ms"] - base["p50_ms"],
                 "p99": latency[router]["p99_ms"] - base["p99_ms"],
             }
-            for router in ("gateway_http", "smg_http")
+            for router in ("gateway_http", "baseline_http", "smg_http")
             if router in latency
         }
         results["added_latency_ms"]["gateway_http_vs_worker_grpc"] = {
@@ -392,23 +570,50 @@ def main(argv: list[str] | None = None) -> int:
                 results["added_latency_ms"]["smg_http"]["p50"],
             )
             results["overhead_ratio_p50_gateway_over_smg"] = ours / theirs if theirs > 0 else float("inf")
-        pids = {"gateway_http": "gateway", "worker_http": "worker-0", "smg_http": "smg"}
+        pids = {"gateway_http": "gateway", "baseline_http": "baseline", "worker_http": "worker-0", "smg_http": "smg"}
         by_name = {child.name: child.pid for child in fleet.children}
-        results["throughput"] = {
-            name: uvloop.run(measure_throughput(ports[name], args.concurrency, args.duration, by_name[pids[name]]))
-            for name in ("gateway_http", "worker_http", "smg_http")
-            if name in ports
-        }
+        targets = [name for name in ("gateway_http", "baseline_http", "worker_http", "smg_http") if name in ports]
+        slices = max(1, round(args.duration))
+
+        def throughput_slice(name: str, k: int) -> dict[str, float]:
+            pid = by_name[pids[name]]
+            return uvloop.run(measure_throughput(ports[name], args.concurrency, args.duration / slices, pid))
+
+        raw = interleaved(targets, slices, throughput_slice)
+        results["throughput"] = {name: throughput_figures(raw[name]) for name in targets}
+        if args.streams:
+
+            def stream_round(name: str, k: int) -> dict[str, float]:
+                pid = by_name[pids[name]]
+                return uvloop.run(measure_streams(ports[name], args.streams, args.stream_tokens, pid))
+
+            raw = interleaved([n for n in targets if n != "worker_http"], args.stream_rounds, stream_round)
+            results["streams"] = {name: stream_figures(figures) for name, figures in raw.items()}
     finally:
         if profile_raw:  # SIGINT: the gateway drains and returns, so cProfile writes its file
             fleet.child("gateway").signal(signal.SIGINT, wait_s=30)
         fleet.stop()
     if profile_raw and Path(profile_raw).is_file():
         Path(args.profile).write_text(profile_top(profile_raw))
+        shutil.move(profile_raw, f"{args.profile}.pstats")  # the whole profile, for pstats
         results["profile"] = args.profile
+    results["cpu_ratios"] = {other: cpu_ratios(results, other) for other in ("smg_http", "baseline_http")}
     Path(args.json).write_text(json.dumps(results, indent=2))
     print(format_results(results))
     return 0
+
+
+def cpu_ratios(r: dict[str, Any], other: str) -> dict[str, float]:
+    """Our gateway's CPU per request and per streamed token over `other`'s, from the same run."""
+    ratios = {}
+    for phase, key, name in (
+        ("throughput", "server_cpu_ms_per_request", "request"),
+        ("streams", "server_cpu_us_per_token", "token"),
+    ):
+        figures = r.get(phase, {})
+        if key in figures.get(other, {}) and key in figures.get("gateway_http", {}):
+            ratios[name] = figures["gateway_http"][key] / figures[other][key]
+    return ratios
 
 
 def format_results(r: dict[str, Any]) -> str:
@@ -429,10 +634,24 @@ def format_results(r: dict[str, Any]) -> str:
             f"{v.get('server_cpu_ms_per_request', float('nan')):.2f} CPU-ms/request -> "
             f"{v.get('requests_per_s_per_core', float('nan')):.0f}/s per core"
         )
+    if "streams" in r:
+        lines.append("streams (concurrent streamed chat completions; the server process's CPU per streamed token):")
+        for name, v in r["streams"].items():
+            lines.append(
+                f"  {name:<13} {v['tokens_per_s']:7.0f} tokens/s  ({v['short_streams']} short streams)  "
+                f"{v.get('server_cpu_us_per_token', float('nan')):.1f} CPU-µs/token"
+            )
+    for other in ("smg_http", "baseline_http"):
+        ratios = cpu_ratios(r, other)
+        if ratios:
+            lines.append(f"our CPU / {other}'s: " + ", ".join(f"per {k} {v:.2f}x" for k, v in ratios.items()))
     d = r["routing_decision"]
     lines.append(
         f"routing decision, {d['prompt_tokens']}-token chat prompt, {d['replicas']} replicas (µs, median): "
-        f"template+tokenize {d['template_and_tokenize_us']:.0f}, hashes {d['block_hashes_us']:.0f}, "
+        f"template+tokenize {d['template_and_tokenize_us']:.0f} (the floor, `tokenizers`' encode of the "
+        f"rendered text: {d['floor_tokenizers_encode_us']:.0f}, encode_batch_fast "
+        f"{d['floor_tokenizers_encode_batch_fast_us']:.0f}, same ids: {d['floor_ids_equal']}; the template alone "
+        f"{d['template_render_us']:.0f}), hashes {d['block_hashes_us']:.0f}, "
         f"pick {d['pick_us']:.0f}, total {d['total_us']:.0f}; its system prompt seen before: "
         f"{d['total_system_prompt_seen_us']:.0f}"
     )
