@@ -2,7 +2,9 @@
 
 A real gateway in process (tests/gateway_stack.py's loop and servers) with two pools of `sim` workers: pool
 "alpha" at block size 16, pool "beta" at block size 32, so the same text hashes apart in the two. The same
-workers then serve a real `kvroute gateway` process that reads both pools from `--routing-config`.
+workers then serve a real `kvroute gateway` process that reads both pools from `--routing-config`, and the
+endpoint picker over the same pools (driven message by message as tests/test_epp.py drives it): the model
+picks the pool; a model no pool serves goes on to a model server, as GIE's picker does (docs/epp.md).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_epp import Exchange, _bodies, _destination, _request_headers
 from test_epp_envoy import _spawn, _wait
 
 from gateway.auth import Authenticator, cache_salt, key_sha256
 from gateway.cli_gateway import HttpServer
 from gateway.embedded_fleet import EmbeddedFleetState
+from gateway.epp.cli import EndpointPicker, start_picker
+from gateway.epp.ext_proc import EndpointMap, Picker
 from gateway.grpc_server import start_grpc_server
 from gateway.http_server import build_app
 from gateway.limits import TenantConcurrency
@@ -315,6 +320,68 @@ def test_the_routing_configs_pools_are_checked(tmp_path: Path, capsys: pytest.Ca
         config.write_text(json.dumps(options))
         assert main(["gateway", "--model", "sim", "--routing-config", str(config)]) == 2, options
         assert message in capsys.readouterr().err, options
+
+
+# -- the endpoint picker over the same pools: the model picks the pool whose workers Envoy is sent to ----------
+
+
+def _body(model: str | None) -> bytes:
+    body = {"messages": [{"role": "user", "content": "which pool am I in? " * 20}], "max_tokens": 4}
+    if model is not None:
+        body["model"] = model
+    return json.dumps(body).encode()
+
+
+@pytest.fixture(scope="module")
+def endpoints(stack: PoolsStack) -> dict[str, set[str]]:
+    """pool -> the (made-up, never dialled) HTTP endpoints of its workers."""
+    by_pool: dict[str, set[str]] = {}
+    for i, member in enumerate(sorted(stack.pools.members(), key=lambda m: m.worker_id)):
+        by_pool.setdefault(stack.pool_of(member.worker_id), set()).add(f"10.0.1.{i + 1}:8000")
+    return by_pool
+
+
+@pytest.fixture(scope="module")
+def epp(stack: PoolsStack, endpoints: dict[str, set[str]]) -> Iterator[EndpointPicker]:
+    members = sorted(stack.pools.members(), key=lambda m: m.worker_id)
+    mapping = EndpointMap({m.worker_id: f"10.0.1.{i + 1}:8000" for i, m in enumerate(members)})
+    picker = Picker(stack.pools, mapping, max_body_bytes=64 * 1024, default_max_tokens=16)
+    running = stack.call(start_picker(picker, "127.0.0.1", 0))
+    yield running
+    stack.call(running.stop(0))
+
+
+@pytest.fixture()
+def channel(epp: EndpointPicker) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{epp.port}") as opened:
+        yield opened
+
+
+def _decide(channel: grpc.Channel, model: str | None) -> list[str] | int:
+    """The endpoints the picker sends Envoy to, or the status of its ImmediateResponse."""
+    exchange = Exchange(channel).send(_request_headers(), *_bodies(_body(model), 1))
+    (reply,) = exchange.take(1)
+    exchange.close()
+    if reply.HasField("immediate_response"):
+        return reply.immediate_response.status.code
+    return _destination(reply, reply.request_headers.response)
+
+
+def test_the_model_picks_the_pools_endpoints(channel: grpc.Channel, endpoints: dict[str, set[str]]) -> None:
+    for model in ("alpha", "beta"):
+        chosen = _decide(channel, model)
+        assert isinstance(chosen, list) and set(chosen) == endpoints[model], (model, chosen)
+
+
+def test_a_model_no_pool_serves_goes_on_to_a_model_server(
+    channel: grpc.Channel, endpoints: dict[str, set[str]]
+) -> None:
+    chosen = _decide(channel, "gamma")
+    assert isinstance(chosen, list) and set(chosen) == endpoints["alpha"] | endpoints["beta"], chosen
+
+
+def test_no_model_among_several_is_a_400(channel: grpc.Channel) -> None:
+    assert _decide(channel, None) == 400
 
 
 def test_a_pool_without_workers_leaves_the_other_serving(stack: PoolsStack) -> None:
