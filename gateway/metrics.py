@@ -3,6 +3,10 @@ exposition appends `_total` to counters). Served on their own port (`metrics_app
 on the API port, in the Prometheus text format 0.0.4 whatever the Accept header (in OpenMetrics this
 prometheus_client escapes ':' and a Prometheus server would store `kvroute_...`).
 
+One registry per gateway, whatever its pools (gateway.pools): each pool's `GatewayMetrics` is a view of it
+(`for_model`) whose `model_name` label, on the series vLLM labels so (TTFT, E2E, finished requests, requests in
+flight), takes only configured pools' names.
+
 Routing: requests by policy and reason, requests routed per worker, routing latency (template, tokenize,
 hash and pick), retries by cause, breaker state per worker, parity mismatches and membership changes (read
 from the fleet state's counters at scrape time). Requests: TTFT and E2E as the client sees them through the

@@ -11,9 +11,11 @@ drain), picking the pool by the request's `model`:
     no model, several pools          InvalidRequestError (400) naming `model`
 
 What the pools share is built once and handed to each: the Authenticator (one set of keys and tenants) and
-the tenants' concurrency (a tenant's limit counts its requests to every model). Each pool keeps its own
-metrics (labelled with its model_name); `metrics` here is the first pool's, where the front doors count what
-they refuse before a pool is known.
+the tenants' concurrency (a tenant's limit counts its requests to every model). Each pool's metrics are its
+view of the gateway's one registry (`GatewayMetrics.for_model`: the series vLLM labels with `model_name` carry
+the pool's name); `metrics` here is the first pool's, where the front doors count what they refuse before a
+pool is known. `kvroute gateway` and `kvroute epp` build the pools from `--routing-config`
+(gateway.cli_gateway.pool_configs).
 
 Readiness: ready while any pool has a routable worker, so a model whose workers are all gone answers 503 for
 its own requests and takes no other model down with it (a load balancer would otherwise eject the gateway).
