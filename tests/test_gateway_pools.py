@@ -396,3 +396,22 @@ def test_a_pool_without_workers_leaves_the_other_serving(stack: PoolsStack) -> N
     assert complete(stack, "alpha").status_code == 200
     ready = httpx.get(f"{stack.http_url}/ready")
     assert ready.status_code == 200 and ready.json()["workers"] == 2
+
+
+def test_the_picker_reads_the_same_pools(tmp_path: Path) -> None:
+    from gateway.epp.cli import build_picker
+    from kvroute.cli import UserError, build_parser
+
+    config = tmp_path / "routing.json"
+    pools = [
+        {"model": "sim", "served_model_name": "alpha", "workers": ["127.0.0.1:1"]},
+        {"model": "sim", "served_model_name": "beta", "workers": ["127.0.0.1:2"], "block_size": 32, "policy": "prefix"},
+    ]
+    config.write_text(json.dumps({"pools": pools}))
+    argv = ["epp", "--routing-config", str(config), "--target-port", "8000"]
+    picker = build_picker(build_parser(argv).parse_args(argv))
+    built = [(p.served_model_name, p.block_size, p.policy.name) for p in picker.pools.pools()]
+    assert built == [("alpha", 16, "kv_aware"), ("beta", 32, "prefix")]
+    with pytest.raises(UserError, match="say where Envoy dials the kvroute workers"):
+        argv = ["epp", "--routing-config", str(config)]
+        build_picker(build_parser(argv).parse_args(argv))
