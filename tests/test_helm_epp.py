@@ -120,6 +120,10 @@ def test_the_picker_ref_reaches_the_epp_container(objects: list[dict[str, Any]])
     assert parsed.target_port == _one(objects, "InferencePool")["spec"]["targetPorts"][0]["number"]
     assert parsed.redis, "the picker reads the chart's Redis fleet state"
     assert container["readinessProbe"]["grpc"] == {"port": parsed.port, "service": "readiness"}
+    # SIGTERM: NOT_SERVING while deciding for drainDelay, then drainTimeout for the streams, within the grace
+    assert (parsed.drain_delay, parsed.drain_timeout) == (5.0, 30.0)
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= parsed.drain_delay + parsed.drain_timeout + 5
 
 
 def test_the_route_sends_the_gateway_to_the_pool(objects: list[dict[str, Any]]) -> None:
