@@ -175,9 +175,10 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
     Without `pools`: one pool, from --model, --served-model-name, --workers plus the config's `workers`,
     --block-size and --policy, with the config's other keys as the policy's options. With `pools` (a list of
     objects with the keys of POOL_KEYS): one pool each; `model` is required, `served_model_name` defaults to
-    it, `workers` is a non-empty list of specs, `block_size` and `policy` default to the flags, and each
-    pool's `options` are laid over the config's top-level policy options. With `pools`, the workers are the
-    pools' own: --workers, --served-model-name and a top-level `workers` are refused."""
+    it, `workers` is a list of specs (empty only for a lone pool over --redis), `block_size` and `policy`
+    default to the flags, and each pool's `options` are laid over the config's top-level policy options. With
+    `pools`, the workers are the pools' own: --workers, --served-model-name and a top-level `workers` are
+    refused."""
     options = dict(config)
     pools = options.pop("pools", None)
     workers = options.pop("workers", [])
@@ -206,9 +207,11 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
         served = pool.get("served_model_name", model)
         if not isinstance(model, str) or not model or not isinstance(served, str) or not served:
             raise ValueError(f"{where}: model (and served_model_name, when given) must be non-empty strings")
-        specs = pool.get("workers")
-        if not isinstance(specs, list) or not specs or not all(isinstance(item, str) for item in specs):
-            raise ValueError(f"{where}: workers must be a non-empty list of worker specs (strings)")
+        specs = pool.get("workers", [])
+        if not isinstance(specs, list) or not all(isinstance(item, str) for item in specs):
+            raise ValueError(f"{where}: workers must be a list of worker specs (strings)")
+        if not specs and not (args.redis and len(pools) == 1):
+            raise ValueError(f"{where}: workers must name the pool's workers (only a lone pool may read --redis)")
         block_size = pool.get("block_size", args.block_size)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"{where}: block_size must be an integer >= 1")

@@ -306,6 +306,7 @@ def test_the_routing_configs_pools_are_checked(tmp_path: Path, capsys: pytest.Ca
     bad = [
         ({"pools": []}, "pools must be a non-empty list"),
         ({"pools": [{"workers": ["127.0.0.1:1"]}]}, "pools[0]: model"),
+        ({"pools": [{"model": "sim"}]}, "pools[0]: workers must name the pool's workers"),
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"], "colour": 1}]}, "unknown key 'colour'"),
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"], "block_size": 0}]}, "block_size must be"),
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"], "policy": "fastest"}]}, "unknown routing policy"),
