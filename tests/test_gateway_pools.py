@@ -358,9 +358,9 @@ def channel(epp: EndpointPicker) -> Iterator[grpc.Channel]:
         yield opened
 
 
-def _decide(channel: grpc.Channel, model: str | None) -> list[str] | int:
+def _decide(channel: grpc.Channel, model: str | None, key: str = KEY) -> list[str] | int:
     """The endpoints the picker sends Envoy to, or the status of its ImmediateResponse."""
-    exchange = Exchange(channel).send(_request_headers(), *_bodies(_body(model), 1))
+    exchange = Exchange(channel).send(_request_headers(key=key), *_bodies(_body(model), 1))
     (reply,) = exchange.take(1)
     exchange.close()
     if reply.HasField("immediate_response"):
@@ -379,6 +379,7 @@ def test_a_model_no_pool_serves_goes_on_to_a_model_server(
 ) -> None:
     chosen = _decide(channel, "gamma")
     assert isinstance(chosen, list) and set(chosen) == endpoints["alpha"] | endpoints["beta"], chosen
+    assert _decide(channel, "gamma", key="sk-wrong") == 401, "passed on only once the key is checked"
 
 
 def test_no_model_among_several_is_a_400(channel: grpc.Channel) -> None:

@@ -17,14 +17,14 @@ One ext_proc stream is one HTTP request through Envoy. What the picker does with
     stream end        the request is finished on the worker that served it, whatever happened.
 
 The request's `model` picks the pool (gateway.pools: one per served model, each with its own fleet, index and
-policy); a model no pool serves goes on to any ready endpoint, as GIE's picker does, and the model server
-answers it; no model while several are served is a 400. The decision in the pool: `RequestPath.prepare`
-(auth, model, limits, template, tokenizer, block hashes with the tenant's salt), the tenant's concurrency
-slot, then the routing policy picks once over the workers that have an endpoint (and are in the data plane's
-subset hint, when it sends one); the fallbacks are the other eligible workers by the policy's own signals
-without asking it again (its memory is updated once per request): the most leading blocks cached first,
-then the least loaded. Refusals are ImmediateResponses in OpenAI's error body: 400 (bad JSON, no model among
-several, oversize prompt), 401, 413, 429 with Retry-After, 503.
+policy); a model no pool serves goes on (once the key is checked) to any ready endpoint, as GIE's picker
+does, and the model server answers it; no model while several are served is a 400. The decision in the pool:
+`RequestPath.prepare` (auth, model, limits, template, tokenizer, block hashes with the tenant's salt), the
+tenant's concurrency slot, then the routing policy picks once over the workers that have an endpoint (and are
+in the data plane's subset hint, when it sends one); the fallbacks are the other eligible workers by the
+policy's own signals without asking it again (its memory is updated once per request): the most leading
+blocks cached first, then the least loaded. Refusals are ImmediateResponses in OpenAI's error body: 400 (bad
+JSON, no model among several, oversize prompt), 401, 413, 429 with Retry-After, 503.
 """
 
 from __future__ import annotations
@@ -214,6 +214,8 @@ class Picker:
         when it is refused, ModelNotFound when no pool serves the model; otherwise the caller must call
         `finish(pick)` exactly once, however the request ends."""
         arrival = time.perf_counter()
+        # the key first, as in the gateway: a model no pool serves is passed on only for a known tenant
+        self.pools.auth.authenticate(request.api_key)
         path = self.pools.pool(request.model)
         if path.draining:
             raise NoWorkerAvailable("the endpoint picker is shutting down; send the request again", retry_after=1.0)
