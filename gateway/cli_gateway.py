@@ -154,8 +154,8 @@ class Gateway:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """One served model: the tokenizer/model source (`--model`'s forms), the name clients send as `model`,
-    its worker specs (gateway.worker_spec), block size, routing policy and the policy's options."""
+    """One served model: the tokenizer/model source (`--model`'s forms), the name clients send as `model` (and
+    its aliases), its worker specs (gateway.worker_spec), block size, routing policy and the policy's options."""
 
     model: str
     served_model_name: str
@@ -163,6 +163,7 @@ class PoolConfig:
     block_size: int
     policy: str
     options: dict[str, Any]
+    aliases: tuple[str, ...] = ()
 
 
 POOL_KEYS = ("model", "served_model_name", "workers", "block_size", "policy", "options")
@@ -174,11 +175,11 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
 
     Without `pools`: one pool, from --model, --served-model-name, --workers plus the config's `workers`,
     --block-size and --policy, with the config's other keys as the policy's options. With `pools` (a list of
-    objects with the keys of POOL_KEYS): one pool each; `model` is required, `served_model_name` defaults to
-    it, `workers` is a list of specs (empty only for a lone pool over --redis), `block_size` and `policy`
-    default to the flags, and each pool's `options` are laid over the config's top-level policy options. With
-    `pools`, the workers are the pools' own: --workers, --served-model-name and a top-level `workers` are
-    refused."""
+    objects with the keys of POOL_KEYS): one pool each; `model` is required; `served_model_name`, a name or a
+    list of names (as vLLM's flag takes them; responses carry the first), defaults to it; `workers` is a list
+    of specs (empty only for a lone pool over --redis); `block_size` and `policy` default to the flags; each
+    pool's `options` are laid over the config's top-level policy options. With `pools`, the workers are the
+    pools' own: --workers, --served-model-name and a top-level `workers` are refused."""
     options = dict(config)
     pools = options.pop("pools", None)
     workers = options.pop("workers", [])
@@ -205,8 +206,9 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
             raise ValueError(f"{where} has the unknown key {unknown[0]!r}; choose from {', '.join(POOL_KEYS)}")
         model = pool.get("model")
         served = pool.get("served_model_name", model)
-        if not isinstance(model, str) or not model or not isinstance(served, str) or not served:
-            raise ValueError(f"{where}: model (and served_model_name, when given) must be non-empty strings")
+        names = served if isinstance(served, list) else [served]
+        if not isinstance(model, str) or not model or not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"{where}: model and served_model_name (a name or a list of names) must be non-empty")
         specs = pool.get("workers", [])
         if not isinstance(specs, list) or not all(isinstance(item, str) for item in specs):
             raise ValueError(f"{where}: workers must be a list of worker specs (strings)")
@@ -221,7 +223,8 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
         own = pool.get("options", {})
         if not isinstance(own, dict):
             raise ValueError(f"{where}: options must be an object of policy options")
-        configs.append(PoolConfig(model, served, tuple(specs), block_size, policy, {**options, **own}))
+        options_of_pool = {**options, **own}
+        configs.append(PoolConfig(model, names[0], tuple(specs), block_size, policy, options_of_pool, tuple(names[1:])))
     return configs
 
 
@@ -311,6 +314,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
                 deadlines=deadlines,
                 log_prompts=args.log_prompts,
                 concurrency=concurrency,
+                aliases=config.aliases,
             )
         )
     try:

@@ -219,7 +219,7 @@ def _routing_config(stack: PoolsStack, beta_epsilon: float) -> str:
     pools = [
         {
             "model": "sim",
-            "served_model_name": name,
+            "served_model_name": [name, f"{name}-latest"] if name == "beta" else name,
             "workers": [f"127.0.0.1:{port}" for port, pool in stack.worker_pool.items() if pool == name],
             "block_size": block_size,
             **({"options": {"epsilon": beta_epsilon}} if name == "beta" else {}),
@@ -269,11 +269,12 @@ def test_a_gateway_process_serves_the_pools_of_its_routing_config(stack: PoolsSt
         _wait(lambda: httpx.get(f"{url}/ready").json().get("workers") == 4, "the gateway's four workers", process, log)
         assert "serving alpha (policy kv_aware), beta (policy kv_aware)" in log.read_text()
         listed = httpx.get(f"{url}/v1/models", headers=AUTH).json()
-        assert [card["id"] for card in listed["data"]] == ["alpha", "beta"]
+        assert [card["id"] for card in listed["data"]] == ["alpha", "beta", "beta-latest"]
 
         prompt = "the process test's own prompt, long enough for several blocks of both sizes " * 6
         alpha = _matched_when_indexed(url, "alpha", prompt)
-        beta = _matched_when_indexed(url, "beta", prompt)
+        beta = _matched_when_indexed(url, "beta-latest", prompt)  # an alias: beta's pool, answered as beta
+        assert beta.json()["model"] == "beta"
         assert stack.pool_of(alpha.headers["x-kvroute-worker"]) == "alpha"
         assert stack.pool_of(beta.headers["x-kvroute-worker"]) == "beta"
         # each on its own index and block size: beta's 32-token blocks are half as many over the same prompt
@@ -307,6 +308,9 @@ def test_the_routing_configs_pools_are_checked(tmp_path: Path, capsys: pytest.Ca
         ({"pools": []}, "pools must be a non-empty list"),
         ({"pools": [{"workers": ["127.0.0.1:1"]}]}, "pools[0]: model"),
         ({"pools": [{"model": "sim"}]}, "pools[0]: workers must name the pool's workers"),
+        ({"pools": [{"model": "sim", "served_model_name": [], "workers": ["127.0.0.1:1"]}]}, "a list of names"),
+        ({"pools": [{"model": "sim", "served_model_name": n, "workers": [f"127.0.0.1:{i}"]} for i, n in
+                    enumerate((["a", "b"], "b"), 1)]}, "two pools serve the model 'b'"),
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"], "colour": 1}]}, "unknown key 'colour'"),
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"], "block_size": 0}]}, "block_size must be"),
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"], "policy": "fastest"}]}, "unknown routing policy"),
