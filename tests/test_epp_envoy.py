@@ -79,7 +79,9 @@ class Fleet:
 
 
 def _start_epp(fleet_args: list[str], port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    argv = ["epp", "--model", "sim", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *fleet_args]
+    # --drain-delay 0 unless the fleet's flags say otherwise: a test's teardown stops pickers no data plane checks
+    argv = ["epp", "--model", "sim", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+            "--drain-delay", "0", *fleet_args]  # fmt: skip
     process = _spawn([*argv, *extra], log)
     _wait(lambda: _health(port, "readiness") == health_pb2.HealthCheckResponse.SERVING, "the epp", process, log)
     return process
