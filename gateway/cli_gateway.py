@@ -4,6 +4,9 @@
     kvroute gateway --model smollm2 --redis redis://redis:6379 [--workers ...]   # Redis (workers = fallback)
     kvroute gateway --model DIR --workers 'vllm://10.0.0.5:8000?events=tcp://10.0.0.5:5557&replay=tcp://10.0.0.5:5558'
                                                                                   # stock engines (gateway.worker_spec)
+    kvroute gateway --routing-config pools.json     # several models: {"pools": [{"model", "served_model_name",
+                                                    #   "workers", "block_size", "policy", "options"}, ...]}
+                                                    # (pool_configs; docs/gateway.md, "Several models")
 
 Signals:
   SIGTERM / SIGINT  drain: /ready turns 503 and gRPC health NOT_SERVING, new requests get 503 (UNAVAILABLE),
@@ -70,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, help="Redis fleet state URL (redis://, rediss://, redis+sentinel://)")
     parser.add_argument("--policy", choices=POLICY_NAMES, default="kv_aware")
     parser.add_argument(
-        "--routing-config", default=None, help="JSON file of policy options (epsilon, queue_limit, ...)"
+        "--routing-config",
+        default=None,
+        help="JSON file of policy options (epsilon, queue_limit, ...), `workers`, or `pools` (one per served model)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block; must equal the workers'")
     parser.add_argument(
@@ -149,24 +154,106 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Gateway:
-    """A built (not yet started) gateway: its request path and fleet state, and the front doors' settings."""
+    """A built (not yet started) gateway: its pools (one request path and fleet state per served model) and
+    the front doors' settings."""
 
-    request_path: Any  # gateway.request_path.RequestPath
-    fleet: Any  # gateway.fleet_state.FleetState
+    request_path: Any  # gateway.pools.Pools: what the front doors call
+    fleets: list[Any]  # gateway.fleet_state.FleetState, one per pool
     max_body_bytes: int
     default_max_tokens: int
     http_limits: HttpLimits
+    pool_configs: list[PoolConfig]  # as read at start (SIGHUP's reload compares against them)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One served model: the tokenizer/model source (`--model`'s forms), the name clients send as `model` (and
+    its aliases), its worker specs (gateway.worker_spec), block size, routing policy and the policy's options."""
+
+    model: str
+    served_model_name: str
+    workers: tuple[str, ...]
+    block_size: int
+    policy: str
+    options: dict[str, Any]
+    aliases: tuple[str, ...] = ()
+
+
+POOL_KEYS = ("model", "served_model_name", "workers", "block_size", "policy", "options")
+
+
+def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolConfig]:
+    """The pools the flags and the routing config (a JSON object, `_routing_options`) describe. Raises
+    ValueError naming the bad field.
+
+    Without `pools`: one pool, from --model, --served-model-name, --workers plus the config's `workers`,
+    --block-size and --policy, with the config's other keys as the policy's options. With `pools` (a list of
+    objects with the keys of POOL_KEYS): one pool each; `model` is required; `served_model_name`, a name or a
+    list of names (as vLLM's flag takes them; responses carry the first), defaults to it; `workers` is a list
+    of specs (empty only for a lone pool over --redis); `block_size` and `policy` default to the flags; each
+    pool's `options` are laid over the config's top-level policy options. With `pools`, the workers are the
+    pools' own: --workers, --served-model-name and a top-level `workers` are refused."""
+    options = dict(config)
+    pools = options.pop("pools", None)
+    workers = options.pop("workers", [])
+    if not isinstance(workers, list) or not all(isinstance(item, str) for item in workers):
+        raise ValueError("--routing-config: workers must be a list of worker specs (strings)")
+    if pools is None:
+        served = args.served_model_name or args.model
+        listed = tuple(filter(None, (part.strip() for part in ",".join([args.workers, *workers]).split(","))))
+        return [PoolConfig(args.model, served, listed, args.block_size, args.policy, options)]
+    if args.workers or workers or args.served_model_name:
+        raise ValueError(
+            "--routing-config: with `pools`, each pool names its workers and served_model_name "
+            "(leave out --workers, --served-model-name and a top-level `workers`)"
+        )
+    if not isinstance(pools, list) or not pools:
+        raise ValueError("--routing-config: pools must be a non-empty list of objects")
+    configs = []
+    for i, pool in enumerate(pools):
+        where = f"--routing-config: pools[{i}]"
+        if not isinstance(pool, dict):
+            raise ValueError(f"{where} must be an object with keys {', '.join(POOL_KEYS)}")
+        unknown = sorted(set(pool) - set(POOL_KEYS))
+        if unknown:
+            raise ValueError(f"{where} has the unknown key {unknown[0]!r}; choose from {', '.join(POOL_KEYS)}")
+        model = pool.get("model")
+        served = pool.get("served_model_name", model)
+        names = served if isinstance(served, list) else [served]
+        if not isinstance(model, str) or not model or not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"{where}: model and served_model_name (a name or a list of names) must be non-empty")
+        specs = pool.get("workers", [])
+        if not isinstance(specs, list) or not all(isinstance(item, str) for item in specs):
+            raise ValueError(f"{where}: workers must be a list of worker specs (strings)")
+        if not specs and not (args.redis and len(pools) == 1):
+            raise ValueError(f"{where}: workers must name the pool's workers (only a lone pool may read --redis)")
+        block_size = pool.get("block_size", args.block_size)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"{where}: block_size must be an integer >= 1")
+        policy = pool.get("policy", args.policy)
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"{where}: unknown routing policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
+        own = pool.get("options", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"{where}: options must be an object of policy options")
+        options_of_pool = {**options, **own}
+        configs.append(PoolConfig(model, names[0], tuple(specs), block_size, policy, options_of_pool, tuple(names[1:])))
+    return configs
 
 
 def build_gateway(args: argparse.Namespace) -> Gateway:
-    """Everything `kvroute gateway` serves, from its parsed flags. Raises UserError with one line."""
+    """Everything `kvroute gateway` serves, from its parsed flags and routing config (`pool_configs`): one
+    request path per pool, sharing the Authenticator, the tenants' concurrency, the worker channels and the
+    metrics registry. Raises UserError with one line."""
     from gateway.auth import Authenticator
-    from gateway.limits import Limits
+    from gateway.limits import Limits, TenantConcurrency
     from gateway.metrics import GatewayMetrics
+    from gateway.pools import Pools
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.retry import RetryPolicy, StreamDeadlines
     from gateway.router import make_policy
     from gateway.worker_client import WorkerClients
+    from gateway.worker_spec import parse_worker_specs
     from kvroute.credentials import worker_token
     from kvroute.model_source import resolve_model
     from kvroute.tokenizer import Tokenizer
@@ -177,10 +264,6 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     if args.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     try:
-        source = resolve_model(args.model)
-        tokenizer = Tokenizer.for_model(source)
-        if args.tokenizer_cache_bytes is not None:
-            tokenizer.limit_run_cache(args.tokenizer_cache_bytes)
         limits = Limits(
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens,
@@ -200,33 +283,59 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         deadlines = StreamDeadlines(args.first_token_timeout, args.inter_token_timeout)
         auth = Authenticator.from_config(args.api_keys_file, allow_derived_salt=args.allow_derived_salt)
         token = worker_token(args.worker_token_file, "--worker-token-file")
-        options = _routing_options(args.routing_config)
-        specs = _worker_specs(args.workers, options.pop("workers", []))
-        policy = make_policy(args.policy, **options)
-    except (ValueError, FileNotFoundError) as exc:
+        configs = pool_configs(args, _routing_options(args.routing_config))
+        policies = [make_policy(config.policy, **config.options) for config in configs]
+        specs = [parse_worker_specs(",".join(config.workers)) for config in configs]
+        named = [(spec.engine, spec.address) for pool_specs in specs for spec in pool_specs]
+        if len(set(named)) < len(named):
+            twice = next(key for key in named if named.count(key) > 1)
+            raise ValueError(f"--routing-config: worker {twice[0]}://{twice[1]} is in two pools")
+        tokenizers: dict[str, tuple[Any, Any]] = {}  # --model form -> (source, tokenizer), one per model
+        for config in configs:
+            if config.model not in tokenizers:
+                source = resolve_model(config.model)
+                tokenizer = Tokenizer.for_model(source)
+                if args.tokenizer_cache_bytes is not None:
+                    tokenizer.limit_run_cache(args.tokenizer_cache_bytes)
+                tokenizers[config.model] = (source, tokenizer)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
-    if not specs and not args.redis:
-        raise UserError("name the fleet: --workers host:port,... and/or --redis URL")
-    served = args.served_model_name or args.model
-    metrics = GatewayMetrics(served, tenant_labels=args.metrics_tenant_labels)
-    identity = fleet_identity(source.model_id, tokenizer, args.block_size)
-    fleet = _fleet_state(args, specs, identity, tokenizer, token)
-    request_path = RequestPath(
-        fleet,
-        policy,
-        tokenizer,
-        source.model_id,
-        served,
-        auth,
-        limits,
-        metrics,
-        block_size=args.block_size,
-        retry=retry,
-        clients=WorkerClients(token),
-        deadlines=deadlines,
-        log_prompts=args.log_prompts,
-    )
-    return Gateway(request_path, fleet, limits.max_body_bytes, limits.max_tokens, http_limits)
+    if args.redis and len(configs) > 1:
+        raise UserError("--redis holds one model's workers: with several pools, list each pool's workers")
+    concurrency = TenantConcurrency(limits)
+    clients = WorkerClients(token)
+    metrics = GatewayMetrics(configs[0].served_model_name, tenant_labels=args.metrics_tenant_labels)
+    paths = []
+    for config, policy, pool_specs in zip(configs, policies, specs, strict=True):
+        if not pool_specs and not args.redis:
+            raise UserError("name the fleet: --workers host:port,... and/or --redis URL")
+        source, tokenizer = tokenizers[config.model]
+        identity = fleet_identity(source.model_id, tokenizer, config.block_size)
+        paths.append(
+            RequestPath(
+                _fleet_state(args, pool_specs, identity, tokenizer, token),
+                policy,
+                tokenizer,
+                source.model_id,
+                config.served_model_name,
+                auth,
+                limits,
+                metrics.for_model(config.served_model_name) if paths else metrics,
+                block_size=config.block_size,
+                retry=retry,
+                clients=clients,
+                deadlines=deadlines,
+                log_prompts=args.log_prompts,
+                concurrency=concurrency,
+                aliases=config.aliases,
+            )
+        )
+    try:
+        pools = Pools(paths)
+    except ValueError as exc:
+        raise UserError(f"--routing-config: {exc}") from exc
+    fleets = [path.fleet for path in paths]
+    return Gateway(pools, fleets, limits.max_body_bytes, limits.max_tokens, http_limits, configs)
 
 
 def _routing_options(path: str | None) -> dict[str, Any]:
@@ -237,17 +346,8 @@ def _routing_options(path: str | None) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--routing-config {path}: {exc}") from exc
     if not isinstance(options, dict):
-        raise ValueError(f"--routing-config {path}: must be a JSON object of policy options")
+        raise ValueError(f"--routing-config {path}: must be a JSON object of policy options (and `pools`)")
     return options
-
-
-def _worker_specs(flag: str, configured: Any) -> list[Any]:
-    """--workers and the routing config's `workers` (a list of specs), as parsed specs."""
-    from gateway.worker_spec import parse_worker_specs
-
-    if not isinstance(configured, list) or not all(isinstance(item, str) for item in configured):
-        raise ValueError("--routing-config: workers must be a list of worker specs (strings)")
-    return parse_worker_specs(",".join([flag, *configured]))
 
 
 def _fleet_state(args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None) -> Any:
@@ -433,14 +533,15 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     from kvroute.tracing import flush_tracing, setup_tracing
 
     setup_tracing("kvroute-gateway")
-    request_path, fleet = gateway.request_path, gateway.fleet
+    request_path, fleets = gateway.request_path, gateway.fleets
     metrics_host = args.host if args.metrics_host is None else args.metrics_host
     metrics_http = (
         HttpServer.start(metrics_app(request_path.metrics), metrics_host, args.metrics_port)
         if args.metrics_port
         else None
     )
-    await fleet.start()
+    for fleet in fleets:
+        await fleet.start()
     app = http_server.build_app(
         request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens
     )
@@ -460,8 +561,8 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     grpc_where = f", gRPC on {args.host}:{grpc_server.port}" if grpc_server else ""
     metrics_where = f", metrics on http://{metrics_host}:{metrics_http.port}/metrics" if metrics_http else ""
     print(
-        f"kvroute gateway: serving {request_path.served_model_name} (policy {request_path.policy.name}) "
-        f"on http://{args.host}:{http.port}/v1{grpc_where}{metrics_where}; {len(fleet.members())} workers ready",
+        f"kvroute gateway: serving {describe_pools(request_path)} "
+        f"on http://{args.host}:{http.port}/v1{grpc_where}{metrics_where}; {len(request_path.members())} workers ready",
         flush=True,
     )
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
@@ -497,11 +598,17 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     await http.stop()
     if metrics_http is not None:
         await metrics_http.stop()
-    await fleet.stop()
+    for fleet in fleets:
+        await fleet.stop()
     await request_path.close()
     flush_tracing()
     print("kvroute gateway: stopped", flush=True)
     return code
+
+
+def describe_pools(pools: Any) -> str:
+    """`alpha (policy kv_aware), beta (policy prefix)`: each served model and its policy, for the ready line."""
+    return ", ".join(f"{path.served_model_name} (policy {path.policy.name})" for path in pools.pools())
 
 
 # Seconds the front doors get, once every stream was ended, to write their error events and `[DONE]`.
@@ -524,7 +631,6 @@ def reload(gateway: Gateway, args: argparse.Namespace) -> None:
     changed. A file that fails to load is logged and what was in force stays. Requests in flight keep the
     tenant they were admitted as; a new routing policy starts with no memory (its sketch, guard and turn)."""
     from gateway.auth import Authenticator
-    from gateway.router import make_policy
 
     request_path = gateway.request_path
     if not args.api_keys_file and not args.routing_config:
@@ -546,18 +652,46 @@ def reload(gateway: Gateway, args: argparse.Namespace) -> None:
                 sorted(t for t in after.keys() & before.keys() if after[t] != before[t]) or "none",
             )  # fmt: skip
     if args.routing_config:
-        try:
-            options = _routing_options(args.routing_config)
-            if options.pop("workers", None) is not None:
-                logger.warning("SIGHUP: the routing config's workers are read at start only; restart to change them")
-            policy = make_policy(args.policy, **options)
-        except (ValueError, TypeError) as exc:
-            logger.error("SIGHUP: kept the routing config in force: %s", exc)
+        _reload_routing(request_path, gateway.pool_configs, args)
+
+
+def _reload_routing(pools: Any, start_configs: list[PoolConfig], args: argparse.Namespace) -> None:
+    """SIGHUP's routing half: each pool (by served model name) takes its new policy or options, logging what
+    changed; pools added or removed, and a pool's model, workers or block size, are read at start only
+    (logged). A config that fails to parse keeps every pool's policy."""
+    from gateway.router import make_policy
+
+    try:
+        configs = pool_configs(args, _routing_options(args.routing_config))
+        policies = {config.served_model_name: make_policy(config.policy, **config.options) for config in configs}
+    except (ValueError, TypeError) as exc:
+        logger.error("SIGHUP: kept the routing config in force: %s", exc)
+        return
+    by_name = {config.served_model_name: config for config in configs}
+    start = {config.served_model_name: config for config in start_configs}
+    served = {path.served_model_name: path for path in pools.pools()}
+    if by_name.keys() != served.keys():
+        logger.warning("SIGHUP: pools are read at start only; restart to serve %s instead of %s",
+                       sorted(by_name), sorted(served))  # fmt: skip
+    for name, path in served.items():
+        config = by_name.get(name)
+        if config is None:
+            continue
+        started = start.get(name)
+        if started is not None and (config.model, config.workers, config.block_size) != (
+            started.model,
+            started.workers,
+            started.block_size,
+        ):
+            logger.warning("SIGHUP: %s's model, workers and block size are read at start only; restart to change "
+                           "them", name)  # fmt: skip
+        policy = policies[name]
+        old, new = dataclasses.asdict(path.policy.options), dataclasses.asdict(policy.options)
+        changed = {k: f"{old[k]} -> {new[k]}" for k in new if old[k] != new[k]}
+        if policy.name != path.policy.name:
+            changed["policy"] = f"{path.policy.name} -> {policy.name}"
+        if changed:
+            path.policy = policy
+            logger.warning("SIGHUP: routing config reloaded from %s for %s: %s", args.routing_config, name, changed)
         else:
-            old, new = dataclasses.asdict(request_path.policy.options), dataclasses.asdict(policy.options)
-            changed = {k: f"{old[k]} -> {new[k]}" for k in new if old[k] != new[k]}
-            if changed:
-                request_path.policy = policy
-                logger.warning("SIGHUP: routing config reloaded from %s: %s", args.routing_config, changed)
-            else:
-                logger.warning("SIGHUP: routing config %s unchanged", args.routing_config)
+            logger.warning("SIGHUP: routing config %s unchanged for %s", args.routing_config, name)

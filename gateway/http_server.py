@@ -87,6 +87,7 @@ class ServesModel(Protocol):
     """What the front door needs of one pool (gateway.request_path.RequestPath)."""
 
     served_model_name: str
+    served_model_names: tuple[str, ...]  # the name above first, then its aliases
     tokenizer: Tokenizer  # /tokenize's token_strs
 
     async def generate(self, request: GatewayRequest) -> Generation: ...
@@ -288,24 +289,24 @@ class OpenAIServer:
 
     # -- the rest -----------------------------------------------------------------------------------------
 
-    def _model_card(self, pool: ServesModel) -> dict[str, Any]:
+    def _model_card(self, pool: ServesModel, name: str) -> dict[str, Any]:
         """vLLM's card: `max_model_len` is what a router reads to size requests (RequestPath.max_model_len)."""
-        name = pool.served_model_name
         return {
             "id": name, "object": "model", "created": self.started, "owned_by": "kvroute", "root": name,
             "parent": None, "max_model_len": pool.max_model_len(),
         }  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:
-        cards = [self._model_card(pool) for pool in self.request_path.pools()]
+        cards = [self._model_card(pool, name) for pool in self.request_path.pools() for name in pool.served_model_names]
         return Response(orjson.dumps({"object": "list", "data": cards}), media_type=JSON)
 
     async def get_model(self, request: Request) -> Response:
         try:
-            pool = self.request_path.pool(request.path_params["model"])
+            name = request.path_params["model"]
+            pool = self.request_path.pool(name)
         except GatewayError as exc:
             return error_response(exc)
-        return Response(orjson.dumps(self._model_card(pool)), media_type=JSON)
+        return Response(orjson.dumps(self._model_card(pool, name)), media_type=JSON)
 
     async def health(self, request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON)

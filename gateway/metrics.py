@@ -3,6 +3,10 @@ exposition appends `_total` to counters). Served on their own port (`metrics_app
 on the API port, in the Prometheus text format 0.0.4 whatever the Accept header (in OpenMetrics this
 prometheus_client escapes ':' and a Prometheus server would store `kvroute_...`).
 
+One registry per gateway, whatever its pools (gateway.pools): each pool's `GatewayMetrics` is a view of it
+(`for_model`) whose `model_name` label, on the series vLLM labels so (TTFT, E2E, finished requests, requests in
+flight), takes only configured pools' names.
+
 Routing: requests by policy and reason, requests routed per worker, routing latency (template, tokenize,
 hash and pick), retries by cause, breaker state per worker, parity mismatches and membership changes (read
 from the fleet state's counters at scrape time). Requests: TTFT and E2E as the client sees them through the
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -72,11 +76,10 @@ def tenant_id(tenant: Tenant) -> str:
 
 class _LiveCollector(Collector):
     """Read at scrape time: breaker states, and parity mismatches and membership changes from the fleet
-    state's counters (`gateway.fleet_state.FleetCounters`)."""
+    state's counters (`gateway.fleet_state.FleetCounters`), summed over every source (one per pool)."""
 
-    def __init__(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], dict[str, int]]) -> None:
-        self._fleet_counters = fleet_counters
-        self._breaker_states = breaker_states
+    def __init__(self) -> None:
+        self.sources: list[tuple[Callable[[], Any], Callable[[], dict[str, int]]]] = []
 
     def collect(self) -> Iterator[Metric]:
         breakers = GaugeMetricFamily(
@@ -84,49 +87,66 @@ class _LiveCollector(Collector):
             "Circuit breaker per worker that has failed since it last succeeded: 0 closed, 1 half-open, 2 open.",
             labels=["worker"],
         )
-        for worker, state in sorted(self._breaker_states().items()):
-            breakers.add_metric([label_value(worker)], int(state))
+        states: dict[str, int] = {}
+        for _, breaker_states in self.sources:
+            for worker, state in breaker_states().items():
+                states[worker] = max(states.get(worker, 0), int(state))
+        for worker, state in sorted(states.items()):
+            breakers.add_metric([label_value(worker)], state)
         yield breakers
-        counters = self._fleet_counters()
-        if counters is None:
+        all_counters = [c for c in (fleet_counters() for fleet_counters, _ in self.sources) if c is not None]
+        if not all_counters:
             return
-        mismatches = CounterMetricFamily(
-            "kvroute:gateway_parity_mismatches",
-            "Worker incarnations whose hash or tokenizer fingerprint differed from the gateway's (routed by load).",
-            labels=["worker"],
-        )
-        for worker, count in sorted(counters.parity_mismatches.items()):
-            mismatches.add_metric([label_value(worker)], count)
-        yield mismatches
-        silent = CounterMetricFamily(
-            "kvroute:gateway_no_kv_events",
-            "Times an engine worker was found publishing no KV events (routed by load until its events arrive).",
-            labels=["worker"],
-        )
-        for worker, count in sorted(counters.no_kv_events.items()):
-            silent.add_metric([label_value(worker)], count)
-        yield silent
+        per_worker = (
+            ("kvroute:gateway_parity_mismatches", "parity_mismatches",
+             "Worker incarnations whose hash or tokenizer fingerprint differed from the gateway's (routed by load)."),
+            ("kvroute:gateway_no_kv_events", "no_kv_events",
+             "Times an engine worker was found publishing no KV events (routed by load until its events arrive)."),
+        )  # fmt: skip
+        for name, attribute, help_text in per_worker:
+            family = CounterMetricFamily(name, help_text, labels=["worker"])
+            for worker, count in sorted(_summed(getattr(c, attribute) for c in all_counters).items()):
+                family.add_metric([label_value(worker)], count)
+            yield family
         changes = CounterMetricFamily(
             "kvroute:gateway_fleet_changes", "Fleet membership changes seen by this gateway.", labels=["change"]
         )
         for change in ("joins", "leaves", "restarts", "resyncs"):
-            changes.add_metric([change], getattr(counters, change))
+            changes.add_metric([change], sum(getattr(c, change) for c in all_counters))
         yield changes
         drops = CounterMetricFamily(
             "kvroute:gateway_kv_event_drops",
             "Engine KV event batches or events dropped, by worker and reason (gateway.engine_events).",
             labels=["worker", "reason"],
         )
-        for (worker, reason), count in sorted(getattr(counters, "kv_event_drops", {}).items()):
+        for (worker, reason), count in sorted(_summed(getattr(c, "kv_event_drops", {}) for c in all_counters).items()):
             drops.add_metric([label_value(worker), reason], count)
         yield drops
 
 
-class GatewayMetrics:
-    """The gateway's registry. `tenant_labels`: label series with tenant names instead of opaque ids."""
+def _summed(counts: Iterable[Mapping[Any, int]]) -> dict[Any, int]:
+    total: dict[Any, int] = {}
+    for each in counts:
+        for key, count in each.items():
+            total[key] = total.get(key, 0) + count
+    return total
 
-    def __init__(self, model_name: str, *, tenant_labels: bool = False) -> None:
-        self.model_name = model_name
+
+class _ForModel:
+    """A labelled family whose first label, `model_name`, is bound: `labels(*the_others)`."""
+
+    def __init__(self, family: Counter, model_name: str) -> None:
+        self._family = family
+        self._model_name = model_name
+
+    def labels(self, *values: str) -> Any:
+        return self._family.labels(self._model_name, *values)
+
+
+class _Registry:
+    """The one registry of a gateway and its metric families, shared by every pool's GatewayMetrics."""
+
+    def __init__(self, tenant_labels: bool) -> None:
         self.tenant_labels = tenant_labels
         self.registry = CollectorRegistry()
         r = self.registry
@@ -145,14 +165,14 @@ class GatewayMetrics:
         self.time_to_first_token = Histogram(
             "kvroute:gateway_time_to_first_token_seconds", "Time to first token through the gateway.",
             ["model_name"], buckets=TTFT_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
+        )  # fmt: skip
         self.e2e_request_latency = Histogram(
             "kvroute:gateway_e2e_request_latency_seconds", "Request latency through the gateway.",
             ["model_name"], buckets=E2E_BUCKETS, registry=r,
-        ).labels(model_name)  # fmt: skip
+        )  # fmt: skip
         self.request_success = Counter(
-            "kvroute:gateway_request_success", "Requests that finished, by finish reason.", ["finished_reason"],
-            registry=r,
+            "kvroute:gateway_request_success", "Requests that finished, by finish reason.",
+            ["model_name", "finished_reason"], registry=r,
         )  # fmt: skip
         self.errors = Counter(
             "kvroute:gateway_request_errors", "Requests that ended with an error, by error type.", ["type"], registry=r
@@ -160,7 +180,9 @@ class GatewayMetrics:
         self.retries = Counter(
             "kvroute:gateway_retries", "Worker requests retried on another worker, by cause.", ["cause"], registry=r
         )
-        self.in_flight = Gauge("kvroute:gateway_requests_in_flight", "Requests being served.", registry=r)
+        self.in_flight = Gauge(
+            "kvroute:gateway_requests_in_flight", "Requests being served.", ["model_name"], registry=r
+        )
         self.prefix_divergence = Histogram(
             "kvroute:prefix_divergence_tokens",
             "Position of the first token (at block granularity) where a prompt differs from its app's previous one.",
@@ -170,13 +192,46 @@ class GatewayMetrics:
             "kvroute:prefix_hit_rate", "Prompt blocks held by the chosen worker over prompt blocks, per app.",
             ["tenant", "app"], registry=r,
         )  # fmt: skip
-        self._previous: dict[tuple[str, str], Sequence[bytes]] = {}  # (tenant, app) -> its last request's hashes
-        self._hits: dict[tuple[str, str], list[int]] = {}  # (tenant, app) -> [matched blocks, prompt blocks]
-        self._apps_per_tenant: dict[str, int] = {}  # tenant label -> apps with their own series
+        self.live = _LiveCollector()
+        r.register(self.live)
+        # (model, tenant, app) -> its last request's hashes: a prompt diverges from its own model's previous one
+        self.previous: dict[tuple[str, str, str], Sequence[bytes]] = {}
+        self.hits: dict[tuple[str, str], list[int]] = {}  # (tenant, app) -> [matched blocks, prompt blocks]
+        self.apps_per_tenant: dict[str, int] = {}  # tenant label -> apps with their own series
+
+
+class GatewayMetrics:
+    """One pool's metrics in the gateway's registry. `tenant_labels`: label series with tenant names instead
+    of opaque ids. `for_model(name)` gives another pool's, in the same registry: the series vLLM labels with
+    `model_name` (TTFT, E2E latency, finished requests, requests in flight) carry the pool's served name, so
+    the label takes only the configured pools' names; the routing series are the gateway's, over all pools."""
+
+    def __init__(self, model_name: str, *, tenant_labels: bool = False, _shared: _Registry | None = None) -> None:
+        shared = _shared or _Registry(tenant_labels)
+        self._shared = shared
+        self.model_name = model_name
+        self.tenant_labels = shared.tenant_labels
+        self.registry = shared.registry
+        self.requests = shared.requests
+        self.routed = shared.routed
+        self.routing_latency = shared.routing_latency
+        self.time_to_first_token = shared.time_to_first_token.labels(model_name)
+        self.e2e_request_latency = shared.e2e_request_latency.labels(model_name)
+        self.request_success = _ForModel(shared.request_success, model_name)
+        self.errors = shared.errors
+        self.retries = shared.retries
+        self.in_flight = shared.in_flight.labels(model_name)
+        self.prefix_divergence = shared.prefix_divergence
+        self.prefix_hit_rate = shared.prefix_hit_rate
+
+    def for_model(self, model_name: str) -> GatewayMetrics:
+        """The metrics of the pool serving `model_name`, in this registry."""
+        return GatewayMetrics(model_name, _shared=self._shared)
 
     def watch(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], dict[str, int]]) -> None:
-        """Read these at every scrape (the request path calls this once with its fleet state and breakers)."""
-        self.registry.register(_LiveCollector(fleet_counters, breaker_states))
+        """Read these at every scrape (each pool's request path calls this once with its fleet state and
+        breakers; the series sum over the pools)."""
+        self._shared.live.sources.append((fleet_counters, breaker_states))
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4) for `GET /metrics`."""
@@ -190,12 +245,13 @@ class GatewayMetrics:
     ) -> None:
         """The prefix doctor's live half, for one routed request of `tenant`'s `app` (the client's
         x-kvroute-app, unchecked: this bounds it)."""
+        shared = self._shared
         key = self._series(self.tenant_label(tenant), label_value(app) if app else DEFAULT_APP)
-        previous = self._previous.get(key)
+        previous = shared.previous.get((self.model_name, *key))
         if previous is not None:
             self.prefix_divergence.labels(*key).observe(common_prefix_length(block_hashes, previous) * block_size)
-        self._previous[key] = block_hashes
-        totals = self._hits.setdefault(key, [0, 0])
+        shared.previous[(self.model_name, *key)] = block_hashes
+        totals = shared.hits.setdefault(key, [0, 0])
         totals[0] += matched_blocks
         totals[1] += len(block_hashes)
         if totals[1]:
@@ -204,12 +260,13 @@ class GatewayMetrics:
     def _series(self, tenant: str, app: str) -> tuple[str, str]:
         """(tenant, app), or (tenant, OTHER_APP) once the tenant's or every tenant's app budget is spent."""
         key = (tenant, app)
-        if key in self._previous:
+        shared = self._shared
+        if key in shared.hits:
             return key
-        apps = self._apps_per_tenant.get(tenant, 0)
-        if apps >= MAX_APPS_PER_TENANT or sum(self._apps_per_tenant.values()) >= MAX_APPS:
+        apps = shared.apps_per_tenant.get(tenant, 0)
+        if apps >= MAX_APPS_PER_TENANT or sum(shared.apps_per_tenant.values()) >= MAX_APPS:
             return (tenant, OTHER_APP)
-        self._apps_per_tenant[tenant] = apps + 1
+        shared.apps_per_tenant[tenant] = apps + 1
         return key
 
 

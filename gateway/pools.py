@@ -11,9 +11,11 @@ drain), picking the pool by the request's `model`:
     no model, several pools          InvalidRequestError (400) naming `model`
 
 What the pools share is built once and handed to each: the Authenticator (one set of keys and tenants) and
-the tenants' concurrency (a tenant's limit counts its requests to every model). Each pool keeps its own
-metrics (labelled with its model_name); `metrics` here is the first pool's, where the front doors count what
-they refuse before a pool is known.
+the tenants' concurrency (a tenant's limit counts its requests to every model). Each pool's metrics are its
+view of the gateway's one registry (`GatewayMetrics.for_model`: the series vLLM labels with `model_name` carry
+the pool's name); `metrics` here is the first pool's, where the front doors count what they refuse before a
+pool is known. `kvroute gateway` and `kvroute epp` build the pools from `--routing-config`
+(gateway.cli_gateway.pool_configs).
 
 Readiness: ready while any pool has a routable worker, so a model whose workers are all gone answers 503 for
 its own requests and takes no other model down with it (a load balancer would otherwise eject the gateway).
@@ -41,13 +43,15 @@ class Pools:
     def __init__(self, pools: Sequence[RequestPath]) -> None:
         if not pools:
             raise ValueError("a gateway needs at least one pool")
-        self._pools: dict[str, RequestPath] = {}
+        self._pools: dict[str, RequestPath] = {}  # by each served name, aliases included
         for path in pools:
-            if path.served_model_name in self._pools:
-                raise ValueError(f"two pools serve the model {quoted(path.served_model_name)}")
+            for name in path.served_model_names:
+                if name in self._pools:
+                    raise ValueError(f"two pools serve the model {quoted(name)}")
+                self._pools[name] = path
             if path.auth is not pools[0].auth or path.concurrency is not pools[0].concurrency:
                 raise ValueError("the pools of one gateway share one Authenticator and one TenantConcurrency")
-            self._pools[path.served_model_name] = path
+        self._paths = list(pools)
         self.metrics: GatewayMetrics = pools[0].metrics
 
     # -- picking a pool -------------------------------------------------------------------------------------
@@ -56,9 +60,9 @@ class Pools:
         """The pool serving `model`; raises ModelNotFound (404), or InvalidRequestError (400) when no model is
         named and several are served."""
         if model is None:
-            if len(self._pools) == 1:
-                return next(iter(self._pools.values()))
-            names = ", ".join(sorted(self._pools))
+            if len(self._paths) == 1:
+                return self._paths[0]
+            names = ", ".join(sorted(path.served_model_name for path in self._paths))
             raise InvalidRequestError(f"is required: this gateway serves several models ({names})", param="model")
         path = self._pools.get(model)
         if path is None:
@@ -66,7 +70,7 @@ class Pools:
         return path
 
     def pools(self) -> list[RequestPath]:
-        return list(self._pools.values())
+        return list(self._paths)
 
     async def generate(self, request: GatewayRequest) -> Generation:
         return await self.pool(request.model).generate(request)
@@ -81,7 +85,7 @@ class Pools:
 
     @property
     def served_model_name(self) -> str:
-        return ", ".join(self._pools)
+        return ", ".join(path.served_model_name for path in self._paths)
 
     @property
     def auth(self) -> Authenticator:
@@ -89,7 +93,7 @@ class Pools:
 
     @auth.setter
     def auth(self, auth: Authenticator) -> None:
-        for path in self._pools.values():
+        for path in self._paths:
             path.auth = auth
 
     @property
@@ -102,34 +106,34 @@ class Pools:
 
     @property
     def active(self) -> int:
-        return sum(path.active for path in self._pools.values())
+        return sum(path.active for path in self._paths)
 
     # -- health and shutdown --------------------------------------------------------------------------------
 
     def routable_workers(self) -> int:
-        return sum(path.routable_workers() for path in self._pools.values())
+        return sum(path.routable_workers() for path in self._paths)
 
     def ready(self) -> bool:
         """Any pool has a routable worker (see the module docstring)."""
-        return any(path.ready() for path in self._pools.values())
+        return any(path.ready() for path in self._paths)
 
     def members(self) -> list[WorkerMember]:
-        return [member for path in self._pools.values() for member in path.members()]
+        return [member for path in self._paths for member in path.members()]
 
     def start_draining(self) -> None:
-        for path in self._pools.values():
+        for path in self._paths:
             path.start_draining()
 
     async def wait_drained(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         drained = True
-        for path in self._pools.values():
+        for path in self._paths:
             drained = await path.wait_drained(max(0.0, deadline - time.monotonic())) and drained
         return drained
 
     def end_streams(self, message: str) -> int:
-        return sum(path.end_streams(message) for path in self._pools.values())
+        return sum(path.end_streams(message) for path in self._paths)
 
     async def close(self) -> None:
-        for path in self._pools.values():
+        for path in self._paths:
             await path.close()

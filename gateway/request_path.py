@@ -146,12 +146,14 @@ class RequestPath:
         deadlines: StreamDeadlines | None = None,
         log_prompts: bool = False,
         concurrency: TenantConcurrency | None = None,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.fleet = fleet
         self.policy = policy
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.served_model_name = served_model_name
+        self.served_model_name = served_model_name  # what responses name as their `model`
+        self.served_model_names = (served_model_name, *aliases)  # what requests may name (vLLM's several names)
         self.auth = auth
         self.limits = limits
         self.metrics = metrics
@@ -450,7 +452,7 @@ class RequestPath:
         return [self]
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.served_model_names:
             raise ModelNotFound(f"the model {quoted(model)} does not exist", param="model")
 
     # -- vLLM's /tokenize and /detokenize -------------------------------------------------------------------

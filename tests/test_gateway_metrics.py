@@ -49,7 +49,7 @@ def test_metrics_are_not_on_the_api_port(api: httpx.Client, stack: GatewayStack)
     assert scraped.status_code == 200
     # The text format, whatever a Prometheus server's Accept asks for: OpenMetrics would escape the colons.
     assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
-    assert "kvroute:gateway_requests_in_flight " in scraped.text and "kvroute_" not in scraped.text
+    assert "kvroute:gateway_requests_in_flight{model_name=" in scraped.text and "kvroute_" not in scraped.text
 
 
 def test_client_named_apps_are_bounded_scoped_per_tenant_and_name_no_tenant(

@@ -7,9 +7,11 @@ the HTTP port they serve, its endpointPickerRef reaches the picker's container p
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -120,6 +122,10 @@ def test_the_picker_ref_reaches_the_epp_container(objects: list[dict[str, Any]])
     assert parsed.target_port == _one(objects, "InferencePool")["spec"]["targetPorts"][0]["number"]
     assert parsed.redis, "the picker reads the chart's Redis fleet state"
     assert container["readinessProbe"]["grpc"] == {"port": parsed.port, "service": "readiness"}
+    # SIGTERM: NOT_SERVING while deciding for drainDelay, then drainTimeout for the streams, within the grace
+    assert (parsed.drain_delay, parsed.drain_timeout) == (5.0, 30.0)
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= parsed.drain_delay + parsed.drain_timeout + 5
 
 
 def test_the_route_sends_the_gateway_to_the_pool(objects: list[dict[str, Any]]) -> None:
@@ -194,3 +200,39 @@ def test_the_workers_front_doors_hold_the_pickers_keys_and_salt() -> None:
         None,
         None,
     )
+
+
+POOLS = [
+    {"model": "sim", "served_model_name": ["alpha", "alpha-latest"], "block_size": 16,
+     "workers": ["vllm://alpha-vllm.models.svc:8000?events=tcp://*:5557&replay=tcp://*:5558&discover=dns"]},
+    {"model": "sim", "served_model_name": "beta", "block_size": 32, "policy": "prefix", "options": {"epsilon": 0.5},
+     "workers": ["vllm://beta-vllm.models.svc:8000?events=tcp://*:5557&replay=tcp://*:5558&discover=dns"]},
+]  # fmt: skip
+
+
+def test_routing_pools_reach_the_gateway_and_the_picker() -> None:
+    from gateway.cli_gateway import pool_configs
+
+    values = {**EPP_VALUES, "routing": {"policy": "kv_aware", "options": {"epsilon": 0.25}, "pools": POOLS}}
+    release = render_values(values)
+    (config_map,) = [o for o in release.all("ConfigMap") if o["metadata"]["name"].endswith("-routing")]
+    config = json.loads(config_map["data"]["routing.json"])
+    for obj in release.objects:
+        if obj["kind"] in ("ConfigMap", "Deployment"):
+            kubernetes_validate.validate(obj, MIN_KUBE_VERSION, strict=True)
+    for name in ("gateway", "epp"):
+        args = [a.replace("$(KVROUTE_POLICY)", config_map["data"]["policy"]) for a in release.container(name).args]
+        assert "--redis" not in args and "--workers" not in args, f"{name}: the pools name the workers"
+        pools = pool_configs(parse_kvroute(args), config)
+        built = [(p.served_model_name, p.aliases, p.block_size, p.policy, p.options) for p in pools]
+        assert built == [
+            ("alpha", ("alpha-latest",), 16, "kv_aware", {"epsilon": 0.25}),
+            ("beta", (), 32, "prefix", {"epsilon": 0.5}),
+        ], name
+
+
+def test_routing_pools_are_checked_by_the_schema() -> None:
+    values = {"routing": {"policy": "kv_aware", "pools": [{"model": "sim"}]}}
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart().render(values, name="r", namespace="ns")
+    assert "/routing/pools/0" in str(caught.value) and "workers" in str(caught.value)

@@ -80,15 +80,16 @@ def gateway(*flags: str) -> Any:
 
 
 def test_kvroute_gateway_takes_engine_specs_in_workers_and_the_routing_config(tmp_path: Path) -> None:
-    assert type(gateway("--workers", "127.0.0.1:1").fleet).__name__ == "EmbeddedFleetState"
+    assert type(gateway("--workers", "127.0.0.1:1").fleets[0]).__name__ == "EmbeddedFleetState"
     config = tmp_path / "routing.json"
     config.write_text(json.dumps({"epsilon": 0.25, "workers": ["sglang://127.0.0.1:30000?events=tcp://127.0.0.1:2"]}))
     built = gateway("--workers", "vllm://127.0.0.1:8000?events=tcp://127.0.0.1:1,127.0.0.1:2", "--routing-config",
                     str(config))  # fmt: skip
-    assert isinstance(built.fleet, EngineFleetState)
-    assert [p.spec.engine for p in built.fleet.engine_pollers] == ["vllm", "sglang"]
-    assert [p.address for p in built.fleet.grpc_pollers] == ["127.0.0.1:2"]
-    assert built.request_path.policy.options.epsilon == 0.25
+    (fleet,) = built.fleets
+    assert isinstance(fleet, EngineFleetState)
+    assert [p.spec.engine for p in fleet.engine_pollers] == ["vllm", "sglang"]
+    assert [p.address for p in fleet.grpc_pollers] == ["127.0.0.1:2"]
+    assert built.request_path.pool(None).policy.options.epsilon == 0.25
 
 
 @pytest.mark.parametrize(

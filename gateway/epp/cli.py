@@ -8,7 +8,13 @@ One gRPC port serves `envoy.service.ext_proc.v3.ExternalProcessor` and `grpc.hea
 names `liveness` (SERVING while the process answers), `readiness` and the ext_proc service's own name
 (SERVING while the fleet view has a worker with an endpoint). Envoy dials the workers' HTTP ports: `--target-port`
 (the InferencePool's targetPort, on each worker's advertised host) or `--endpoints WORKER=IP:PORT,...`.
-SIGTERM / SIGINT: readiness NOT_SERVING, new requests 503, streams in flight get `--drain-timeout` seconds.
+Several models: `--routing-config` with `pools` (gateway.cli_gateway.pool_configs), the request's model picking
+the pool.
+
+SIGTERM / SIGINT: health NOT_SERVING at once (readiness and the ext_proc name) while the picker goes on deciding
+for `--drain-delay` seconds, so that a data plane that health-checks its pickers moves new streams to another
+replica first; then it stops taking streams and those in flight get `--drain-timeout` seconds to finish. A
+second signal skips the delay.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoints", default="", help="WORKER=IP:PORT,...: a worker's (id or gRPC address) HTTP endpoint, explicitly"
     )
+    parser.add_argument(
+        "--drain-delay", type=float, default=2.0,
+        help="seconds a signalled picker keeps deciding while its health says NOT_SERVING (above the data "
+        "plane's health-check interval), before it stops taking streams",
+    )  # fmt: skip
 
 
 @dataclass
@@ -72,6 +83,10 @@ class EndpointPicker:
     health: health_aio.HealthServicer
     picker: Picker
     _health_task: asyncio.Task[None]
+
+    def going_away(self) -> None:
+        """Stop following readiness: health stays as set from here (NOT_SERVING, for the drain)."""
+        self._health_task.cancel()
 
     async def stop(self, grace: float) -> None:
         """Readiness NOT_SERVING at once, then stop; streams in flight get `grace` seconds."""
@@ -92,8 +107,11 @@ def build_picker(args: argparse.Namespace) -> Picker:
         raise UserError(str(exc)) from exc
     if args.max_endpoints < 0:
         raise UserError(f"--max-endpoints must be >= 0, got {args.max_endpoints}")
+    if args.drain_delay < 0:
+        raise UserError(f"--drain-delay must be >= 0, got {args.drain_delay}")
     gateway = cli_gateway.build_gateway(args)
-    grpc_workers = getattr(gateway.fleet, "grpc_pollers", True)  # an engine fleet's kvroute workers, if any
+    # an engine fleet's kvroute workers, if any
+    grpc_workers = any(getattr(fleet, "grpc_pollers", True) for fleet in gateway.fleets)
     if grpc_workers and not endpoints.explicit and endpoints.target_port is None:
         raise UserError(
             "say where Envoy dials the kvroute workers: --target-port PORT and/or --endpoints WORKER=IP:PORT,... "
@@ -153,39 +171,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(picker: Picker, args: argparse.Namespace) -> int:
-    """Start the fleet state, the metrics port and the picker; serve until a signal, then drain."""
+    """Start the fleet states, the metrics port and the picker; serve until a signal, then drain as the
+    module docstring says."""
     from gateway.metrics import metrics_app
     from kvroute.tracing import flush_tracing, setup_tracing
 
     setup_tracing("kvroute-epp")
-    path = picker.path
+    pools = picker.pools
     metrics_host = args.host if args.metrics_host is None else args.metrics_host
     metrics_http = (
-        cli_gateway.HttpServer.start(metrics_app(path.metrics), metrics_host, args.metrics_port)
+        cli_gateway.HttpServer.start(metrics_app(pools.metrics), metrics_host, args.metrics_port)
         if args.metrics_port
         else None
     )
-    await path.fleet.start()
+    for path in pools.pools():
+        await path.fleet.start()
     epp = await start_picker(picker, args.host, args.port)
     metrics_where = f", metrics on http://{metrics_host}:{metrics_http.port}/metrics" if metrics_http else ""
     print(
-        f"kvroute epp: picking for {path.served_model_name} (policy {path.policy.name}) on "
-        f"{grpc_address(args.host, epp.port)}{metrics_where}; {len(path.fleet.members())} workers ready",
+        f"kvroute epp: picking for {cli_gateway.describe_pools(pools)} on "
+        f"{grpc_address(args.host, epp.port)}{metrics_where}; {len(pools.members())} workers ready",
         flush=True,
     )
-    stop = asyncio.Event()
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print(f"kvroute epp: draining ({path.active} in flight, up to {args.drain_timeout:g} s)", flush=True)
-    path.start_draining()
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    await signals.get()
+    epp.going_away()
     await _set_ready(epp.health, False)
+    print(f"kvroute epp: NOT_SERVING; deciding for {args.drain_delay:g} s more (a second signal skips it)", flush=True)
+    with suppress(TimeoutError):
+        async with asyncio.timeout(args.drain_delay):
+            await signals.get()
+    print(f"kvroute epp: draining ({pools.active} in flight, up to {args.drain_timeout:g} s)", flush=True)
+    pools.start_draining()
     await epp.stop(args.drain_timeout)
     if metrics_http is not None:
         await metrics_http.stop()
-    await path.fleet.stop()
-    await path.close()
+    for path in pools.pools():
+        await path.fleet.stop()
+    await pools.close()
     flush_tracing()
     print("kvroute epp: stopped", flush=True)
     return 0

@@ -16,12 +16,15 @@ One ext_proc stream is one HTTP request through Envoy. What the picker does with
                       SSE event (or the JSON body) gives usage for the span.
     stream end        the request is finished on the worker that served it, whatever happened.
 
-The decision: `RequestPath.prepare` (auth, model, limits, template, tokenizer, block hashes with the tenant's
-salt), the tenant's concurrency slot, then the routing policy picks once over the workers that have an
-endpoint (and are in the data plane's subset hint, when it sends one); the fallbacks are the other eligible
-workers by the policy's own signals without asking it again (its memory is updated once per request): the
-most leading blocks cached first, then the least loaded. Refusals are ImmediateResponses in OpenAI's error
-body: 400 (bad JSON, unknown model, oversize prompt), 401, 413, 429 with Retry-After, 503.
+The request's `model` picks the pool (gateway.pools: one per served model, each with its own fleet, index and
+policy); a model no pool serves goes on (once the key is checked) to any ready endpoint, as GIE's picker
+does, and the model server answers it; no model while several are served is a 400. The decision in the pool:
+`RequestPath.prepare` (auth, model, limits, template, tokenizer, block hashes with the tenant's salt), the
+tenant's concurrency slot, then the routing policy picks once over the workers that have an endpoint (and are
+in the data plane's subset hint, when it sends one); the fallbacks are the other eligible workers by the
+policy's own signals without asking it again (its memory is updated once per request): the most leading
+blocks cached first, then the least loaded. Refusals are ImmediateResponses in OpenAI's error body: 400 (bad
+JSON, no model among several, oversize prompt), 401, 413, 429 with Retry-After, 503.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from google.protobuf import struct_pb2
 from opentelemetry import trace
 
 from gateway import tracing
-from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, NoWorkerAvailable
+from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, NoWorkerAvailable
 from gateway.fleet import FleetView
 from gateway.fleet_state import WorkerMember
 from gateway.metrics import label_value
@@ -57,6 +60,7 @@ from gateway.openai_protocol import (
     client_request_id_of,
     parse_request,
 )
+from gateway.pools import Pools
 from gateway.request import GatewayRequest, RouteInfo, Tenant, Usage
 from gateway.request_path import RequestPath
 from gateway.router import NoReplicaAvailable, RouteRequest
@@ -127,16 +131,18 @@ class Pick:
     span: trace.Span
     arrival: float
     booked: str  # the worker whose in-flight count holds this request
+    path: RequestPath  # the pool that decided it
     first_byte: float | None = None
     finished: bool = False
 
 
 class Picker:
-    """The decisions and their books, over one request path (its fleet state, policy and limits)."""
+    """The decisions and their books, over the gateway's pools (gateway.pools.Pools, or one RequestPath):
+    each pool's fleet state, policy and limits, the request's `model` picking the pool."""
 
     def __init__(
         self,
-        request_path: RequestPath,
+        pools: Pools | RequestPath,
         endpoints: EndpointMap,
         *,
         max_body_bytes: int,
@@ -145,7 +151,8 @@ class Picker:
     ) -> None:
         """`max_endpoints`: how many endpoints an answer lists at most (0: every eligible one); 1 for a data
         plane that reads one address from the header (an ORIGINAL_DST cluster)."""
-        self.path = request_path
+        self.pools = pools
+        self.metrics = pools.metrics  # where refusals before a pool is known are counted
         self.endpoints = endpoints
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -154,16 +161,16 @@ class Picker:
         self._unmapped: set[str] = set()  # workers without an endpoint, logged once each
 
     def ready(self) -> bool:
-        """The fleet view has a worker the picker can send Envoy to (and the picker is not draining)."""
-        return bool(self._eligible(self.path.fleet.view(), None))
+        """A pool's fleet view has a worker the picker can send Envoy to (and the picker is not draining)."""
+        return any(self._eligible(path, path.fleet.view(), None) for path in self.pools.pools())
 
-    def _eligible(self, fleet: FleetView, subset: frozenset[str] | None) -> dict[str, str]:
-        """worker id -> endpoint for the workers in the view that have one (within `subset` when given)."""
-        if self.path.draining:
+    def _eligible(self, path: RequestPath, fleet: FleetView, subset: frozenset[str] | None) -> dict[str, str]:
+        """worker id -> endpoint for the workers in `path`'s view that have one (within `subset` when given)."""
+        if path.draining:
             return {}
         eligible = {}
         for worker_id in fleet.replicas:
-            member = self.path.fleet.member(worker_id)
+            member = path.fleet.member(worker_id)
             endpoint = self.endpoints.of(member) if member is not None else None
             if endpoint is None and member is not None and worker_id not in self._unmapped:
                 self._unmapped.add(worker_id)
@@ -174,9 +181,11 @@ class Picker:
         return eligible
 
     def any_endpoints(self, subset: frozenset[str] | None) -> list[str]:
-        """A request that is not inference: every eligible endpoint, starting at the next in turn. Raises
-        NoWorkerAvailable when there is none."""
-        endpoints = sorted(self._eligible(self.path.fleet.view(), subset).values())
+        """A request that is not inference, or for a model no pool serves: every eligible endpoint of every
+        pool, starting at the next in turn. Raises NoWorkerAvailable when there is none."""
+        endpoints = sorted(
+            {e for path in self.pools.pools() for e in self._eligible(path, path.fleet.view(), subset).values()}
+        )
         if not endpoints:
             raise NoWorkerAvailable(_no_endpoint(subset))
         start = next(self._turn) % len(endpoints)
@@ -201,16 +210,19 @@ class Picker:
     async def decide(
         self, request: GatewayRequest, subset: frozenset[str] | None, client_request_id: str | None
     ) -> Pick:
-        """Route one inference request. Raises GatewayError (nothing booked) when it is refused; otherwise
-        the caller must call `finish(pick)` exactly once, however the request ends."""
+        """Route one inference request in the pool its `model` names. Raises GatewayError (nothing booked)
+        when it is refused, ModelNotFound when no pool serves the model; otherwise the caller must call
+        `finish(pick)` exactly once, however the request ends."""
         arrival = time.perf_counter()
-        path = self.path
+        # the key first, as in the gateway: a model no pool serves is passed on only for a known tenant
+        self.pools.auth.authenticate(request.api_key)
+        path = self.pools.pool(request.model)
         if path.draining:
             raise NoWorkerAvailable("the endpoint picker is shutting down; send the request again", retry_after=1.0)
         prepared = await path.prepare(request)  # the tenant's slot is held from here
         try:
             fleet = path.fleet.view()
-            eligible = self._eligible(fleet, subset)
+            eligible = self._eligible(path, fleet, subset)
             if not eligible:
                 raise NoWorkerAvailable(_no_endpoint(subset))
             longest = max(path.fleet.member(w).max_model_len for w in eligible)  # type: ignore[union-attr]
@@ -253,7 +265,7 @@ class Picker:
         endpoints = self._cut([eligible[w] for w in order])
         return Pick(
             request_id, client_request_id, prepared.tenant, route, endpoints, dict(zip(endpoints, order, strict=False)),
-            len(prepared.prompt_ids), span, arrival, decision.replica,
+            len(prepared.prompt_ids), span, arrival, decision.replica, path,
         )  # fmt: skip
 
     @staticmethod
@@ -276,8 +288,8 @@ class Picker:
         worker_id = pick.workers[endpoint]
         if worker_id == pick.booked:
             return
-        self.path.fleet.on_finish(pick.booked)
-        self.path.fleet.on_dispatch(worker_id)
+        pick.path.fleet.on_finish(pick.booked)
+        pick.path.fleet.on_dispatch(worker_id)
         skipped = tuple(pick.endpoints[: pick.endpoints.index(endpoint)])
         pick.booked = worker_id
         pick.route = RouteInfo(
@@ -292,7 +304,7 @@ class Picker:
         if pick.finished:
             return
         pick.finished = True
-        path = self.path
+        path = pick.path
         path.fleet.on_finish(pick.booked)
         path.concurrency.release(pick.tenant)
         path.active -= 1
@@ -511,15 +523,24 @@ class _Exchange:
         path = self.headers.get(":path", "").partition("?")[0]
         try:
             request = self.picker.parse(path, self.headers, bytes(self.body))
-            self.pick = await self.picker.decide(request, self.subset, client_request_id)
+            try:
+                self.pick = await self.picker.decide(request, self.subset, client_request_id)
+            except ModelNotFound:
+                # As GIE's picker does with a model it has no objective for: on to a model server, which
+                # answers for it (a 404 in OpenAI's body, or an adapter this config does not name).
+                return self._pass_on(self.picker.any_endpoints(self.subset), end_of_stream)
         except GatewayError as exc:
-            self.picker.path.metrics.errors.labels(type(exc).__name__).inc()
+            self.picker.metrics.errors.labels(type(exc).__name__).inc()
             return [immediate(exc, client_request_id)]
+        return self._pass_on(self.pick.endpoints, end_of_stream)
+
+    def _pass_on(self, endpoints: list[str], end_of_stream: bool) -> list[ext_pb2.ProcessingResponse]:
+        """The destination, then the gathered body (FULL_DUPLEX_STREAMED) or nothing more (BUFFERED)."""
         if self.request_body_mode == BUFFERED:
-            return [destination(self.pick.endpoints, "request_body")]
+            return [destination(endpoints, "request_body")]
         body, self.body = bytes(self.body), bytearray()
         return [
-            destination(self.pick.endpoints, "request_headers"),
+            destination(endpoints, "request_headers"),
             *streamed_body("request_body", body, end_of_stream),
         ]
 
