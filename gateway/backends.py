@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -139,10 +139,19 @@ class HttpBackend:
     """vLLM and SGLang: their OpenAI HTTP API, one `aiohttp.ClientSession` per address with at most
     `max_connections` kept-alive connections (a request past them waits for one, up to `pool_timeout` seconds
     more than `connect_timeout`, then fails UNAVAILABLE and is tried elsewhere). aiohttp, not httpx: less
-    work per request (docs/engines.md)."""
+    work per request (docs/engines.md). `api_key(address)`: the key an engine was started with
+    (`--api-key`), sent to it as `Authorization: Bearer`; None (or no `api_key`) sends none."""
 
-    def __init__(self, *, max_connections: int = 256, connect_timeout: float = 2.0, pool_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int = 256,
+        connect_timeout: float = 2.0,
+        pool_timeout: float = 5.0,
+        api_key: Callable[[str], str | None] | None = None,
+    ) -> None:
         self.max_connections = max_connections
+        self.api_key = api_key
         self.timeout = aiohttp.ClientTimeout(
             total=None, connect=pool_timeout + connect_timeout, sock_connect=connect_timeout, sock_read=None
         )
@@ -153,9 +162,11 @@ class HttpBackend:
         client = self._clients.get(address)
         if client is None:
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, use_dns_cache=True)
+            key = self.api_key(address) if self.api_key is not None else None
             client = aiohttp.ClientSession(
                 base_url=f"http://{address}", connector=connector, timeout=self.timeout,
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                headers={"Authorization": f"Bearer {key}"} if key else None,
             )  # fmt: skip
             self._clients[address] = client
         return client

@@ -148,6 +148,7 @@ class Gateway:
 def build_gateway(args: argparse.Namespace) -> Gateway:
     """Everything `kvroute gateway` serves, from its parsed flags. Raises UserError with one line."""
     from gateway.auth import Authenticator
+    from gateway.backends import HttpBackend
     from gateway.limits import Limits
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
@@ -189,6 +190,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         token = worker_token(args.worker_token_file, "--worker-token-file")
         options = _routing_options(args.routing_config)
         specs = _worker_specs(args.workers, options.pop("workers", []))
+        engine_options = _engine_options(options)
         policy = make_policy(args.policy, **options)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
@@ -197,7 +199,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     served = args.served_model_name or args.model
     metrics = GatewayMetrics(served, tenant_labels=args.metrics_tenant_labels)
     identity = fleet_identity(source.model_id, tokenizer, args.block_size)
-    fleet = _fleet_state(args, specs, identity, tokenizer, token)
+    fleet = _fleet_state(args, specs, identity, tokenizer, token, engine_options)
     request_path = RequestPath(
         fleet,
         policy,
@@ -210,6 +212,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         block_size=args.block_size,
         retry=retry,
         clients=WorkerClients(token),
+        http_backend=HttpBackend(api_key=getattr(fleet, "api_key", None)),
         deadlines=deadlines,
         log_prompts=args.log_prompts,
     )
@@ -237,7 +240,16 @@ def _worker_specs(flag: str, configured: Any) -> list[Any]:
     return parse_worker_specs(",".join([flag, *configured]))
 
 
-def _fleet_state(args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None) -> Any:
+def _engine_options(options: dict[str, Any]) -> Any:
+    """The routing config's engine keys (gateway.engine_fleet.EngineOptions.from_routing_config), taken out."""
+    from gateway.engine_fleet import EngineOptions
+
+    return EngineOptions.from_routing_config(options)
+
+
+def _fleet_state(
+    args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None, engine: Any
+) -> Any:
     from gateway.embedded_fleet import EmbeddedFleetState, validate_address
     from kvroute.credentials import redis_password
 
@@ -248,7 +260,10 @@ def _fleet_state(args: argparse.Namespace, specs: list[Any], identity: Any, toke
                             "directly: leave out --redis")  # fmt: skip
         from gateway.engine_fleet import EngineFleetState
 
-        return EngineFleetState(specs, identity, tokenizer, token=token)
+        try:
+            return EngineFleetState(specs, identity, tokenizer, options=engine, token=token)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
     try:
         for address in addresses:
             validate_address(address)
@@ -462,6 +477,8 @@ def reload(gateway: Gateway, args: argparse.Namespace) -> None:
             options = _routing_options(args.routing_config)
             if options.pop("workers", None) is not None:
                 logger.warning("SIGHUP: the routing config's workers are read at start only; restart to change them")
+            if options.pop("medium_weights", None) is not None:
+                logger.warning("SIGHUP: the routing config's medium_weights are read at start only")
             policy = make_policy(args.policy, **options)
         except (ValueError, TypeError) as exc:
             logger.error("SIGHUP: kept the routing config in force: %s", exc)

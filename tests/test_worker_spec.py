@@ -90,12 +90,37 @@ def test_kvroute_gateway_takes_engine_specs_in_workers_and_the_routing_config(tm
     assert built.request_path.policy.options.epsilon == 0.25
 
 
+def test_engine_keys_and_medium_weights_come_from_the_spec_and_the_routing_config(tmp_path: Path) -> None:
+    key_file = tmp_path / "vllm.key"
+    key_file.write_text("sk-secret-123\n")
+    config = tmp_path / "routing.json"
+    config.write_text(json.dumps({"medium_weights": {"CPU": 0.5, "DISK": 0.2}, "epsilon": 0.25}))
+    built = gateway("--workers", f"vllm://127.0.0.1:8000?api_key_file={key_file},sglang://127.0.0.1:8001",
+                    "--routing-config", str(config))  # fmt: skip
+    assert built.fleet.options.medium_weights == {"CPU": 0.5, "DISK": 0.2}
+    assert built.fleet.api_key("127.0.0.1:8000") == "sk-secret-123"
+    assert built.fleet.api_key("127.0.0.1:8001") is None
+    assert "sk-secret" not in repr(parse_worker_spec(f"vllm://h:1?api_key_file={key_file}"))
+    for weights, fault in (({"CPU": 2}, "CPU's weight must be a number in [0, 1]"), ([0.5], "must be an object")):
+        config.write_text(json.dumps({"medium_weights": weights}))
+        with pytest.raises(UserError, match=re.escape(fault)):
+            gateway("--workers", "vllm://127.0.0.1:8000", "--routing-config", str(config))
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    for path, fault in ((tmp_path / "missing.key", "No such file"), (empty, "must hold one key")):
+        with pytest.raises(UserError, match=re.escape(fault)) as refused:
+            gateway("--workers", f"vllm://127.0.0.1:8000?api_key_file={path}")
+        assert str(path) in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("flags", "fault"),
     [
         (("--workers", "vllm://h:8000?evnts=tcp://h:1"), "unknown query key 'evnts'"),
         (("--workers", "vllm://h:8000", "--redis", "redis://127.0.0.1:1"), "--redis takes kvroute workers only"),
         ((), "name the fleet"),
+        (("--workers", "vllm://h:8000?api_key_file="), "api_key_file names no file"),
+        (("--workers", "kvroute://h:8000?api_key_file=/k"), "takes the gateway's --worker-token-file"),
     ],
 )
 def test_kvroute_gateway_refuses_a_bad_fleet_in_one_line(flags: tuple[str, ...], fault: str) -> None:
