@@ -212,7 +212,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         block_size=args.block_size,
         retry=retry,
         clients=WorkerClients(token),
-        http_backend=HttpBackend(api_key=getattr(fleet, "api_key", None)),
+        http_backend=HttpBackend(engine=getattr(fleet, "engine_target", None)),
         deadlines=deadlines,
         log_prompts=args.log_prompts,
     )

@@ -11,7 +11,8 @@ embedded fleet state does (gateway.embedded_fleet.WorkerPoller); a `vllm` / `sgl
     GET <metrics> ──► running, waiting, KV usage ──► FleetBook.report_load
         vLLM:   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc
         SGLang: sglang:num_running_reqs,   sglang:num_queue_reqs,     sglang:token_usage
-        (summed over the label sets an engine writes, e.g. one per DP rank; KV usage: the largest)
+        (summed over the label sets an engine writes; KV usage: the largest; for one rank of a data-parallel
+        engine, `dp=N` in its spec, only the samples of its rank: gateway.worker_spec)
 
 Stated times, the embedded fleet's:
   - a worker whose health checks have failed for `unreachable_after` seconds (default 2.0) leaves, its
@@ -59,6 +60,7 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.backends import EngineTarget
 from gateway.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet import FleetView
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
@@ -138,7 +140,7 @@ def subscribe(
     """The default EventSourceFactory: gateway.engine_events' ZMQ subscriber to the spec's endpoints."""
     from gateway.engine_events import EngineEventSource, EngineEventSubscriber
 
-    source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic)
+    source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic, spec.data_parallel_rank or 0)
     return EngineEventSubscriber(book, source, on_restart=on_restart, medium_weights=options.medium_weights)
 
 
@@ -161,11 +163,11 @@ class EnginePoller(PollLoop):
         events: EventSourceFactory,
         api_key: str | None = None,
     ) -> None:
-        super().__init__(spec.address, options.poll_interval)
-        self.api_key = api_key  # the engine's --api-key, sent on every check; never logged
+        super().__init__(spec.worker_id, options.poll_interval)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.spec = spec
-        self.worker_id = spec.address
+        self.worker_id = spec.worker_id
+        self.target = EngineTarget(api_key, spec.data_parallel_rank)
         self.book = book
         self.client = client
         self.tokenizer = tokenizer
@@ -292,8 +294,11 @@ class EnginePoller(PollLoop):
         running_name, waiting_name, usage_name = LOAD_METRICS[self.spec.engine]
         running = waiting = usage = 0.0
         started = None
+        rank = self.spec.data_parallel_rank
         for sample in _samples(text, (*LOAD_METRICS[self.spec.engine], START_TIME)):
             if not math.isfinite(sample.value) or sample.value < 0:
+                continue
+            if rank is not None and sample.name != START_TIME and not _of_rank(sample.labels, rank):
                 continue
             if sample.name == START_TIME:
                 started = sample.value
@@ -386,6 +391,13 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _of_rank(labels: dict[str, str], rank: int) -> bool:
+    """A sample of data-parallel rank `rank`'s load: labelled with it (vLLM's `engine`, SGLang's `dp_rank`
+    label), or labelled with no rank at all (an engine that writes one series for every rank)."""
+    value = labels.get("engine", labels.get("dp_rank"))
+    return value is None or value == str(rank)
+
+
 def _samples(text: str, names: tuple[str, ...]) -> list[Any]:
     """The samples of the series `names` on a text-format metrics page. Only their lines are parsed: an
     engine's page is mostly histograms, and parsing all of it at every poll would cost a gateway core."""
@@ -454,8 +466,8 @@ class EngineFleetState(BookkeepingFleetState):
     `events`: makes each engine worker's KV-event subscriber when it joins (default: `subscribe`, over
     ZMQ). `resolve`: host, port -> addresses, for
     `discover=dns` specs (default: the system resolver). `token`: what kvroute workers are shown. ValueError
-    names a spec whose `api_key_file` cannot be read. `api_key(address)`: that engine's key, for the HTTP
-    backend (gateway.backends.HttpBackend)."""
+    names a spec whose `api_key_file` cannot be read. `engine_target(worker_id)`: that engine's key and rank, for
+    the HTTP backend (gateway.backends.HttpBackend)."""
 
     def __init__(
         self,
@@ -482,7 +494,9 @@ class EngineFleetState(BookkeepingFleetState):
 
         self.grpc_pollers = [WorkerPoller(s.address, self.book, grpc_options, token) for s in specs
                              if s.engine == "kvroute"]  # fmt: skip
-        self.engine_pollers = [make(s) for s in specs if s.engine != "kvroute" and s.discover is None]
+        self.engine_pollers = [
+            make(r) for s in specs if s.engine != "kvroute" and s.discover is None for r in s.ranks()
+        ]
         self._static = {p.worker_id: p for p in self.engine_pollers}
         self.dns_groups = [_DnsGroup(s, make, resolve) for s in specs if s.discover == "dns"]
         self._tasks: list[asyncio.Task[Any]] = []
@@ -538,10 +552,11 @@ class EngineFleetState(BookkeepingFleetState):
             flags = ("parity_mismatch",)
         return (*flags, "no_kv_events") if poller.silent else flags
 
-    def api_key(self, address: str) -> str | None:
-        """The key the engine at `address` (a member's address) wants, None for none."""
-        poller = self._engine_poller(address)
-        return poller.api_key if poller is not None else None
+    def engine_target(self, worker_id: str) -> EngineTarget | None:
+        """How to address an engine member (its key, its data-parallel rank), for the HTTP backend; None for
+        a worker this fleet state does not poll as an engine."""
+        poller = self._engine_poller(worker_id)
+        return poller.target if poller is not None else None
 
     def view(self) -> FleetView:
         """The book's view; while any engine holds blocks only on an offloaded tier, with its index scoring

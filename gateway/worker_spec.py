@@ -19,6 +19,12 @@ SGLang's `--port`). Query keys, each at most once:
   - `api_key_file`: a file holding the key the engine was started with (`vllm serve --api-key`, SGLang's
     `--api-key`), sent as `Authorization: Bearer` on every request to it (forwarding, /health, /metrics,
     /v1/models, /tokenize). Read once at the gateway's start (`read_api_key`); the key is never logged.
+  - `dp=N`: the engine serves N data-parallel ranks behind its one HTTP address (`vllm serve
+    --data-parallel-size N`, SGLang's `--dp-size N` with `--enable-dp-attention`). Each rank is its own
+    cache and its own routing target (`ranks()`), worker id `host:port/dp<r>`: its events on the `events` and
+    `replay` ports + r (where vLLM and SGLang publish rank r), its load from the metrics labelled with its
+    rank, and its requests sent with `X-data-parallel-rank: r` (which vLLM and SGLang both honour). Not with
+    `discover=dns` (yet).
 Only `tcp://` endpoints are accepted for `events` and `replay`. `ValueError` names the spec and what is wrong
 (an unknown scheme, a bad port, an unknown or repeated query key, a query on a kvroute worker).
 """
@@ -33,7 +39,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 Engine = Literal["kvroute", "vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("kvroute", "vllm", "sglang")
-_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover", "api_key_file")
+_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover", "api_key_file", "dp")
+MAX_DATA_PARALLEL = 256
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,29 @@ class WorkerSpec:
     metrics: str | None = None  # its Prometheus metrics URL; None for kvroute workers (load comes over gRPC)
     discover: Literal["dns"] | None = None
     api_key_file: str | None = None  # the path only: the key is read by read_api_key
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None  # set on the specs `ranks()` gives, for a DP engine
+
+    @property
+    def worker_id(self) -> str:
+        """The routing target's id: its address, with `/dp<r>` for rank r of a data-parallel engine."""
+        return self.address if self.data_parallel_rank is None else f"{self.address}/dp{self.data_parallel_rank}"
+
+    def ranks(self) -> list[WorkerSpec]:
+        """The routing targets of this engine: itself, or one spec per data-parallel rank (module docstring)."""
+        if self.data_parallel_size == 1:
+            return [self]
+
+        def shifted(endpoint: str | None, rank: int) -> str | None:
+            if endpoint is None:
+                return None
+            head, _, port = endpoint.rpartition(":")
+            return f"{head}:{int(port) + rank}"
+
+        return [
+            replace(self, data_parallel_rank=r, events=shifted(self.events, r), replay=shifted(self.replay, r))
+            for r in range(self.data_parallel_size)
+        ]
 
     @property
     def address(self) -> str:
@@ -115,10 +145,18 @@ def parse_worker_spec(text: str) -> WorkerSpec:
         raise ValueError(f"worker {spec!r}: the host * stands for a resolved address only with discover=dns")
     if query.get("api_key_file") == "":
         raise ValueError(f"worker {spec!r}: api_key_file names no file")
+    dp = query.get("dp", "1")
+    if not dp.isdigit() or not 1 <= int(dp) <= MAX_DATA_PARALLEL:
+        raise ValueError(f"worker {spec!r}: dp must be an integer in [1, {MAX_DATA_PARALLEL}], got {dp!r}")
+    if int(dp) > 1 and discover:
+        raise ValueError(f"worker {spec!r}: dp > 1 with discover=dns is not supported: name each engine")
+    for key in ("events", "replay"):
+        if key in query and int(query[key].rpartition(":")[2]) + int(dp) - 1 > 65535:
+            raise ValueError(f"worker {spec!r}: rank {int(dp) - 1}'s {key} port (the port + its rank) is past 65535")
     return WorkerSpec(
         scheme, host, port, query.get("events"), query.get("replay"), query.get("topic", ""),
         metrics or (None if discover else f"http://{_bracketed(host)}:{port}/metrics"),
-        "dns" if discover else None, query.get("api_key_file"),
+        "dns" if discover else None, query.get("api_key_file"), int(dp),
     )  # fmt: skip
 
 

@@ -165,7 +165,7 @@ class EngineStack(LoopThreadStack):
         self.request_path = RequestPath(
             self.fleet, make_policy(o.policy), tokenizer, source.model_id, SERVED_MODEL,
             Authenticator(o.api_keys), limits, GatewayMetrics(SERVED_MODEL), deadlines=o.deadlines,
-            http_backend=HttpBackend(api_key=self.fleet.api_key),
+            http_backend=HttpBackend(engine=self.fleet.engine_target),
         )  # fmt: skip
         app = build_app(self.request_path, max_body_bytes=limits.max_body_bytes, default_max_tokens=limits.max_tokens)
         self.http = HttpServer.start(app, "127.0.0.1", 0)
