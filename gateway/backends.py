@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -97,6 +97,19 @@ class EngineDelta:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the engine reports it
 
 
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's (`_get_data_parallel_rank`) and SGLang's (serving_base), any case
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineTarget:
+    """How an HTTP engine member is addressed beyond its address: the key it was started with (`--api-key`,
+    sent as `Authorization: Bearer`; kept out of the repr, so never logged) and, for one data-parallel rank of
+    an engine, that rank (sent as `X-data-parallel-rank`)."""
+
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    data_parallel_rank: int | None = None
+
+
 class BackendCall(Protocol):
     async def read(self) -> Any: ...
 
@@ -139,30 +152,46 @@ class HttpBackend:
     """vLLM and SGLang: their OpenAI HTTP API, one `aiohttp.ClientSession` per address with at most
     `max_connections` kept-alive connections (a request past them waits for one, up to `pool_timeout` seconds
     more than `connect_timeout`, then fails UNAVAILABLE and is tried elsewhere). aiohttp, not httpx: less
-    work per request (docs/engines.md)."""
+    work per request (docs/engines.md). `engine(worker_id)`: how to address a member (EngineTarget), None
+    (or no `engine`) for an engine that wants neither a key nor a rank."""
 
-    def __init__(self, *, max_connections: int = 256, connect_timeout: float = 2.0, pool_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int = 256,
+        connect_timeout: float = 2.0,
+        pool_timeout: float = 5.0,
+        engine: Callable[[str], EngineTarget | None] | None = None,
+    ) -> None:
         self.max_connections = max_connections
+        self.engine = engine
         self.timeout = aiohttp.ClientTimeout(
             total=None, connect=pool_timeout + connect_timeout, sock_connect=connect_timeout, sock_read=None
         )
         self._clients: dict[str, aiohttp.ClientSession] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
-    def client(self, address: str) -> aiohttp.ClientSession:
+    def client(self, address: str, key: str | None = None) -> aiohttp.ClientSession:
+        """The session to `address`, made at its first request (with the engine's key as a default header)."""
         client = self._clients.get(address)
         if client is None:
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, use_dns_cache=True)
             client = aiohttp.ClientSession(
                 base_url=f"http://{address}", connector=connector, timeout=self.timeout,
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                headers={"Authorization": f"Bearer {key}"} if key else None,
             )  # fmt: skip
             self._clients[address] = client
         return client
 
     def open(self, member: WorkerMember, job: ForwardJob, choice: int) -> BackendCall:
         path, body = engine_request(job, member.model_id, choice)
-        return HttpCall(self.client(member.address), path, body, job.request.kind == "chat")
+        target = self.engine(member.worker_id) if self.engine is not None else None
+        headers = _JSON
+        if target is not None and target.data_parallel_rank is not None:
+            headers = {**_JSON, DP_RANK_HEADER: str(target.data_parallel_rank)}
+        client = self.client(member.address, target.api_key if target is not None else None)
+        return HttpCall(client, path, body, job.request.kind == "chat", headers)
 
     def release(self, address: str) -> None:
         """No member has this address any more: its client closes once the requests still on it end."""
@@ -222,11 +251,13 @@ class HttpCall:
     `_QUEUE_DEPTH` events) and closes the connection when cancelled. The choice's finish is held back until
     the engine's usage event (or the end of the stream), so its last EngineDelta carries both."""
 
-    def __init__(self, client: aiohttp.ClientSession, path: str, body: dict[str, Any], chat: bool) -> None:
+    def __init__(
+        self, client: aiohttp.ClientSession, path: str, body: dict[str, Any], chat: bool, headers: dict[str, str]
+    ) -> None:
         self._chat = chat
         self._queue: asyncio.Queue[Any] = asyncio.Queue(_QUEUE_DEPTH)
         self._cancelled = False
-        self._task = asyncio.get_running_loop().create_task(self._run(client, path, body), name=f"http {path}")
+        self._task = asyncio.get_running_loop().create_task(self._run(client, path, body, headers), name=f"http {path}")
 
     async def read(self) -> Any:
         if self._cancelled:
@@ -245,9 +276,11 @@ class HttpCall:
             self._queue.put_nowait(asyncio.CancelledError())
         return True
 
-    async def _run(self, client: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> None:
+    async def _run(
+        self, client: aiohttp.ClientSession, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> None:
         try:
-            async with client.post(path, data=orjson.dumps(body), headers=_JSON) as response:
+            async with client.post(path, data=orjson.dumps(body), headers=headers) as response:
                 if response.status != 200:
                     raise await _http_error(response)
                 held: EngineDelta | None = None  # the choice's finish, waiting for the usage event

@@ -168,7 +168,8 @@ class Gateway:
 @dataclass(frozen=True)
 class PoolConfig:
     """One served model: the tokenizer/model source (`--model`'s forms), the name clients send as `model` (and
-    its aliases), its worker specs (gateway.worker_spec), block size, routing policy and the policy's options."""
+    its aliases), its worker specs (gateway.worker_spec), block size, routing policy, the policy's options,
+    and the engine backends' options (`medium_weights`, gateway.engine_fleet.EngineOptions; read at start only)."""
 
     model: str
     served_model_name: str
@@ -177,6 +178,7 @@ class PoolConfig:
     policy: str
     options: dict[str, Any]
     aliases: tuple[str, ...] = ()
+    engine: Any = None
 
 
 POOL_KEYS = ("model", "served_model_name", "workers", "block_size", "policy", "options")
@@ -201,7 +203,8 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
     if pools is None:
         served = args.served_model_name or args.model
         listed = tuple(filter(None, (part.strip() for part in ",".join([args.workers, *workers]).split(","))))
-        return [PoolConfig(args.model, served, listed, args.block_size, args.policy, options)]
+        engine = _engine_options(options)
+        return [PoolConfig(args.model, served, listed, args.block_size, args.policy, options, engine=engine)]
     if args.workers or workers or args.served_model_name:
         raise ValueError(
             "--routing-config: with `pools`, each pool names its workers and served_model_name "
@@ -237,7 +240,10 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
         if not isinstance(own, dict):
             raise ValueError(f"{where}: options must be an object of policy options")
         options_of_pool = {**options, **own}
-        configs.append(PoolConfig(model, names[0], tuple(specs), block_size, policy, options_of_pool, tuple(names[1:])))
+        engine = _engine_options(options_of_pool)
+        configs.append(
+            PoolConfig(model, names[0], tuple(specs), block_size, policy, options_of_pool, tuple(names[1:]), engine)
+        )
     return configs
 
 
@@ -246,6 +252,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     request path per pool, sharing the Authenticator, the tenants' concurrency, the worker channels and the
     metrics registry. Raises UserError with one line."""
     from gateway.auth import Authenticator
+    from gateway.backends import HttpBackend
     from gateway.limits import Limits, TenantConcurrency
     from gateway.metrics import GatewayMetrics
     from gateway.pools import Pools
@@ -311,9 +318,10 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
             raise UserError("name the fleet: --workers host:port,... and/or --redis URL")
         source, tokenizer = tokenizers[config.model]
         identity = fleet_identity(source.model_id, tokenizer, config.block_size)
+        fleet = _fleet_state(args, pool_specs, identity, tokenizer, token, config.engine)
         paths.append(
             RequestPath(
-                _fleet_state(args, pool_specs, identity, tokenizer, token),
+                fleet,
                 policy,
                 tokenizer,
                 source.model_id,
@@ -324,6 +332,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
                 block_size=config.block_size,
                 retry=retry,
                 clients=clients,
+                http_backend=HttpBackend(engine=getattr(fleet, "engine_target", None)),
                 deadlines=deadlines,
                 log_prompts=args.log_prompts,
                 concurrency=concurrency,
@@ -350,7 +359,16 @@ def _routing_options(path: str | None) -> dict[str, Any]:
     return options
 
 
-def _fleet_state(args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None) -> Any:
+def _engine_options(options: dict[str, Any]) -> Any:
+    """The routing config's engine keys (gateway.engine_fleet.EngineOptions.from_routing_config), taken out."""
+    from gateway.engine_fleet import EngineOptions
+
+    return EngineOptions.from_routing_config(options)
+
+
+def _fleet_state(
+    args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None, engine: Any
+) -> Any:
     from gateway.embedded_fleet import EmbeddedFleetState, validate_address
     from kvroute.credentials import redis_password
 
@@ -361,7 +379,10 @@ def _fleet_state(args: argparse.Namespace, specs: list[Any], identity: Any, toke
                             "directly: leave out --redis")  # fmt: skip
         from gateway.engine_fleet import EngineFleetState
 
-        return EngineFleetState(specs, identity, tokenizer, token=token)
+        try:
+            return EngineFleetState(specs, identity, tokenizer, options=engine, token=token)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
     try:
         for address in addresses:
             validate_address(address)
@@ -678,13 +699,14 @@ def _reload_routing(pools: Any, start_configs: list[PoolConfig], args: argparse.
         if config is None:
             continue
         started = start.get(name)
-        if started is not None and (config.model, config.workers, config.block_size) != (
+        if started is not None and (config.model, config.workers, config.block_size, config.engine) != (
             started.model,
             started.workers,
             started.block_size,
+            started.engine,
         ):
-            logger.warning("SIGHUP: %s's model, workers and block size are read at start only; restart to change "
-                           "them", name)  # fmt: skip
+            logger.warning("SIGHUP: %s's model, workers, block size and medium_weights are read at start only; "
+                           "restart to change them", name)  # fmt: skip
         policy = policies[name]
         old, new = dataclasses.asdict(path.policy.options), dataclasses.asdict(policy.options)
         changed = {k: f"{old[k]} -> {new[k]}" for k in new if old[k] != new[k]}

@@ -37,8 +37,10 @@ Caller contract:
      malformed batch in sequence (not msgpack, an unknown tag, wrong types, over `MAX_BATCH_BYTES` or
      `MAX_EVENTS_PER_BATCH`) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
      follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches").
-  6. `medium`: blocks held only on a tier other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) count as
-     hits when `count_offloaded` is set, else not at all (the index holds a bit per holder, no weight).
+  6. `medium`: a block held only on tiers other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) is in the
+     index when `medium_weights` gives one of its tiers a weight > 0, and `weights` maps it to the largest
+     such weight (a block with a GPU copy, weight 1, is not in `weights`); a tier not named weighs 0: its
+     blocks are not in the index. The fleet state scores a leading block at its weight (EngineFleetState).
   7. `EngineEventHub` is the llm-d layout: one SUB socket the gateway binds, that the engines' publishers
      connect to, keyed by topic (`kv@<ip>:<port>@<model>`): `hub.add(topic, subscriber)` for a subscriber
      made with `events_endpoint=None`.
@@ -50,7 +52,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -89,6 +91,18 @@ MAX_REPLAY_BATCHES = 20_000
 MAX_HELD_BATCHES = 20_000
 # Messages handled per wake-up before the loop yields to requests.
 _BURST = 64
+
+
+def check_medium_weights(weights: Mapping[str, float]) -> None:
+    """ValueError, naming the entry, unless each is an offloaded tier's name (vLLM's `medium`: "CPU", "DISK",
+    ...) with a weight in [0, 1]; "GPU" may be named only at 1."""
+    for medium, weight in weights.items():
+        if not isinstance(medium, str) or not medium:
+            raise ValueError(f"medium_weights: a tier is named by a non-empty string, got {medium!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0.0 <= weight <= 1.0:
+            raise ValueError(f"medium_weights: {medium}'s weight must be a number in [0, 1], got {weight!r}")
+        if medium in GPU_MEDIA and weight != 1:
+            raise ValueError(f"medium_weights: a GPU block weighs 1, got {weight!r}")
 
 
 @dataclass(frozen=True)
@@ -142,14 +156,16 @@ class _Partial:
 class _Ingest:
     """One engine stream's blocks re-hashed with kvroute's hash: the truth the book's entries mirror."""
 
-    def __init__(self, model_id: str, block_size: int, max_blocks: int, count_offloaded: bool) -> None:
+    def __init__(self, model_id: str, block_size: int, max_blocks: int, medium_weights: Mapping[str, float]) -> None:
         self.model_id = model_id
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.count_offloaded = count_offloaded
+        self.medium_weights = medium_weights
         self.ours: dict[EngineHash, BlockHash] = {}  # the engine's live blocks; insertion order = age, for the bound
         self.partial: dict[EngineHash, _Partial] = {}
         self.refs: dict[BlockHash, int] = {}  # copies held (an engine may hold two physical copies of one hash)
+        self.offloaded: dict[BlockHash, dict[str, int]] = {}  # of those, the copies on each tier but the GPU
+        self.weights: dict[BlockHash, float] = {}  # held blocks without a GPU copy -> their best tier's weight
 
     def held(self) -> list[BlockHash]:
         return list(self.refs)
@@ -158,9 +174,11 @@ class _Ingest:
         self.ours.clear()
         self.partial.clear()
         self.refs.clear()
+        self.offloaded.clear()
+        self.weights.clear()
 
-    def _counts(self, medium: str | None) -> bool:
-        return medium in GPU_MEDIA or self.count_offloaded
+    def _weight(self, medium: str | None) -> float:
+        return 1.0 if medium in GPU_MEDIA else self.medium_weights.get(medium or "", 0.0)
 
     def stored(self, event: BlockStored, added: list[BlockHash], removed: list[BlockHash]) -> str | None:
         """Take one BlockStored; new holdings go to `added` (and forgotten ones to `removed`). Returns the
@@ -179,11 +197,12 @@ class _Ingest:
             anchor, pending, foreign = p.anchor, p.tokens, p.foreign
         else:
             return "unknown_parent"
-        counts = self._counts(event.medium)
+        medium = None if event.medium in GPU_MEDIA or self._weight(event.medium) <= 0 else event.medium
+        counts = self._weight(event.medium) > 0
         hashes, tokens = event.block_hashes, event.token_ids
         if size == self.block_size and not pending and not event.extra_keys:
             for engine_hash, ours in zip(hashes, extend_block_hashes(anchor, tokens, size), strict=True):
-                self._hold(engine_hash, ours, counts, added, removed)
+                self._hold(engine_hash, ours, counts, medium, added, removed)
             return None
         for i, engine_hash in enumerate(hashes):
             pending = pending + tokens[i * size : (i + 1) * size]
@@ -194,19 +213,34 @@ class _Ingest:
             ours = hash_block(anchor, pending)
             if foreign:  # keys the gateway cannot reproduce: a hash no text prompt ever has, still chainable
                 ours = hashlib.blake2b(ours + repr(foreign).encode(), digest_size=HASH_BYTES).digest()
-            self._hold(engine_hash, ours, counts, added, removed)
+            self._hold(engine_hash, ours, counts, medium, added, removed)
             anchor, pending, foreign = ours, (), ()
         return None
 
-    def _hold(self, engine_hash: EngineHash, ours: BlockHash, counts: bool, added: list, removed: list) -> None:
+    def _hold(
+        self, engine_hash: EngineHash, ours: BlockHash, counts: bool, medium: str | None, added: list, removed: list
+    ) -> None:
+        """`medium`: None for a GPU copy, else the offloaded tier (which weighs > 0) the copy is on."""
         self.ours[engine_hash] = ours
         if counts:
             n = self.refs.get(ours, 0)
             self.refs[ours] = n + 1
             if not n:
                 added.append(ours)
+            if medium is not None:
+                tiers = self.offloaded.setdefault(ours, {})
+                tiers[medium] = tiers.get(medium, 0) + 1
+            if medium is not None or ours in self.weights:
+                self._reweigh(ours)
         if len(self.ours) + len(self.partial) > self.max_blocks:
             self._forget_oldest(removed)
+
+    def _reweigh(self, ours: BlockHash) -> None:
+        tiers = self.offloaded.get(ours)
+        if not tiers or self.refs.get(ours, 0) > sum(tiers.values()):
+            self.weights.pop(ours, None)  # a GPU copy (or none held): a whole block, or not in the index
+        else:
+            self.weights[ours] = max(self._weight(m) for m in tiers)
 
     def _forget_oldest(self, removed: list[BlockHash]) -> None:
         if self.partial:
@@ -214,13 +248,16 @@ class _Ingest:
             return
         oldest = next(iter(self.ours))
         ours = self.ours.pop(oldest)
+        self.offloaded.pop(ours, None)
+        self.weights.pop(ours, None)
         if self.refs.pop(ours, 0):
             removed.append(ours)
 
     def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> None:
         """Take one BlockRemoved. A block's mapping goes with its last counted copy, so the map holds the
         engine's live blocks only and its bound is never reached by churn."""
-        counts = self._counts(event.medium)
+        counts = self._weight(event.medium) > 0
+        medium = None if event.medium in GPU_MEDIA else event.medium
         for engine_hash in event.block_hashes:
             if self.partial.pop(engine_hash, None) is not None:
                 continue
@@ -231,10 +268,19 @@ class _Ingest:
             if not counts:
                 if not n:
                     del self.ours[engine_hash]
-            elif n > 1:
+                continue
+            tiers = self.offloaded.get(ours)
+            if medium is not None and tiers and tiers.get(medium):
+                tiers[medium] -= 1
+                if not tiers[medium]:
+                    del tiers[medium]
+            if n > 1:
                 self.refs[ours] = n - 1
+                self._reweigh(ours)
             elif n == 1:
                 del self.refs[ours], self.ours[engine_hash]
+                self.offloaded.pop(ours, None)
+                self.weights.pop(ours, None)
                 removed.append(ours)
 
 
@@ -248,7 +294,7 @@ class EngineEventSubscriber:
         *,
         on_restart: Callable[[str], None] | None = None,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
-        count_offloaded: bool = False,
+        medium_weights: Mapping[str, float] | None = None,
         replay_timeout: float = REPLAY_TIMEOUT_S,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
@@ -262,7 +308,9 @@ class EngineEventSubscriber:
         self.on_restart = on_restart
         self.replay_timeout = replay_timeout
         identity = book.identity
-        self._ingest = _Ingest(identity.model_id, identity.block_size, max_blocks, count_offloaded)
+        weights = dict(medium_weights or {})
+        check_medium_weights(weights)
+        self._ingest = _Ingest(identity.model_id, identity.block_size, max_blocks, weights)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._topic = source.topic.encode()
         self._expected: int | None = None  # the next engine seq; None before the first batch or after a restart
@@ -275,6 +323,11 @@ class EngineEventSubscriber:
         self._logged: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
+
+    @property
+    def weights(self) -> Mapping[BlockHash, float]:
+        """Our hashes of the blocks it holds only on offloaded tiers -> their weight (contract item 6)."""
+        return self._ingest.weights
 
     @property
     def parity_failed(self) -> bool:

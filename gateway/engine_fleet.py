@@ -11,7 +11,8 @@ embedded fleet state does (gateway.embedded_fleet.WorkerPoller); a `vllm` / `sgl
     GET <metrics> ──► running, waiting, KV usage ──► FleetBook.report_load
         vLLM:   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc
         SGLang: sglang:num_running_reqs,   sglang:num_queue_reqs,     sglang:token_usage
-        (summed over the label sets an engine writes, e.g. one per DP rank; KV usage: the largest)
+        (summed over the label sets an engine writes; KV usage: the largest; for one rank of a data-parallel
+        engine, `dp=N` in its spec, only the samples of its rank: gateway.worker_spec)
 
 Stated times, the embedded fleet's:
   - a worker whose health checks have failed for `unreachable_after` seconds (default 2.0) leaves, its
@@ -52,16 +53,19 @@ import math
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.backends import EngineTarget
 from gateway.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
+from gateway.fleet import FleetView
 from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
-from gateway.worker_spec import WorkerSpec
+from gateway.kv_index import BlockKey
+from gateway.worker_spec import WorkerSpec, read_api_key
 from kvroute.hashing import hash_fingerprint
 from kvroute.tokenizer import Tokenizer
 
@@ -90,32 +94,54 @@ class EventSource(Protocol):
 
     last_event_at: float | None  # time.monotonic() of the last event applied; None: none yet
     parity_failed: bool  # an event's block size did not fit the pool's: its events are dropped
+    weights: Mapping[BlockKey, float]  # its blocks held only on offloaded tiers -> their weight (< 1)
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
 
-# (spec, worker id, book, on_restart) -> the worker's subscriber, started when it joins, stopped when it leaves.
-EventSourceFactory = Callable[[WorkerSpec, str, FleetBook, Callable[[str], None]], EventSource]
+# (spec, worker id, book, on_restart, options) -> the worker's subscriber, started when it joins, stopped when it
+# leaves.
+EventSourceFactory = Callable[[WorkerSpec, str, FleetBook, Callable[[str], None], "EngineOptions"], EventSource]
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """`medium_weights`: what a cached block an engine holds only on an offloaded tier is worth to the router,
+    by vLLM's `medium` name (`{"CPU": 0.5, "DISK": 0.25}`; a GPU block is worth 1, a tier not named 0: its
+    blocks are not scored). A worker's match is the sum of its leading blocks' weights, in whole blocks
+    (rounded down), so a prefix half on the CPU at 0.5 counts three quarters of its blocks."""
+
     poll_interval: float = 0.25
     unreachable_after: float = 2.0
     http_timeout: float = 1.0
     no_events_after: float = 10.0
     resolve_interval: float = 5.0
+    medium_weights: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_routing_config(cls, options: dict[str, Any]) -> EngineOptions:
+        """The engine keys of a routing config (`medium_weights`), taken out of `options`; ValueError names a
+        bad one."""
+        from gateway.engine_events import check_medium_weights
+
+        weights = options.pop("medium_weights", {})
+        if not isinstance(weights, dict):
+            raise ValueError("--routing-config: medium_weights must be an object of tier -> weight")
+        check_medium_weights(weights)
+        return cls(medium_weights=weights)
 
 
-def subscribe(spec: WorkerSpec, worker_id: str, book: FleetBook, on_restart: Callable[[str], None]) -> EventSource:
+def subscribe(
+    spec: WorkerSpec, worker_id: str, book: FleetBook, on_restart: Callable[[str], None], options: EngineOptions
+) -> EventSource:
     """The default EventSourceFactory: gateway.engine_events' ZMQ subscriber to the spec's endpoints."""
     from gateway.engine_events import EngineEventSource, EngineEventSubscriber
 
-    source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic)
-    return EngineEventSubscriber(book, source, on_restart=on_restart)
+    source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic, spec.data_parallel_rank or 0)
+    return EngineEventSubscriber(book, source, on_restart=on_restart, medium_weights=options.medium_weights)
 
 
 async def resolve_all(host: str, port: int) -> list[str]:
@@ -135,10 +161,13 @@ class EnginePoller(PollLoop):
         tokenizer: Tokenizer,
         options: EngineOptions,
         events: EventSourceFactory,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(spec.address, options.poll_interval)
+        super().__init__(spec.worker_id, options.poll_interval)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.spec = spec
-        self.worker_id = spec.address
+        self.worker_id = spec.worker_id
+        self.target = EngineTarget(api_key, spec.data_parallel_rank)
         self.book = book
         self.client = client
         self.tokenizer = tokenizer
@@ -158,7 +187,9 @@ class EnginePoller(PollLoop):
         """One round: health, membership (with parity), load, the no-events check. Never raises for the
         engine's failure; it counts it."""
         try:
-            health = await self.client.get(f"{self.spec.base_url}/health", timeout=self.options.http_timeout)
+            health = await self.client.get(
+                f"{self.spec.base_url}/health", headers=self.headers, timeout=self.options.http_timeout
+            )
             if health.status_code != 200:
                 raise _Failing(f"/health answered {health.status_code}")
             member = self.book.member(self.worker_id)
@@ -203,7 +234,7 @@ class EnginePoller(PollLoop):
         if self.spec.events is None:
             self._flag_silent("its spec names no events= endpoint")
         else:
-            self.source = self.events_factory(self.spec, self.worker_id, self.book, self._restarted)
+            self.source = self.events_factory(self.spec, self.worker_id, self.book, self._restarted, self.options)
             await self.source.start()
 
     def _restarted(self, worker_id: str) -> None:
@@ -263,8 +294,11 @@ class EnginePoller(PollLoop):
         running_name, waiting_name, usage_name = LOAD_METRICS[self.spec.engine]
         running = waiting = usage = 0.0
         started = None
+        rank = self.spec.data_parallel_rank
         for sample in _samples(text, (*LOAD_METRICS[self.spec.engine], START_TIME)):
             if not math.isfinite(sample.value) or sample.value < 0:
+                continue
+            if rank is not None and sample.name != START_TIME and not _of_rank(sample.labels, rank):
                 continue
             if sample.name == START_TIME:
                 started = sample.value
@@ -286,7 +320,7 @@ class EnginePoller(PollLoop):
         """The engine's metrics page, None when it serves none (the worker stays, routed on own counts)."""
         url = self.spec.metrics or f"{self.spec.base_url}/metrics"
         try:
-            response = await self.client.get(url, timeout=self.options.http_timeout)
+            response = await self.client.get(url, headers=self.headers, timeout=self.options.http_timeout)
         except httpx.HTTPError:
             return None
         if response.status_code != 200 or len(response.content) > MAX_METRICS_BYTES:
@@ -296,8 +330,9 @@ class EnginePoller(PollLoop):
     async def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:
             response = await self.client.request(
-                method, f"{self.spec.base_url}{path}", json=body, timeout=self.options.http_timeout
-            )
+                method, f"{self.spec.base_url}{path}", json=body, headers=self.headers,
+                timeout=self.options.http_timeout,
+            )  # fmt: skip
         except httpx.HTTPError as exc:
             raise _Failing(f"{path}: {_why(exc)}") from None
         if response.status_code != 200:
@@ -354,6 +389,13 @@ class _Failing(Exception):
 
 def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
+
+
+def _of_rank(labels: dict[str, str], rank: int) -> bool:
+    """A sample of data-parallel rank `rank`'s load: labelled with it (vLLM's `engine`, SGLang's `dp_rank`
+    label), or labelled with no rank at all (an engine that writes one series for every rank)."""
+    value = labels.get("engine", labels.get("dp_rank"))
+    return value is None or value == str(rank)
 
 
 def _samples(text: str, names: tuple[str, ...]) -> list[Any]:
@@ -423,7 +465,9 @@ class EngineFleetState(BookkeepingFleetState):
     polling each in the background; `stop()` ends the polling, the subscribers and the HTTP client.
     `events`: makes each engine worker's KV-event subscriber when it joins (default: `subscribe`, over
     ZMQ). `resolve`: host, port -> addresses, for
-    `discover=dns` specs (default: the system resolver). `token`: what kvroute workers are shown."""
+    `discover=dns` specs (default: the system resolver). `token`: what kvroute workers are shown. ValueError
+    names a spec whose `api_key_file` cannot be read. `engine_target(worker_id)`: that engine's key and rank, for
+    the HTTP backend (gateway.backends.HttpBackend)."""
 
     def __init__(
         self,
@@ -442,13 +486,17 @@ class EngineFleetState(BookkeepingFleetState):
         self.answer_window = 2 * (o.poll_interval + o.http_timeout)
         self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
         grpc_options = PollOptions(o.poll_interval, o.unreachable_after, o.http_timeout, 4096, 0)
+        keys = {s.api_key_file: read_api_key(s) for s in specs if s.api_key_file is not None}
 
         def make(spec: WorkerSpec) -> EnginePoller:
-            return EnginePoller(spec, self.book, self._client, tokenizer, o, events)
+            key = keys.get(spec.api_key_file) if spec.api_key_file is not None else None
+            return EnginePoller(spec, self.book, self._client, tokenizer, o, events, key)
 
         self.grpc_pollers = [WorkerPoller(s.address, self.book, grpc_options, token) for s in specs
                              if s.engine == "kvroute"]  # fmt: skip
-        self.engine_pollers = [make(s) for s in specs if s.engine != "kvroute" and s.discover is None]
+        self.engine_pollers = [
+            make(r) for s in specs if s.engine != "kvroute" and s.discover is None for r in s.ranks()
+        ]
         self._static = {p.worker_id: p for p in self.engine_pollers}
         self.dns_groups = [_DnsGroup(s, make, resolve) for s in specs if s.discover == "dns"]
         self._tasks: list[asyncio.Task[Any]] = []
@@ -504,8 +552,53 @@ class EngineFleetState(BookkeepingFleetState):
             flags = ("parity_mismatch",)
         return (*flags, "no_kv_events") if poller.silent else flags
 
+    def engine_target(self, worker_id: str) -> EngineTarget | None:
+        """How to address an engine member (its key, its data-parallel rank), for the HTTP backend; None for
+        a worker this fleet state does not poll as an engine."""
+        poller = self._engine_poller(worker_id)
+        return poller.target if poller is not None else None
+
+    def view(self) -> FleetView:
+        """The book's view; while any engine holds blocks only on an offloaded tier, with its index scoring
+        each leading block at its weight (EngineOptions.medium_weights)."""
+        view = self.book.fleet
+        weights = {p.worker_id: p.source.weights for p in self._all_engine_pollers() if p.source and p.source.weights}
+        if not weights:
+            return view
+        return FleetView(view.replicas, view.loads, WeightedKVIndex(view.kv_index, weights))
+
+    def _all_engine_pollers(self) -> list[EnginePoller]:
+        return [*self.engine_pollers, *(p for g in self.dns_groups for p in g.pollers.values())]
+
     def _engine_poller(self, worker_id: str) -> EnginePoller | None:
         poller = self._static.get(worker_id)
         if poller is None and self.dns_groups:
             poller = next((g.by_id[worker_id] for g in self.dns_groups if worker_id in g.by_id), None)
         return poller
+
+
+class WeightedKVIndex:
+    """A fleet KV index whose `match` scores each leading block a worker holds only on an offloaded tier at
+    that tier's weight: the worker's depth less (1 - weight) per such block, rounded down to whole blocks (the
+    router reads depths as block counts). `weights`: worker id -> its offloaded blocks' weights. The rest of
+    the index (holders, narrowing for a retry) reads through."""
+
+    def __init__(self, index: Any, weights: Mapping[str, Mapping[BlockKey, float]]) -> None:
+        self.index = index
+        self.replicas = index.replicas
+        self.weights = weights
+
+    def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
+        matched = list(self.index.match(block_hashes))
+        for i, replica in enumerate(self.replicas):
+            weights, depth = self.weights.get(replica), matched[i]
+            if weights and depth:
+                lost = sum(1.0 - weights.get(h, 1.0) for h in block_hashes[:depth])
+                matched[i] = math.floor(depth - lost + 1e-9)
+        return matched
+
+    def narrowed(self, replicas: Sequence[str]) -> WeightedKVIndex:
+        return WeightedKVIndex(self.index.narrowed(replicas), self.weights)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.index, name)

@@ -16,6 +16,15 @@ SGLang's `--port`). Query keys, each at most once:
     SGLang serve them).
   - `discover=dns`: `host` is a DNS name whose every address is a worker (a Kubernetes headless Service),
     re-resolved on an interval; in `events`, `replay` and `metrics` the host `*` stands for each address.
+  - `api_key_file`: a file holding the key the engine was started with (`vllm serve --api-key`, SGLang's
+    `--api-key`), sent as `Authorization: Bearer` on every request to it (forwarding, /health, /metrics,
+    /v1/models, /tokenize). Read once at the gateway's start (`read_api_key`); the key is never logged.
+  - `dp=N`: the engine serves N data-parallel ranks behind its one HTTP address (`vllm serve
+    --data-parallel-size N`, SGLang's `--dp-size N` with `--enable-dp-attention`). Each rank is its own
+    cache and its own routing target (`ranks()`), worker id `host:port/dp<r>`: its events on the `events` and
+    `replay` ports + r (where vLLM and SGLang publish rank r), its load from the metrics labelled with its
+    rank, and its requests sent with `X-data-parallel-rank: r` (which vLLM and SGLang both honour). Not with
+    `discover=dns` (yet).
 Only `tcp://` endpoints are accepted for `events` and `replay`. `ValueError` names the spec and what is wrong
 (an unknown scheme, a bad port, an unknown or repeated query key, a query on a kvroute worker).
 """
@@ -24,12 +33,14 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qsl, urlsplit
 
 Engine = Literal["kvroute", "vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("kvroute", "vllm", "sglang")
-_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover")
+_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover", "api_key_file", "dp")
+MAX_DATA_PARALLEL = 256
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,30 @@ class WorkerSpec:
     topic: str = ""
     metrics: str | None = None  # its Prometheus metrics URL; None for kvroute workers (load comes over gRPC)
     discover: Literal["dns"] | None = None
+    api_key_file: str | None = None  # the path only: the key is read by read_api_key
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None  # set on the specs `ranks()` gives, for a DP engine
+
+    @property
+    def worker_id(self) -> str:
+        """The routing target's id: its address, with `/dp<r>` for rank r of a data-parallel engine."""
+        return self.address if self.data_parallel_rank is None else f"{self.address}/dp{self.data_parallel_rank}"
+
+    def ranks(self) -> list[WorkerSpec]:
+        """The routing targets of this engine: itself, or one spec per data-parallel rank (module docstring)."""
+        if self.data_parallel_size == 1:
+            return [self]
+
+        def shifted(endpoint: str | None, rank: int) -> str | None:
+            if endpoint is None:
+                return None
+            head, _, port = endpoint.rpartition(":")
+            return f"{head}:{int(port) + rank}"
+
+        return [
+            replace(self, data_parallel_rank=r, events=shifted(self.events, r), replay=shifted(self.replay, r))
+            for r in range(self.data_parallel_size)
+        ]
 
     @property
     def address(self) -> str:
@@ -90,7 +125,10 @@ def parse_worker_spec(text: str) -> WorkerSpec:
         query[key] = value
     if scheme == "kvroute":
         if query:
-            raise ValueError(f"worker {spec!r}: a kvroute worker takes no query (its events come over gRPC)")
+            raise ValueError(
+                f"worker {spec!r}: a kvroute worker takes no query (its events come over gRPC, and it takes the "
+                "gateway's --worker-token-file)"
+            )
         return WorkerSpec("kvroute", host, port)
     discover = query.get("discover")
     if discover not in (None, "dns"):
@@ -105,11 +143,37 @@ def parse_worker_spec(text: str) -> WorkerSpec:
         raise ValueError(f"worker {spec!r}: metrics must be an http(s) URL, got {metrics!r}")
     if discover is None and any("://*:" in (query.get(k) or "") for k in ("events", "replay", "metrics")):
         raise ValueError(f"worker {spec!r}: the host * stands for a resolved address only with discover=dns")
+    if query.get("api_key_file") == "":
+        raise ValueError(f"worker {spec!r}: api_key_file names no file")
+    dp = query.get("dp", "1")
+    if not dp.isdigit() or not 1 <= int(dp) <= MAX_DATA_PARALLEL:
+        raise ValueError(f"worker {spec!r}: dp must be an integer in [1, {MAX_DATA_PARALLEL}], got {dp!r}")
+    if int(dp) > 1 and discover:
+        raise ValueError(f"worker {spec!r}: dp > 1 with discover=dns is not supported: name each engine")
+    for key in ("events", "replay"):
+        if key in query and int(query[key].rpartition(":")[2]) + int(dp) - 1 > 65535:
+            raise ValueError(f"worker {spec!r}: rank {int(dp) - 1}'s {key} port (the port + its rank) is past 65535")
     return WorkerSpec(
         scheme, host, port, query.get("events"), query.get("replay"), query.get("topic", ""),
         metrics or (None if discover else f"http://{_bracketed(host)}:{port}/metrics"),
-        "dns" if discover else None,
+        "dns" if discover else None, query.get("api_key_file"), int(dp),
     )  # fmt: skip
+
+
+def read_api_key(spec: WorkerSpec) -> str | None:
+    """The key in the spec's `api_key_file` (surrounding whitespace dropped), None without one. ValueError names
+    the file (never the key) when it cannot be read or holds no key."""
+    if spec.api_key_file is None:
+        return None
+    try:
+        key = Path(spec.api_key_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"worker {spec.engine}://{spec.address}: api_key_file {spec.api_key_file}: {exc}") from None
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(
+            f"worker {spec.engine}://{spec.address}: api_key_file {spec.api_key_file} must hold one key, no spaces"
+        )
+    return key
 
 
 def parse_worker_specs(text: str) -> list[WorkerSpec]:

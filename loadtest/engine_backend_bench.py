@@ -3,7 +3,9 @@ workers (`--model sim`) started with `--http-port` and `--kv-events-config`, and
 either as gRPC workers (`host:port`) or as vLLM servers (`vllm://host:http-port?events=...&replay=...`), each
 mode over a fresh fleet. A chat workload (sessions sharing a system prompt, each turn carrying the history)
 runs `--concurrency` sessions at a time through the gateway's OpenAI API; prints per mode the time to the first
-content token (p50, p99), the prompt tokens the workers computed (prompt - cached) and the share cached.
+content token (p50, p99), the prompt tokens the workers computed (prompt - cached), the share cached, and the
+CPU time per request of the gateway process and of the worker processes (user + system, during the workload):
+CPU time, unlike latency, does not grow with other jobs on shared cores.
 With `--workers 1` a third mode, `direct`, sends the same workload to the worker's own HTTP front door, with no
 gateway in between: `vllm` less `direct` is what the gateway's HTTP backend adds.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+import psutil
 
 from launch.fleet import free_port
 
@@ -39,6 +42,27 @@ class Result:
     ttft: list[float]
     prompt_tokens: int
     cached_tokens: int
+    gateway_cpu_s: float = 0.0
+    workers_cpu_s: float = 0.0
+
+
+def cpu_seconds(popens: list[subprocess.Popen]) -> float:
+    total = 0.0
+    for popen in popens:
+        times = psutil.Process(popen.pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def measured(
+    url: str, args: argparse.Namespace, gateway: list[subprocess.Popen], workers: list[subprocess.Popen]
+) -> Result:
+    """The workload at `url`, with the CPU time the gateway (if any) and the workers spent on it."""
+    before = cpu_seconds(gateway), cpu_seconds(workers)
+    result = asyncio.run(workload(url, args.sessions, args.turns, args.concurrency))
+    result.gateway_cpu_s = cpu_seconds(gateway) - before[0]
+    result.workers_cpu_s = cpu_seconds(workers) - before[1]
+    return result
 
 
 @contextlib.contextmanager
@@ -111,15 +135,16 @@ async def workload(url: str, sessions: int, turns: int, concurrency: int) -> Res
 def run_mode(mode: str, args: argparse.Namespace) -> Result:
     with contextlib.ExitStack() as stack:
         specs = []
+        workers = []
         for _ in range(args.workers):
             grpc_port, http_port, events, replay = free_port(), free_port(), free_port(), free_port()
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}",
                       "replay_endpoint": f"tcp://127.0.0.1:{replay}", "bind": True}  # fmt: skip
-            stack.enter_context(process([
+            workers.append(stack.enter_context(process([
                 "worker", "--model", "sim", "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port",
                 str(http_port), "--num-kv-blocks", "2048", "--max-model-len", "4096", "--sim-decode-ms-per-step",
                 str(args.decode_ms), "--kv-events-config", json.dumps(config),
-            ]))  # fmt: skip
+            ])))  # fmt: skip
             specs.append(
                 f"127.0.0.1:{grpc_port}" if mode == "grpc" else
                 f"vllm://127.0.0.1:{http_port}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"
@@ -128,16 +153,16 @@ def run_mode(mode: str, args: argparse.Namespace) -> Result:
             url = f"http://127.0.0.1:{http_port}"
             wait_ready(url, 1)
             asyncio.run(workload(url, 2, 1, 1))
-            return asyncio.run(workload(url, args.sessions, args.turns, args.concurrency))
+            return measured(url, args, [], workers)
         port = free_port()
-        stack.enter_context(process([
+        gateway = stack.enter_context(process([
             "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
             "--metrics-port", "0", "--policy", args.policy, "--workers", ",".join(specs),
         ]))  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, args.workers)
         asyncio.run(workload(url, 2, 1, 1))  # warm the connections
-        return asyncio.run(workload(url, args.sessions, args.turns, args.concurrency))
+        return measured(url, args, [gateway], workers)
 
 
 def main() -> None:
@@ -149,7 +174,10 @@ def main() -> None:
     parser.add_argument("--decode-ms", type=float, default=5.0, help="the sim workers' time per decode step")
     parser.add_argument("--policy", default="kv_aware")
     args = parser.parse_args()
-    print(f"{'backend':8} {'requests':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'prefill tokens':>15} {'cached':>7}")
+    print(
+        f"{'backend':8} {'requests':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'prefill tokens':>15} {'cached':>7} "
+        f"{'gateway CPU/req':>16} {'workers CPU/req':>16}"
+    )
     for mode in ("grpc", "vllm", *(("direct",) if args.workers == 1 else ())):
         result = run_mode(mode, args)
         ttft = sorted(result.ttft)
@@ -158,7 +186,8 @@ def main() -> None:
         share = result.cached_tokens / max(1, result.prompt_tokens)
         print(
             f"{mode:8} {len(ttft):>8} {statistics.median(ttft) * 1000:>8.1f}ms {p99 * 1000:>8.1f}ms "
-            f"{computed:>15,} {share:>7.1%}",
+            f"{computed:>15,} {share:>7.1%} {result.gateway_cpu_s / len(ttft) * 1000:>14.2f}ms "
+            f"{result.workers_cpu_s / len(ttft) * 1000:>14.2f}ms",
             flush=True,
         )
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.auth import Authenticator
+from gateway.backends import HttpBackend
 from gateway.cli_gateway import HttpServer
 from gateway.engine_fleet import EngineFleetState, EngineOptions, EventSourceFactory, Resolver, resolve_all, subscribe
 from gateway.http_server import build_app
@@ -165,6 +166,7 @@ class EngineStack(LoopThreadStack):
         self.request_path = RequestPath(
             self.fleet, make_policy(o.policy), tokenizer, source.model_id, SERVED_MODEL,
             Authenticator(o.api_keys), limits, GatewayMetrics(SERVED_MODEL), deadlines=o.deadlines,
+            http_backend=HttpBackend(engine=self.fleet.engine_target),
         )  # fmt: skip
         app = build_app(self.request_path, max_body_bytes=limits.max_body_bytes, default_max_tokens=limits.max_tokens)
         self.http = HttpServer.start(app, "127.0.0.1", 0)

@@ -634,16 +634,26 @@ def test_kvroute_worker_with_the_flag_publishes_what_its_grpc_requests_cache() -
             worker.wait()
 
 
-def test_offloaded_tiers_count_only_when_asked_and_keys_the_gateway_cannot_make_never_match() -> None:
+def test_offloaded_tiers_weigh_as_configured_and_keys_the_gateway_cannot_make_never_match() -> None:
     tokens = tuple(range(8))
     ours = block_hashes(list(tokens), model_id="m", block_size=BLOCK)
     on_cpu = BlockStored((1, 2), None, tokens, BLOCK, None, "CPU")
-    for count_offloaded in (False, True):
+    for weights in ({}, {"CPU": 0.5}, {"DISK": 0.25}):
         book = book_for("m")
-        subscriber = EngineEventSubscriber(book, EngineEventSource("w", None), count_offloaded=count_offloaded)
+        subscriber = EngineEventSubscriber(book, EngineEventSource("w", None), medium_weights=weights)
         subscriber.handle(_message(0, BlockStored((1, 2), None, tokens, BLOCK, None, "GPU"), on_cpu))
+        assert held(book, "w", set(ours)) and subscriber.weights == {}  # a GPU copy: whole blocks
         subscriber.handle(_message(1, BlockRemoved((1, 2), "GPU")))  # evicted from the GPU, kept on the CPU
-        assert held(book, "w", set(ours) if count_offloaded else set())
+        cpu = weights.get("CPU", 0.0)
+        assert held(book, "w", set(ours) if cpu else set())
+        assert subscriber.weights == ({h: cpu for h in ours} if cpu else {})
+        subscriber.handle(_message(2, BlockStored((1, 2), None, tokens, BLOCK, None, "GPU")))  # loaded back
+        assert held(book, "w", set(ours)) and subscriber.weights == {}
+        subscriber.handle(_message(3, BlockRemoved((1, 2), "GPU"), BlockRemoved((1, 2), "CPU")))
+        assert held(book, "w", set()) and subscriber.weights == {}
+    for bad in ({"CPU": 1.5}, {"CPU": "half"}, {"GPU": 0.5}, {"": 0.5}, {"CPU": True}):
+        with pytest.raises(ValueError, match="medium_weights"):
+            EngineEventSubscriber(book_for("m"), EngineEventSource("w", None), medium_weights=bad)
     book = book_for("m")
     subscriber = EngineEventSubscriber(book, EngineEventSource("w", None))
     image = BlockStored((5, 6), None, tokens, BLOCK, None, "GPU", None, ((("mm-hash", 0),), None))

@@ -6,24 +6,30 @@ their real HTTP front doors, a real gateway; see tests/engine_stack.py."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import orjson
 import psutil
 import pytest
+import zmq
 from prometheus_client import generate_latest
 
+from gateway.auth import key_sha256
 from gateway.engine_fleet import EngineOptions
 from gateway.http_server import merge_delta
 from gateway.metrics import label_value
 from gateway.retry import StreamDeadlines
+from kvroute.engine_kv_events import BlockStored, EventBatch, encode_batch, encode_seq
+from kvroute.hashing import block_hashes
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
 from launch.fleet import free_port
@@ -389,3 +395,172 @@ def test_chat_deltas_beyond_content_merge_into_one_message_as_a_client_merges_th
         {"id": "c1", "type": "function", "function": {"name": "find", "arguments": '{"q": "order"}'}},
         {"id": "c2", "type": "function", "function": {"name": "log", "arguments": "{}"}},
     ]
+
+
+def test_a_block_held_only_on_the_cpu_is_scored_at_its_configured_weight() -> None:
+    """Worker 0's events hold a prompt's leading blocks on the CPU tier only, worker 1's fewer on the GPU;
+    with CPU blocks weighed 0.5 the router picks by the weighted depth: 6 CPU blocks (3) lose to 4 GPU blocks,
+    10 CPU blocks (5) win."""
+    ctx = zmq.Context()
+    sockets = [ctx.socket(zmq.PUB) for _ in range(2)]
+    ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in sockets]
+    options = EngineStackOptions(
+        workers=2, api_keys=None,
+        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, medium_weights={"CPU": 0.5}),
+        specs=lambda http: [f"vllm://127.0.0.1:{h}?events=tcp://127.0.0.1:{e}" for h, e in zip(http, ports)],  # noqa: B905
+    )  # fmt: skip
+    try:
+        with EngineStack(options) as stack:
+            for prompt, cpu_blocks, expected_worker, expected_blocks in (
+                ("weights one " + LONG * 2, 6, 1, 4),
+                ("weights two " + LONG * 2, 10, 0, 5),
+            ):
+                ids = httpx.post(f"{stack.http_url}/tokenize", json={"prompt": prompt}, timeout=10).json()["tokens"]
+                assert len(ids) >= 11 * 16
+                runs = [BlockStored(tuple(range(cpu_blocks)), None, tuple(ids[: 16 * cpu_blocks]), 16, None, "CPU"),
+                        BlockStored(tuple(range(4)), None, tuple(ids[: 16 * 4]), 16, None, "GPU")]  # fmt: skip
+                for seq in range(400):  # until both subscribers (connected after the workers joined) have them
+                    for sock, run_ in zip(sockets, runs, strict=True):
+                        sock.send_multipart([b"", encode_seq(seq), encode_batch(EventBatch(1.0, (run_,)))])
+                    view = stack.fleet.view()
+                    match = view.kv_index.match(block_hashes(ids, model_id=stack.fleet.identity.model_id))
+                    weighted = dict(zip(view.replicas, match, strict=True))
+                    if weighted == {stack.worker_id(0): cpu_blocks // 2, stack.worker_id(1): 4}:
+                        break
+                    time.sleep(0.02)
+                else:
+                    raise AssertionError(f"the events never reached the index: {weighted}")
+                response = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-kvroute-worker"] == stack.worker_id(expected_worker)
+                route = dict(part.split("=", 1) for part in response.headers["x-kvroute-route"].split("; "))
+                assert (route["reason"], int(route["matched_blocks"])) == ("hit", expected_blocks), route
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_an_engine_started_with_an_api_key_gets_it_on_every_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Workers whose front doors require a key (as `vllm serve --api-key` does): a gateway given the key file
+    admits them (/v1/models, /tokenize, /metrics with the key), forwards with it, and never logs it; one
+    without the file cannot admit them."""
+    engine_key = "sk-engine-" + "7" * 24
+    monkeypatch.setenv("KVROUTE_API_KEYS", json.dumps([{"tenant": "gateway", "key_sha256": key_sha256(engine_key)}]))
+    monkeypatch.setenv("KVROUTE_CACHE_SALT_SECRET", "s" * 32)
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(engine_key + "\n")
+    caplog.set_level(logging.DEBUG)
+    keyed = EngineStackOptions(workers=1, specs=lambda http: [f"vllm://127.0.0.1:{http[0]}?api_key_file={key_file}"])
+    with EngineStack(keyed) as stack:
+        assert [m.worker_id for m in stack.fleet.members()] == [stack.worker_id(0)]
+        assert stack.fleet.member(stack.worker_id(0)).parity_ok  # its /tokenize answered the canaries
+        direct = httpx.post(f"http://127.0.0.1:{stack.http_ports[0]}/v1/completions", json={"prompt": "hi"})
+        assert direct.status_code == 401  # the engine does want a key
+        for _ in range(2):
+            response = post(stack, "/v1/completions", {"prompt": f"keyed {LONG}", "max_tokens": 2})
+            assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    unkeyed = EngineStackOptions(workers=1, specs=lambda http: [f"vllm://127.0.0.1:{http[0]}"])
+    with EngineStack(unkeyed) as stack:
+        assert stack.fleet.members() == []  # /v1/models answered 401
+    assert engine_key not in caplog.text
+
+
+def _consecutive_pub_sockets(ctx: zmq.Context, count: int) -> tuple[list[zmq.Socket], int]:
+    """`count` PUB sockets bound on consecutive loopback ports (a DP engine's rank r publishes on port + r)."""
+    for _ in range(50):
+        first = ctx.socket(zmq.PUB)
+        port = first.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
+        sockets = [first]
+        try:
+            for r in range(1, count):
+                sockets.append(ctx.socket(zmq.PUB))
+                sockets[-1].bind(f"tcp://127.0.0.1:{port + r}")
+            return sockets, port
+        except zmq.ZMQError:
+            for sock in sockets:
+                sock.close(linger=0)
+    raise AssertionError("no consecutive free ports")
+
+
+async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | None]]) -> Any:
+    """A loopback HTTP proxy in front of a worker's front door that records each request's path and its
+    X-data-parallel-rank header, as a DP engine's HTTP server would read it."""
+    from aiohttp import ClientSession, web
+
+    session = ClientSession()
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        seen.append((request.path, request.headers.get("x-data-parallel-rank")))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
+        upstream = await session.request(
+            request.method, f"http://127.0.0.1:{target}{request.path_qs}", data=await request.read(), headers=headers
+        )
+        response = web.StreamResponse(status=upstream.status, headers={"content-type": upstream.content_type})
+        await response.prepare(request)
+        async for piece in upstream.content.iter_any():
+            await response.write(piece)
+        await response.write_eof()
+        upstream.release()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, session
+
+
+def test_each_data_parallel_rank_is_a_routing_target_and_its_requests_carry_the_rank() -> None:
+    """One engine (a kvroute worker behind a proxy that records what arrives) named with dp=2: two members,
+    `host:port/dp0` and `/dp1`, each fed by its own rank's events (on the events port + rank, stamped with the
+    rank); a prompt whose blocks only rank 1 holds goes to rank 1, sent with `X-data-parallel-rank: 1`."""
+    ctx = zmq.Context()
+    sockets, events = _consecutive_pub_sockets(ctx, 2)
+    proxy_port, seen = free_port(), []
+    options = EngineStackOptions(
+        workers=1, api_keys=None,
+        specs=lambda _: [f"vllm://127.0.0.1:{proxy_port}?events=tcp://127.0.0.1:{events}&dp=2"],
+    )  # fmt: skip
+    try:
+        with EngineStack(options) as stack:
+            runner, session = stack.call(_recording_proxy(proxy_port, stack.http_ports[0], seen))
+            try:
+                ranks = [f"127.0.0.1:{proxy_port}/dp{r}" for r in range(2)]
+                _wait(lambda: sorted(m.worker_id for m in stack.fleet.members()) == ranks)
+                assert {m.address for m in stack.fleet.members()} == {f"127.0.0.1:{proxy_port}"}
+                prompt = "ranks " + LONG
+                ids = httpx.post(f"{stack.http_url}/tokenize", json={"prompt": prompt}, timeout=10).json()["tokens"]
+                held = BlockStored(tuple(range(4)), None, tuple(ids[:64]), 16, None, "GPU")
+                other = BlockStored((9,), None, tuple(range(16)), 16, None, "GPU")
+                hashes = block_hashes(ids, model_id=stack.fleet.identity.model_id)
+                for seq in range(400):
+                    sockets[0].send_multipart([b"", encode_seq(seq), encode_batch(EventBatch(1.0, (other,), 0))])
+                    sockets[1].send_multipart([b"", encode_seq(seq), encode_batch(EventBatch(1.0, (held,), 1))])
+                    # a batch stamped with another rank, on rank 0's port: dropped (foreign_rank)
+                    sockets[0].send_multipart([b"", encode_seq(seq), encode_batch(EventBatch(1.0, (held,), 1))])
+                    view = stack.fleet.view()
+                    if dict(zip(view.replicas, view.kv_index.match(hashes), strict=True)) == {ranks[0]: 0, ranks[1]: 4}:
+                        break
+                    time.sleep(0.02)
+                else:
+                    raise AssertionError("rank 1's events never reached the index")
+                seen.clear()
+                response = post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+                assert response.status_code == 200, response.text
+                assert response.headers["x-kvroute-worker"] == ranks[1]
+                assert "reason=hit; matched_blocks=4" in response.headers["x-kvroute-route"]
+                assert ("/v1/completions", "1") in seen
+                drops = stack.fleet.counters.kv_event_drops
+                assert drops.get((ranks[0], "foreign_rank"), 0) > 0 and (ranks[1], "foreign_rank") not in drops
+            finally:
+                stack.call(session.close())
+                stack.call(runner.cleanup())
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()

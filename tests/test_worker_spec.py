@@ -42,6 +42,18 @@ def test_dns_spec_fills_each_address_into_its_endpoints() -> None:
     assert spec.at("fd00::7").events == "tcp://[fd00::7]:5557"
 
 
+def test_a_data_parallel_engine_is_one_target_per_rank_on_its_ports_plus_rank() -> None:
+    spec = parse_worker_spec("sglang://10.0.0.5:30000?events=tcp://10.0.0.5:5557&replay=tcp://10.0.0.5:5600&dp=3")
+    ranks = spec.ranks()
+    assert [r.worker_id for r in ranks] == [f"10.0.0.5:30000/dp{r}" for r in range(3)]
+    assert {r.address for r in ranks} == {"10.0.0.5:30000"}
+    assert [(r.events, r.replay) for r in ranks] == [
+        (f"tcp://10.0.0.5:{5557 + r}", f"tcp://10.0.0.5:{5600 + r}") for r in range(3)
+    ]
+    plain = parse_worker_spec("vllm://10.0.0.5:8000")
+    assert plain.ranks() == [plain] and plain.worker_id == "10.0.0.5:8000"
+
+
 @pytest.mark.parametrize(
     ("text", "fault"),
     [
@@ -60,6 +72,10 @@ def test_dns_spec_fills_each_address_into_its_endpoints() -> None:
         ("vllm://h:8000/v1", "only host:port and a query"),
         ("vllm://fd00::1:8000", "IPv6 host in brackets"),
         ("vllm://h:8000?metrics=ftp://x", "http(s) URL"),
+        ("vllm://h:8000?dp=0", "dp must be an integer in [1, 256]"),
+        ("vllm://h:8000?dp=two", "dp must be an integer"),
+        ("vllm://h:8000?events=tcp://*:1&dp=2&discover=dns", "dp > 1 with discover=dns is not supported"),
+        ("vllm://h:8000?events=tcp://h:65535&dp=2", "rank 1's events port"),
     ],
 )
 def test_bad_specs_are_refused_naming_the_fault(text: str, fault: str) -> None:
@@ -92,12 +108,38 @@ def test_kvroute_gateway_takes_engine_specs_in_workers_and_the_routing_config(tm
     assert built.request_path.pool(None).policy.options.epsilon == 0.25
 
 
+def test_engine_keys_and_medium_weights_come_from_the_spec_and_the_routing_config(tmp_path: Path) -> None:
+    key_file = tmp_path / "vllm.key"
+    key_file.write_text("sk-secret-123\n")
+    config = tmp_path / "routing.json"
+    config.write_text(json.dumps({"medium_weights": {"CPU": 0.5, "DISK": 0.2}, "epsilon": 0.25}))
+    built = gateway("--workers", f"vllm://127.0.0.1:8000?api_key_file={key_file},sglang://127.0.0.1:8001",
+                    "--routing-config", str(config))  # fmt: skip
+    assert built.fleets[0].options.medium_weights == {"CPU": 0.5, "DISK": 0.2}
+    assert built.fleets[0].engine_target("127.0.0.1:8000").api_key == "sk-secret-123"
+    assert built.fleets[0].engine_target("127.0.0.1:8001").api_key is None
+    assert "sk-secret" not in repr(built.fleets[0].engine_target("127.0.0.1:8000"))
+    assert "sk-secret" not in repr(parse_worker_spec(f"vllm://h:1?api_key_file={key_file}"))
+    for weights, fault in (({"CPU": 2}, "CPU's weight must be a number in [0, 1]"), ([0.5], "must be an object")):
+        config.write_text(json.dumps({"medium_weights": weights}))
+        with pytest.raises(UserError, match=re.escape(fault)):
+            gateway("--workers", "vllm://127.0.0.1:8000", "--routing-config", str(config))
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    for path, fault in ((tmp_path / "missing.key", "No such file"), (empty, "must hold one key")):
+        with pytest.raises(UserError, match=re.escape(fault)) as refused:
+            gateway("--workers", f"vllm://127.0.0.1:8000?api_key_file={path}")
+        assert str(path) in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("flags", "fault"),
     [
         (("--workers", "vllm://h:8000?evnts=tcp://h:1"), "unknown query key 'evnts'"),
         (("--workers", "vllm://h:8000", "--redis", "redis://127.0.0.1:1"), "--redis takes kvroute workers only"),
         ((), "name the fleet"),
+        (("--workers", "vllm://h:8000?api_key_file="), "api_key_file names no file"),
+        (("--workers", "kvroute://h:8000?api_key_file=/k"), "takes the gateway's --worker-token-file"),
     ],
 )
 def test_kvroute_gateway_refuses_a_bad_fleet_in_one_line(flags: tuple[str, ...], fault: str) -> None:
