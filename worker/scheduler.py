@@ -6,7 +6,10 @@ One step:
      sequence (its blocks are freed and it goes back to the front of the waiting queue, to be recomputed),
      or itself when it is the newest;
   2. if nothing was preempted, waiting sequences are admitted in FIFO order while the budget, `max_num_seqs`
-     and the free blocks above the watermark allow; each starts from its longest cached prefix.
+     and the free blocks above the watermark allow; each starts from its longest cached prefix. The first
+     admission counts one prefix-cache query and sets the sequence's `num_cached_tokens` (less than its
+     prompt); a re-admission after preemption reuses what it finds over prompt + output but counts nothing
+     and keeps that figure.
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
@@ -63,6 +66,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._preempted: set[Sequence] = set()  # waiting again after a preemption: re-admitted, not new
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -128,6 +132,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._preempted.add(seq)
         self.num_preemptions += 1
 
     def _admit(self, budget: int, chosen: dict[Sequence, int]) -> int:
@@ -140,11 +145,15 @@ class Scheduler:
             reserve = self.watermark_blocks if self.running else 0
             if self.kv.num_free_blocks - needed < reserve:
                 break
-            self.kv.record_prefix_query(hit, seq.num_tokens)
             allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
             assert allocated is not None, "admission checked the free blocks"
             self.waiting.popleft()
-            seq.num_computed_tokens = seq.num_cached_tokens = hit.num_tokens
+            if seq in self._preempted:
+                self._preempted.discard(seq)
+            else:
+                self.kv.record_prefix_query(hit, seq.num_tokens)
+                seq.num_cached_tokens = hit.num_tokens
+            seq.num_computed_tokens = hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq] = num_new
@@ -178,6 +187,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.kv.free(seq.request_id)
+        self._preempted.discard(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]
