@@ -204,8 +204,19 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step: outputs for every request that got a token (or was aborted since)."""
+    def decode_steps_ahead(self) -> int:
+        """How many of the next steps are plain decode steps (worker.scheduler) that `step(n)` can take at once:
+        0 unless the runner is the sim runner."""
+        if not hasattr(self.runner, "spend_decode_steps") or self._pending:
+            return 0
+        return self.scheduler.decode_steps_ahead()
+
+    def step(self, num_steps: int = 1) -> list[RequestOutput]:
+        """One scheduler step: outputs for every request that got a token (or was aborted since). `num_steps` > 1
+        takes that many plain decode steps at once (at most `decode_steps_ahead()`): the same tokens, books and
+        clock as that many single steps, one output per running request."""
+        if num_steps > 1:
+            return self._plain_decode_steps(num_steps)
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
@@ -237,6 +248,21 @@ class LLMEngine:
         self.generation_tokens_total += len(advanced)
         outputs.extend(self._output(seq) for seq in advanced)
         return outputs
+
+    def _plain_decode_steps(self, num_steps: int) -> list[RequestOutput]:
+        if num_steps > self.decode_steps_ahead():
+            raise ValueError(f"{num_steps} plain decode steps asked, {self.decode_steps_ahead()} ahead")
+        self.runner.spend_decode_steps(num_steps)
+        advanced = self.scheduler.advance_decodes(num_steps, self.runner.sample_run)
+        now = self.clock.now()
+        for seq in advanced:
+            seq.timings.decode_steps += num_steps
+            seq.timings.last_token = now
+        if self.on_step is not None:
+            for _ in range(num_steps):
+                self.on_step(len(advanced))
+        self.generation_tokens_total += num_steps * len(advanced)
+        return [self._output(seq) for seq in advanced]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_tokens = seq.output_token_ids[seq.num_emitted :]

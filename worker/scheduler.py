@@ -13,16 +13,22 @@ One step:
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
+
+Plain decode steps (`decode_steps_ahead`): steps in which every running sequence decodes one token and
+nothing else happens (no block allocated or filled, no sequence finishing, nothing admitted) change nothing
+but those sequences' tokens, so `advance_decodes` may take several of them at once; the fleet simulator
+(sim/) does, to cross long decodes in one call. They are exactly the steps `schedule` + `update` would run.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from worker.config import EngineConfig
-from worker.kv_cache_manager import KVCacheManager
+from worker.kv_cache_manager import KVCacheManager, PrefixHit
 from worker.sequence import Sequence, SequenceStatus
 
 
@@ -135,16 +141,26 @@ class Scheduler:
         self._preempted.add(seq)
         self.num_preemptions += 1
 
+    def _admission(self, seq: Sequence, budget: int) -> tuple[PrefixHit, int] | None:
+        """The prefix hit and the tokens `seq` would be admitted with now, or None if it must wait."""
+        if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return None
+        hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
+        num_new = min(seq.num_tokens - hit.num_tokens, budget)
+        needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks)
+        # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
+        reserve = self.watermark_blocks if self.running else 0
+        if self.kv.num_free_blocks - needed < reserve:
+            return None
+        return hit, num_new
+
     def _admit(self, budget: int, chosen: dict[Sequence, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             seq = self.waiting[0]
-            hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
-            num_new = min(seq.num_tokens - hit.num_tokens, budget)
-            needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks)
-            # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
-            reserve = self.watermark_blocks if self.running else 0
-            if self.kv.num_free_blocks - needed < reserve:
+            admission = self._admission(seq, budget)
+            if admission is None:
                 break
+            hit, num_new = admission
             allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
             assert allocated is not None, "admission checked the free blocks"
             self.waiting.popleft()
@@ -159,6 +175,42 @@ class Scheduler:
             chosen[seq] = num_new
             budget -= num_new
         return budget
+
+    # -- plain decode steps ----------------------------------------------------------------------
+
+    def decode_steps_ahead(self) -> int:
+        """How many of the next steps are plain decode steps (module docstring); 0 when the next one is not."""
+        if not self.running or len(self.running) > self.max_num_batched_tokens:
+            return 0
+        if self.waiting and self._admission(self.waiting[0], self.max_num_batched_tokens - len(self.running)):
+            return 0
+        bs = self.block_size
+        ahead = self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.num_uncomputed_tokens != 1 or seq.stopping_token_ids:
+                return 0
+            computed = seq.num_computed_tokens
+            held = len(self.kv.req_blocks[seq.request_id]) * bs
+            # step i computes position computed + i: held already, and not the last slot of a block (filling
+            # it caches the block); the sequence must not reach max_tokens in these steps either
+            ahead = min(
+                ahead, held - computed, bs - 1 - computed % bs, seq.params.max_tokens - seq.num_output_tokens - 1
+            )
+            if ahead <= 0:
+                return 0
+        return ahead
+
+    def advance_decodes(self, num_steps: int, sample: Callable[[Sequence, int], list[int]]) -> list[Sequence]:
+        """Run `num_steps` plain decode steps at once (at most `decode_steps_ahead()`): `sample(seq, n)` is the
+        n tokens a running sequence samples in them, one per step (logprob 0). Returns the running sequences,
+        as `update` would."""
+        if not 0 < num_steps <= self.decode_steps_ahead():
+            raise ValueError(f"{num_steps} plain decode steps asked, {self.decode_steps_ahead()} ahead")
+        for seq in self.running:
+            seq.token_ids.extend(sample(seq, num_steps))
+            seq.output_logprobs.extend([0.0] * num_steps)
+            seq.num_computed_tokens += num_steps
+        return list(self.running)
 
     # -- after the model ran ---------------------------------------------------------------------
 

@@ -56,7 +56,8 @@ class SimCostModel:
 class SimRunner:
     """`tokenizer` is the engine's (sim workers use SmolLM2's); without one and without `outputs` the sim
     model's own is loaded. `clock` spends each step's cost (wall time unless given). `outputs(seq)`, when
-    given, is the token a sequence samples next (the simulator replays a trace's known answers with it)."""
+    given, is the token a sequence samples next (the simulator replays a trace's known answers with it), and
+    `outputs_run(seq, n)` the next n at once (LLMEngine.step(n)); they must agree."""
 
     def __init__(
         self,
@@ -65,11 +66,13 @@ class SimRunner:
         tokenizer: Tokenizer | None = None,
         clock: Clock = WALL_CLOCK,
         outputs: Callable[[Sequence], int] | None = None,
+        outputs_run: Callable[[Sequence, int], list[int]] | None = None,
     ) -> None:
         self.cost = cost or SimCostModel(config.sim_prefill_us_per_token, config.sim_decode_ms_per_step)
         self.seed = config.seed
         self.clock = clock
         self.outputs = outputs
+        self.outputs_run = outputs_run
         self.output_ids: tuple[int, ...] = ()
         if outputs is None:
             if tokenizer is None:
@@ -91,12 +94,34 @@ class SimRunner:
         seconds = self.cost.step_seconds(batch)
         if seconds > 0:
             self.clock.sleep(seconds)
-        sampling = batch.sampling
-        if self.outputs is not None:
-            token_ids = [self.outputs(s.seq) for s in sampling]
-        else:
-            token_ids = [self.next_token(s.seq.token_ids[-1], s.seq.num_tokens) for s in sampling]
+        token_ids = [self.sample(s.seq) for s in batch.sampling]
         return SamplerOutput(token_ids, [0.0] * len(token_ids))
+
+    def spend_decode_steps(self, num_steps: int) -> None:
+        """The cost of `num_steps` steps that only decode (LLMEngine.step(n)), spent at once."""
+        seconds = num_steps * self.cost.decode_ms_per_step * 1e-3
+        if seconds > 0:
+            self.clock.sleep(seconds)
+
+    def sample(self, seq: Sequence) -> int:
+        """The token `seq` samples next: `outputs(seq)` when given, else `next_token`."""
+        if self.outputs is not None:
+            return self.outputs(seq)
+        return self.next_token(seq.token_ids[-1], seq.num_tokens)
+
+    def sample_run(self, seq: Sequence, num_steps: int) -> list[int]:
+        """The tokens `seq` samples in its next `num_steps` decode steps, one per step: `outputs_run(seq, n)`
+        when the script has it, else `sample` step by step."""
+        if self.outputs_run is not None:
+            return self.outputs_run(seq, num_steps)
+        tokens, last, position = [], seq.token_ids[-1], seq.num_tokens
+        for _ in range(num_steps):
+            if self.outputs is not None:
+                raise ValueError("a scripted sim runner needs outputs_run for several decode steps at once")
+            last = self.next_token(last, position)
+            tokens.append(last)
+            position += 1
+        return tokens
 
     def next_token(self, last_token: int, position: int) -> int:
         """A fixed pseudo-random function of the context's last token and length and the seed (Knuth's
