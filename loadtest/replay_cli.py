@@ -150,12 +150,14 @@ def write_output(path: Path, write) -> None:
 
 
 def format_table(result: ReplayResult) -> str:
-    """One row per policy, the oracle and the ideal, aligned; busy time per replica as max / mean and min / mean."""
+    """One row per policy, the oracle and the ideal, aligned; busy time per replica as max / mean and min / mean.
+    The oracle is labelled as what it is (a bounded longest-prefix yardstick: a policy may beat it), the ideal as
+    the lower bound no routing can beat."""
     gateways = result.config.gateways
     header = [
         "policy",
         "prefill tokens",
-        "x oracle",
+        "x yardstick",
         "x ideal",
         "hit rate",
         "busy max/mean",
@@ -170,7 +172,7 @@ def format_table(result: ReplayResult) -> str:
     rows = []
     for name, p in result.policies.items():
         row = [
-            f"{name} (bounded, yardstick)" if name == ORACLE else name,
+            f"{name} (bounded longest-prefix yardstick, not an optimum)" if name == ORACLE else name,
             f"{p.prefill_tokens:,}",
             f"{p.prefill_tokens / result.oracle_prefill_tokens:.3f}",
             f"{p.prefill_tokens / result.ideal_prefill_tokens:.3f}",
@@ -186,7 +188,7 @@ def format_table(result: ReplayResult) -> str:
             row.append("" if p.vs_one_gateway is None else f"{100 * p.vs_one_gateway:.1f}%")
         rows.append(row)
     ideal = [
-        "ideal (one unlimited cache)",
+        "ideal (one unlimited cache, lower bound)",
         f"{result.ideal_prefill_tokens:,}",
         f"{result.ideal_prefill_tokens / result.oracle_prefill_tokens:.3f}",
         "1.000",

@@ -62,6 +62,7 @@ class FleetRun:
     busy_s: list[float]
     requests_per_replica: list[int]
     imbalance: list[float] = field(repr=False)
+    peak_in_flight: int = 0  # the most requests in flight on one replica at an arrival
 
     @property
     def reason_counts(self) -> dict[str, int]:
@@ -124,6 +125,7 @@ class FleetSim:
         started = [False] * total
         in_flight = [0] * n
         imbalance: list[float] = []
+        peak_in_flight = 0
         events: list[tuple[float, int, int, int]] = []  # (time, rank, order, payload)
         order = 0
         current = [0] * n  # per replica: the order of its one valid step event (a cut run leaves a stale one)
@@ -193,7 +195,9 @@ class FleetSim:
             r = index_of[decision.replica]
             replica_of[i], reasons[i] = r, decision.reason
             in_flight[r] += 1
-            imbalance.append(max(in_flight) * n / sum(in_flight))
+            peak = max(in_flight)
+            imbalance.append(peak * n / sum(in_flight))
+            peak_in_flight = max(peak_in_flight, peak)
             replica = self.replicas[r]
             was_idle = replica.idle
             if replica.add(
@@ -204,7 +208,7 @@ class FleetSim:
             tick()
         return FleetRun(
             self.names, replica_of, reasons, cached, ttft, finish,
-            [r.busy_s for r in self.replicas], [r.requests for r in self.replicas], imbalance,
+            [r.busy_s for r in self.replicas], [r.requests for r in self.replicas], imbalance, peak_in_flight,
         )  # fmt: skip
 
     def _publish(self, r: int) -> None:
