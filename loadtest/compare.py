@@ -550,12 +550,15 @@ def predict(
     (rendered, with the run's own answers in closed-loop chats, templated, tokenized), in the order and at
     the times the bench sent them in that run, over replicas named as the live workers (so the replay's hash
     ring is the gateway's) with the live model's block hashes, the run's cache size and the sim workers'
-    cost model (`config.worker_args`). Each request's answer is the text the fleet streamed, tokenized in
-    place after its prompt: its worker holds that KV when it finishes, as a worker caches the blocks its
-    decoded tokens fill, and a next turn that carries the answer back (closed loop) reuses it. The stream
+    cost model (`config.worker_args`), through the fleet simulator (sim/: the workers' own engine and
+    scheduler on a virtual clock, the gateway's books read as often as the embedded fleet state polls). Each
+    request's answer is the text the fleet streamed, tokenized in place after its prompt: its worker holds
+    that KV when it finishes, as a worker caches the blocks its decoded tokens fill, and a next turn that
+    carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
     model's text does not, the replay over-predicts that turn's reuse."""
     from gateway.auth import OPEN_TENANT, cache_salt
+    from gateway.embedded_fleet import PollOptions
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary
@@ -589,6 +592,7 @@ def predict(
         capacity_blocks=run.capacity_blocks,
         replica_names=names,
         model_id=resolve_model(config.model).model_id,
+        view_poll_s=PollOptions().poll_interval,
         **sim_costs(config.worker_args),
     )
     replayed = replay(trace, replay_config)

@@ -68,6 +68,9 @@ class ReplayConfig:
     # The model id block hashes are computed with: a live fleet's (e.g. "sim-v1") gives the gateway's very
     # hashes, hence its ring keys; a salt is the trace request's, as the gateway would compute it.
     model_id: str = REPLAY_MODEL_ID
+    # Seconds between a gateway's reads of the replicas' KV events and load (sim.gateway.ViewTiming.poll_s):
+    # 0 reads them at the end of every step; a live embedded gateway polls each worker every 0.1 s.
+    view_poll_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight"):
@@ -77,7 +80,7 @@ class ReplayConfig:
             len(self.replica_names) != self.replicas or len(set(self.replica_names)) != self.replicas
         ):
             raise ReplayError(f"replica_names must be {self.replicas} distinct names, got {list(self.replica_names)}")
-        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon"):
+        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon", "view_poll_s"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.policies:
@@ -311,7 +314,9 @@ def _simulate(
     trace: Trace, prepared: list[_Prepared], policy: str, gateways: int, shared: bool, config: ReplayConfig, tick
 ) -> Simulation:
     if shared or gateways == 1:
-        timing = ViewTiming(index="shared", load="reported")
+        # One index read by every gateway as the replicas publish; with a poll interval each gateway's own books.
+        index = "books" if config.view_poll_s > 0 else "shared"
+        timing = ViewTiming(index=index, load="reported", poll_s=config.view_poll_s)
     else:
         timing = ViewTiming(index="private", load="own")
     fleet = FleetSim(fleet_config(trace, config, timing), [make_replay_policy(policy, config) for _ in range(gateways)])
