@@ -257,11 +257,8 @@ def ideal_prefill_tokens(prepared: Sequence[_Prepared], block_size: int) -> int:
 
 def _mooncake_prompt(hash_ids: Sequence[int], num_tokens: int, block_size: int) -> Callable[[], list[int]]:
     def prompt() -> list[int]:
-        tokens: list[int] = []
-        pad = [0] * (block_size - 1)
-        for h in hash_ids:
-            tokens.append(h % 2**31)
-            tokens.extend(pad)
+        tokens = [0] * (len(hash_ids) * block_size)
+        tokens[::block_size] = [h % 2**31 for h in hash_ids]
         del tokens[num_tokens:]
         return tokens
 

@@ -229,7 +229,8 @@ class Scheduler:
                 advanced.append(seq)
             # Blocks full of computed K/V become findable, prompt and generated tokens alike.
             num_full = seq.num_computed_tokens // self.block_size
-            self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full], seq.token_ids, seq.cache_salt)
+            if num_full > self.kv.num_hashed[seq.request_id]:
+                self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full], seq.token_ids, seq.cache_salt)
             if samples:
                 reason = seq.check_stop()
                 if reason is not None:
