@@ -22,10 +22,11 @@ but those sequences' tokens, so `advance_decodes` may take several of them at on
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
 from worker.kv_cache_manager import KVCacheManager, PrefixHit
@@ -39,7 +40,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new_tokens: int
-    block_table: list[int]
+    kv: KVCacheManager = field(repr=False)
+
+    @functools.cached_property
+    def block_table(self) -> list[int]:
+        """The sequence's blocks, read when the model runs (built on first read: a sim runner never reads it)."""
+        return self.kv.block_table(self.seq.request_id)
 
     @property
     def samples(self) -> bool:
@@ -114,10 +120,7 @@ class Scheduler:
             budget = self.max_num_batched_tokens - sum(chosen.values())
         if not preempted:
             budget = self._admit(budget, chosen)
-        scheduled = [
-            ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv.block_table(seq.request_id))
-            for seq, n in chosen.items()
-        ]
+        scheduled = [ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv) for seq, n in chosen.items()]
         return SchedulerOutput(scheduled, preempted)
 
     def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
