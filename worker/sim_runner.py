@@ -114,10 +114,10 @@ class SimRunner:
         when the script has it, else `sample` step by step."""
         if self.outputs_run is not None:
             return self.outputs_run(seq, num_steps)
+        if self.outputs is not None:
+            raise ValueError("a scripted sim runner needs outputs_run for several decode steps at once")
         tokens, last, position = [], seq.token_ids[-1], seq.num_tokens
         for _ in range(num_steps):
-            if self.outputs is not None:
-                raise ValueError("a scripted sim runner needs outputs_run for several decode steps at once")
             last = self.next_token(last, position)
             tokens.append(last)
             position += 1
