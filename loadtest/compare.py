@@ -556,7 +556,9 @@ def predict(
     that KV when it finishes, as a worker caches the blocks its decoded tokens fill, and a next turn that
     carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
-    model's text does not, the replay over-predicts that turn's reuse."""
+    model's text does not, the replay over-predicts that turn's reuse. TTFT: the simulated engine's
+    (`ttft_ms`), and with the fleet's fixed latency outside the engine added (`ttft_ms_with_fixed_latency`:
+    the overhead probes' TTFT through the router less the engine time of a probe's one step)."""
     from gateway.auth import OPEN_TENANT, cache_salt
     from gateway.embedded_fleet import PollOptions
     from kvroute.model_source import resolve_model
@@ -597,11 +599,22 @@ def predict(
     )
     replayed = replay(trace, replay_config)
     result = replayed.policies[run.entry.policy]
+    # The fleet's fixed latency outside the engine (HTTP, router, gRPC, the stream back): the overhead probes'
+    # TTFT through the router less the engine time of a probe's one step on an idle, warm worker.
+    probe = token_ids(BenchRequest(0, 0.0, 1, prompt=" probe" * PROBE_TOKENS), tokenizer)
+    uncached = len(probe) - (len(probe) - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    latency = (
+        run.overhead_ms.get("direct_p50", float("nan"))
+        + run.overhead_ms["p50"]
+        - uncached * replay_config.prefill_us_per_token / 1e3
+    )
     return {
         "prefill_tokens": result.prefill_tokens,
         "ideal_prefill_tokens": replayed.ideal_prefill_tokens,
         "hit_rate": round(result.hit_rate, 6),
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
+        "fixed_latency_ms": round(latency, 3),
+        "ttft_ms_with_fixed_latency": {k: round(v + latency, 3) for k, v in result.ttft_ms.items()},
         "per_worker_requests": dict(zip(names, result.per_replica_requests, strict=False)),
         "reasons": result.reasons,
     }

@@ -26,6 +26,8 @@ through one gateway with the exact fleet index.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,9 +73,10 @@ class ReplayConfig:
     # Seconds between a gateway's reads of the replicas' KV events and load (sim.gateway.ViewTiming.poll_s):
     # 0 reads them at the end of every step; a live embedded gateway polls each worker every 0.1 s.
     view_poll_s: float = 0.0
+    jobs: int = 1  # runs (policy, one-gateway, oracle) simulated at once, one process each
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight"):
+        for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight", "jobs"):
             if getattr(self, name) < 1:
                 raise ReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.replica_names is not None and (
@@ -352,20 +355,33 @@ def _result(policy: str, prepared: list[_Prepared], sim: Simulation, config: Rep
 
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay `trace` once per policy (and, with G > 1 gateways, once more with one gateway), and once
-    with the bounded oracle (one gateway) whether or not it is among the policies; it is the last result."""
+    with the bounded oracle (one gateway) whether or not it is among the policies; it is the last result.
+    `config.jobs` > 1 runs them in that many processes at once (the same results)."""
     prepared = _prepare(trace, config.model_id)
     _check_fits(trace, prepared, config)
     policies = [p for p in config.policies if p != ORACLE]
-    runs = len(policies) * (2 if config.gateways > 1 else 1) + 1
-    with _progress(len(prepared) * runs, config.progress) as bar:
-        results = {}
-        for policy in policies:
-            results[policy] = _run(trace, prepared, policy, config.gateways, config.shared_view, config, bar)
-            if config.gateways > 1:
-                one = _run(trace, prepared, policy, 1, True, config, bar)
-                loss = (one.hit_rate - results[policy].hit_rate) / one.hit_rate if one.hit_rate else 0.0
-                results[policy].vs_one_gateway = loss
-        results[ORACLE] = _run(trace, prepared, ORACLE, 1, True, config, bar)
+    runs = [(policy, config.gateways, config.shared_view) for policy in policies]
+    if config.gateways > 1:
+        runs += [(policy, 1, True) for policy in policies]
+    runs.append((ORACLE, 1, True))
+    with _progress(len(prepared) * len(runs), config.progress) as bar:
+        if config.jobs > 1:
+            # Each run is independent: forked workers share the prepared trace; a run ticks the bar when done.
+            context = multiprocessing.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(min(config.jobs, len(runs)), mp_context=context) as pool:
+                futures = [pool.submit(_run, trace, prepared, *run, config, _NoBar()) for run in runs]
+                for _ in concurrent.futures.as_completed(futures):
+                    bar.update(len(prepared))
+                done = [future.result() for future in futures]
+        else:
+            done = [_run(trace, prepared, *run, config, bar) for run in runs]
+    results = dict(zip(policies, done, strict=False))
+    for policy, one in zip(
+        policies, done[len(policies) : 2 * len(policies)] if config.gateways > 1 else (), strict=False
+    ):
+        loss = (one.hit_rate - results[policy].hit_rate) / one.hit_rate if one.hit_rate else 0.0
+        results[policy].vs_one_gateway = loss
+    results[ORACLE] = done[-1]
     return ReplayResult(
         trace=trace.name,
         requests=len(prepared),

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="generator and random-policy seed (default 0)")
     parser.add_argument("--gateways", type=int, default=1, help="gateways the requests are dealt over (default 1)")
     parser.add_argument(
+        "--jobs", type=int, default=1, help="policies simulated at once, one process each (default 1; the same results)"
+    )
+    parser.add_argument(
         "--shared-view",
         action="store_true",
         help="gateways read one fleet KV index and load (as through Redis); "
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             capacity_blocks=args.capacity_blocks,
             gateways=args.gateways,
             shared_view=args.shared_view,
+            jobs=args.jobs,
             prefill_us_per_token=args.prefill_us_per_token,
             decode_ms_per_step=args.decode_ms_per_step,
             epsilon=args.epsilon,
@@ -188,7 +192,7 @@ def format_table(result: ReplayResult) -> str:
             row.append("" if p.vs_one_gateway is None else f"{100 * p.vs_one_gateway:.1f}%")
         rows.append(row)
     ideal = [
-        "ideal (one unlimited cache, lower bound)",
+        "ideal (one unlimited cache): lower bound",
         f"{result.ideal_prefill_tokens:,}",
         f"{result.ideal_prefill_tokens / result.oracle_prefill_tokens:.3f}",
         "1.000",

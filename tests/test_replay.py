@@ -258,3 +258,11 @@ def test_new_workloads_kv_aware_near_the_oracle_and_every_replica_busy(workload)
     kv = result.policies["kv_aware"]
     assert kv.prefill_tokens <= 1.10 * result.oracle_prefill_tokens
     assert kv.load_imbalance <= 1.25 and kv.busy_min_share >= 0.5 and min(kv.per_replica_requests) > 0
+
+
+def test_jobs_run_the_policies_in_processes_with_the_same_results():
+    trace = generate("multiturn", 80)
+    base = dict(replicas=3, policies=("round_robin", "kv_aware"), capacity_blocks=400, gateways=2)
+    one, two = (replay(trace, ReplayConfig(**base, jobs=jobs)) for jobs in (1, 2))
+    assert one.to_json() == two.to_json()
+    assert two.policies["kv_aware"].vs_one_gateway is not None
