@@ -556,9 +556,12 @@ def predict(
     that KV when it finishes, as a worker caches the blocks its decoded tokens fill, and a next turn that
     carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
-    model's text does not, the replay over-predicts that turn's reuse. TTFT: the simulated engine's
-    (`ttft_ms`), and with the fleet's fixed latency outside the engine added (`ttft_ms_with_fixed_latency`:
-    the overhead probes' TTFT through the router less the engine time of a probe's one step)."""
+    model's text does not, the replay over-predicts that turn's reuse. Each simulated step also takes the
+    workers' measured time per step beyond the cost model (their TPOT p50 less `decode_ms_per_step`). TTFT:
+    the simulated engine's (`ttft_ms`), and with the fleet's fixed latency outside the engine added
+    (`ttft_ms_with_fixed_latency`: the overhead probes' TTFT through the router less a probe's one step)."""
+    from dataclasses import replace
+
     from gateway.auth import OPEN_TENANT, cache_salt
     from gateway.embedded_fleet import PollOptions
     from kvroute.model_source import resolve_model
@@ -597,6 +600,11 @@ def predict(
         view_poll_s=PollOptions().poll_interval,
         **sim_costs(config.worker_args),
     )
+    # The workers' own work per step, beyond the cost model: their measured step period (TPOT p50) less it.
+    tpot_ms = run.summary.tpot_ms["p50"] if run.summary.tpot_ms else None
+    if tpot_ms is not None and tpot_ms == tpot_ms:
+        overhead = max(tpot_ms - replay_config.decode_ms_per_step, 0.0)
+        replay_config = replace(replay_config, step_overhead_ms=overhead)
     replayed = replay(trace, replay_config)
     result = replayed.policies[run.entry.policy]
     # The fleet's fixed latency outside the engine (HTTP, router, gRPC, the stream back): the overhead probes'
@@ -614,6 +622,7 @@ def predict(
         "hit_rate": round(result.hit_rate, 6),
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
         "fixed_latency_ms": round(latency, 3),
+        "step_overhead_ms": round(replay_config.step_overhead_ms, 3),
         "ttft_ms_with_fixed_latency": {k: round(v + latency, 3) for k, v in result.ttft_ms.items()},
         "per_worker_requests": dict(zip(names, result.per_replica_requests, strict=False)),
         "reasons": result.reasons,

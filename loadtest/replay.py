@@ -74,6 +74,8 @@ class ReplayConfig:
     # 0 reads them at the end of every step; a live embedded gateway polls each worker every 0.1 s.
     view_poll_s: float = 0.0
     jobs: int = 1  # runs (policy, one-gateway, oracle) simulated at once, one process each
+    # Time each replica step takes beyond the cost model (a live fleet's measured step period less the model's).
+    step_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight", "jobs"):
@@ -83,7 +85,7 @@ class ReplayConfig:
             len(self.replica_names) != self.replicas or len(set(self.replica_names)) != self.replicas
         ):
             raise ReplayError(f"replica_names must be {self.replicas} distinct names, got {list(self.replica_names)}")
-        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon", "view_poll_s"):
+        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon", "view_poll_s", "step_overhead_ms"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.policies:
@@ -299,6 +301,7 @@ def fleet_config(trace: Trace, config: ReplayConfig, timing: ViewTiming) -> Flee
         model_id=config.model_id,
         cost=SimCostModel(config.prefill_us_per_token, config.decode_ms_per_step),
         timing=timing,
+        step_overhead_s=config.step_overhead_ms * 1e-3,
     )
 
 

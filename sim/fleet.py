@@ -83,6 +83,7 @@ class FleetConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     watermark: float = 0.01
+    step_overhead_s: float = 0.0  # per step beyond the cost model (sim.replica.SimReplica)
 
 
 class FleetSim:
@@ -103,7 +104,8 @@ class FleetSim:
                 config.max_num_batched_tokens,
                 config.max_num_seqs,
                 config.watermark,
-            )  # fmt: skip
+                step_overhead_s=config.step_overhead_s,
+            )
             for name in names
         ]
         identity = FleetIdentity(config.model_id, config.block_size, "sim", "sim")

@@ -41,7 +41,9 @@ class StepDone:
 
 class SimReplica:
     """`capacity_blocks` KV blocks of `block_size` tokens; `cost` paces the steps; block hashes use `model_id`.
-    `max_num_batched_tokens`, `max_num_seqs` and `watermark` are the engine's (EngineConfig's defaults)."""
+    `max_num_batched_tokens`, `max_num_seqs` and `watermark` are the engine's (EngineConfig's defaults).
+    `step_overhead_s`: time every step takes beyond the cost model (a live worker's own work per step, measured;
+    0 by default)."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class SimReplica:
         max_num_seqs: int = EngineConfig.max_num_seqs,
         watermark: float = EngineConfig.watermark,
         max_model_len: int = 1 << 30,
+        step_overhead_s: float = 0.0,
     ) -> None:
         self.name = name
         self.clock = VirtualClock()
@@ -70,7 +73,8 @@ class SimReplica:
         self.engine = LLMEngine(config, clock=self.clock, sim_runner=self.runner, model_id=model_id)
         self._answers: dict[str, tuple[Sequence[int], int]] = {}  # request id -> (known answer, filler token)
         self._pending: StepDone | None = None  # the step computed last, delivered at its end
-        self._decode_s = cost.decode_ms_per_step * 1e-3
+        self._overhead_s = step_overhead_s
+        self._decode_s = cost.decode_ms_per_step * 1e-3 + step_overhead_s  # one plain decode step
         self._run = 0  # plain decode steps from `_run_start` not yet taken (0: none in progress)
         self._run_start = 0.0
         self.busy_s = 0.0  # time spent in steps
@@ -133,6 +137,8 @@ class SimReplica:
             return done
         start = self.clock.now()
         outputs = self.engine.step()
+        if self._overhead_s:
+            self.clock.sleep(self._overhead_s)
         if not outputs and not self.engine.scheduler.running and self.engine.has_unfinished_requests():
             raise RuntimeError(f"{self.name}: a step with nothing to schedule (a request larger than the cache?)")
         self.busy_s += self.clock.now() - start
@@ -143,6 +149,8 @@ class SimReplica:
     def _take(self, num_steps: int) -> list[RequestOutput]:
         start = self.clock.now()
         outputs = self.engine.step(num_steps)
+        if self._overhead_s:
+            self.clock.sleep(num_steps * self._overhead_s)
         self.busy_s += self.clock.now() - start
         self._forget_finished(outputs)
         return outputs

@@ -83,3 +83,15 @@ def test_a_replica_under_pressure_preempts_and_reports_at_most_its_prompt_cached
     assert sum(run.cached_tokens) == engine.stats().prefix_hits  # one prefix query per request
     assert all(f > 0 for f in run.finish_s) and not engine.has_unfinished_requests()
     engine.check_invariants()
+
+
+def test_a_measured_step_overhead_lengthens_every_step_runs_included():
+    requests = [request(0.0, list(range(100)), 20)]  # one 10 ms prefill step, then 19 decode steps of 10 ms
+
+    def timings(overhead_s: float) -> tuple[float, float]:
+        config = FleetConfig(("a",), 64, 16, cost=SimCostModel(100.0, 10.0), step_overhead_s=overhead_s)
+        run = FleetSim(config, [make_policy("round_robin")]).run(requests)
+        return run.ttft_s[0], run.finish_s[0]
+
+    assert timings(0.0) == (pytest.approx(0.010), pytest.approx(0.010 + 19 * 0.010))
+    assert timings(0.001) == (pytest.approx(0.011), pytest.approx(0.011 + 19 * 0.011))
