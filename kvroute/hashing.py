@@ -109,6 +109,8 @@ class BlockHasher:
     def update(self, tokens: Sequence[int]) -> list[BlockHash]:
         """Hash every full block of `tokens` (the whole sequence so far) not hashed yet; returns the new ones."""
         done = len(self.hashes) * self.block_size
+        if len(tokens) < done + self.block_size:  # no new full block: the common case, called every step
+            return []
         parent = self.hashes[-1] if self.hashes else self.root
         new = extend_block_hashes(parent, tokens[done:], self.block_size)
         self.hashes.extend(new)

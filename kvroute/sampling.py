@@ -72,7 +72,12 @@ def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: in
         raise InvalidRequest("prompt", "is empty; send at least one token")
     if len(token_ids) >= max_model_len:
         raise InvalidRequest("prompt", f"has {len(token_ids)} tokens; the model's context is {max_model_len} tokens")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    # min and max run in C; the scan that names the bad id runs only when there is one
+    bad = (
+        None
+        if 0 <= min(token_ids) and max(token_ids) < vocab_size
+        else next(t for t in token_ids if not 0 <= t < vocab_size)
+    )
     if bad is not None:
         raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(token_ids) + max_tokens > max_model_len:

@@ -492,12 +492,20 @@ def predict(
     (rendered, with the run's own answers in closed-loop chats, templated, tokenized), in the order and at
     the times the bench sent them in that run, over replicas named as the live workers (so the replay's hash
     ring is the gateway's) with the live model's block hashes, the run's cache size and the sim workers'
-    cost model (`config.worker_args`). Each request's answer is the text the fleet streamed, tokenized in
-    place after its prompt: its worker holds that KV when it finishes, as a worker caches the blocks its
-    decoded tokens fill, and a next turn that carries the answer back (closed loop) reuses it. The stream
+    cost model (`config.worker_args`), through the fleet simulator (sim/: the workers' own engine and
+    scheduler on a virtual clock, the gateway's books read as often as the embedded fleet state polls). Each
+    request's answer is the text the fleet streamed, tokenized in place after its prompt: its worker holds
+    that KV when it finishes, as a worker caches the blocks its decoded tokens fill, and a next turn that
+    carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
-    model's text does not, the replay over-predicts that turn's reuse."""
+    model's text does not, the replay over-predicts that turn's reuse. Each simulated step also takes the
+    workers' measured time per step beyond the cost model (their TPOT p50 less `decode_ms_per_step`). TTFT:
+    the simulated engine's (`ttft_ms`), and with the fleet's fixed latency outside the engine added
+    (`ttft_ms_with_fixed_latency`: the overhead probes' TTFT through the router less a probe's one step)."""
+    from dataclasses import replace
+
     from gateway.auth import OPEN_TENANT, cache_salt
+    from gateway.embedded_fleet import PollOptions
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary
@@ -531,15 +539,33 @@ def predict(
         capacity_blocks=run.capacity_blocks,
         replica_names=names,
         model_id=resolve_model(config.model).model_id,
+        view_poll_s=PollOptions().poll_interval,
         **sim_costs(config.worker_args),
     )
+    # The workers' own work per step, beyond the cost model: their measured step period (TPOT p50) less it.
+    tpot_ms = run.summary.tpot_ms["p50"] if run.summary.tpot_ms else None
+    if tpot_ms is not None and tpot_ms == tpot_ms:
+        overhead = max(tpot_ms - replay_config.decode_ms_per_step, 0.0)
+        replay_config = replace(replay_config, step_overhead_ms=overhead)
     replayed = replay(trace, replay_config)
     result = replayed.policies[run.entry.policy]
+    # The fleet's fixed latency outside the engine (HTTP, router, gRPC, the stream back): the overhead probes'
+    # TTFT through the router less the engine time of a probe's one step on an idle, warm worker.
+    probe = token_ids(BenchRequest(0, 0.0, 1, prompt=" probe" * PROBE_TOKENS), tokenizer)
+    uncached = len(probe) - (len(probe) - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
+    latency = (
+        run.overhead_ms.get("direct_p50", float("nan"))
+        + run.overhead_ms["p50"]
+        - uncached * replay_config.prefill_us_per_token / 1e3
+    )
     return {
         "prefill_tokens": result.prefill_tokens,
         "ideal_prefill_tokens": replayed.ideal_prefill_tokens,
         "hit_rate": round(result.hit_rate, 6),
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
+        "fixed_latency_ms": round(latency, 3),
+        "step_overhead_ms": round(replay_config.step_overhead_ms, 3),
+        "ttft_ms_with_fixed_latency": {k: round(v + latency, 3) for k, v in result.ttft_ms.items()},
         "per_worker_requests": dict(zip(names, result.per_replica_requests, strict=False)),
         "reasons": result.reasons,
     }

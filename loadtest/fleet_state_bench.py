@@ -9,34 +9,32 @@
    network round trip adds to (a) only): a 4,096-token prompt (256 blocks) over 8 workers holding 2,000
    blocks each, half of the prompt cached on one. (a) as one pipeline of HKEYS, and in pipelines of 32
    that stop at the first chunk with a miss; (b) KVIndex.match. Also the write cost per KV event.
-2. Hit rate and load imbalance with 1, 2 and 4 gateways, on a simulated clock over real block managers
-   (worker.kv_cache_manager) and the real router and fleet books: (a) sees what the reporters published
-   (every 50 ms), (b) additionally waits for its gateway's next poll (every 100 ms, phases spread), and a
-   "private" gateway sees no events at all (its own routing decisions only). Load: "combined" takes the
-   workers' reported running + waiting (published with the events) plus the gateway's own requests since,
-   "own" counts this gateway's requests only. The workload: agent sessions on one 2,000-token tool prompt,
-   each turn adding to the session's history after a short think time, at about 4 requests in flight per
-   worker. Imbalance: the mean over arrivals of max / mean of the workers' true in-flight counts.
+2. Hit rate and load imbalance with 1, 2 and 4 gateways, in the fleet simulator (sim/: the real engine with
+   the sim runner's cost model as each worker, the real router and fleet books as each gateway, on a virtual
+   clock): (a) sees what the reporters published (every 50 ms), (b) additionally waits for its gateway's next
+   poll (every 100 ms, phases spread), and a "private" gateway sees no events at all (its own routing
+   decisions only). Load: "combined" takes the workers' reported running + waiting (published with the
+   events) at each poll plus the gateway's own requests since, "own" counts this gateway's requests only.
+   The workload: agent sessions on one 2,000-token tool prompt, each turn adding to the session's history
+   after a short think time, at about 4 requests in flight per worker. Imbalance: the mean over arrivals of
+   max / mean of the workers' true in-flight counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import heapq
 import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from gateway.fleet import FleetView
-from gateway.fleet_state import FleetBook, FleetIdentity
-from gateway.kv_index import KVIndex, LearnedKVIndex
-from gateway.router import RouteRequest, make_policy
+from gateway.kv_index import KVIndex
+from gateway.router import make_policy
 from kvroute.fleet_keys import FleetKeys, pack_hashes, redis_client, stream_id
 from kvroute.hashing import block_hashes
-from worker.kv_cache_manager import KVCacheManager
+from sim import FleetConfig, FleetSim, SimRequest, ViewTiming
 
 MODEL_ID = "bench"
 BLOCK = 16
@@ -166,116 +164,34 @@ def agent_workload(n: int, sessions: int, seed: int, rate: float) -> list[Reques
     return requests
 
 
-@dataclass
-class Worker:
-    name: str
-    cache: KVCacheManager
-    running: int = 0
-    unpublished: list = field(default_factory=list)
+LAYOUTS = {  # index layout -> the simulated gateways' KV index feed (sim.gateway.ViewTiming.index)
+    "redis-index": "shared",
+    "streams": "books",
+    "private": "private",
+}
+LOADS = {"combined": "reported", "own": "own"}
 
 
 def simulate(
     requests: list[Request], num_workers: int, num_gateways: int, index_mode: str, load_mode: str,
     capacity_blocks: int, policy_name: str = "kv_aware",
 ) -> dict[str, float]:  # fmt: skip
-    names = [f"w{i}" for i in range(num_workers)]
-    workers = {n: Worker(n, KVCacheManager(num_blocks=capacity_blocks, block_size=BLOCK)) for n in names}
-    identity = FleetIdentity(MODEL_ID, BLOCK, "h", "t")
-    books = [FleetBook(identity) for _ in range(num_gateways)]
-    for book in books:
-        for name in names:
-            book.admit(name, name, 1, MODEL_ID, BLOCK, 8192, "h", "t")
-    shared = KVIndex(names)  # (a): what Redis holds
-    if index_mode == "redis-index":
-        views = [FleetView(book.fleet.replicas, book.fleet.loads, shared) for book in books]
-    elif index_mode == "private":
-        views = [
-            FleetView(book.fleet.replicas, book.fleet.loads, LearnedKVIndex(names, capacity_blocks)) for book in books
+    """One layout through the fleet simulator (sim/): real engines as workers, real books and policies as
+    gateways, with the reporters' publish interval and the gateways' poll interval."""
+    timing = ViewTiming(LAYOUTS[index_mode], LOADS[load_mode], publish_s=PUBLISH_S, poll_s=POLL_S)
+    config = FleetConfig(tuple(f"w{i}" for i in range(num_workers)), capacity_blocks, BLOCK, MODEL_ID, timing=timing)
+    fleet = FleetSim(config, [make_policy(policy_name) for _ in range(num_gateways)])
+    run = fleet.run(
+        [
+            SimRequest(r.arrival, lambda r=r: r.tokens, len(r.tokens), r.output_tokens, block_hashes=r.hashes)
+            for r in requests
         ]
-    else:
-        views = [book.fleet for book in books]
-    policies = [make_policy(policy_name) for _ in books]
-    stream: dict[str, list] = {n: [] for n in names}  # published events, per worker
-    read_upto = [dict.fromkeys(names, 0) for _ in books]  # (b): how far each gateway has applied
-    reports: dict[str, tuple[int, int]] = {}  # worker -> (report number, running) as last published
-    taken = [dict.fromkeys(names, -1) for _ in books]
-
-    queue: list[tuple[float, int, str, object]] = []
-    order = 0
-
-    def push(at: float, kind: str, payload: object) -> None:
-        nonlocal order
-        order += 1
-        heapq.heappush(queue, (at, order, kind, payload))
-
-    for i, request in enumerate(requests):
-        push(request.arrival, "arrive", i)
-    end = requests[-1].arrival
-    for k in range(int(end / PUBLISH_S) + 2):
-        push(k * PUBLISH_S, "publish", k)
-    for g in range(num_gateways):
-        phase = POLL_S * g / num_gateways
-        for k in range(int(end / POLL_S) + 2):
-            push(phase + k * POLL_S, "poll", g)
-
-    prompt_tokens = cached_tokens = 0
-    imbalance: list[float] = []
-    peak = 0
-    while queue:
-        now, _, kind, payload = heapq.heappop(queue)
-        if kind == "publish":
-            for w in workers.values():
-                events = w.unpublished
-                w.unpublished = []
-                stream[w.name].extend(events)
-                shared.apply(w.name, events)
-                reports[w.name] = (payload, w.running)
-        elif kind == "poll":
-            g = payload
-            for name in names:
-                if index_mode == "streams":
-                    books[g].apply_events(name, 1, stream[name][read_upto[g][name] :])
-                    read_upto[g][name] = len(stream[name])
-                if load_mode == "combined" and name in reports and reports[name][0] != taken[g][name]:
-                    taken[g][name] = reports[name][0]
-                    books[g].report_load(name, 1, reports[name][1], 0, 0.0)
-        elif kind == "arrive":
-            i = payload
-            request = requests[i]
-            g = i % num_gateways
-            running = [w.running for w in workers.values()]
-            route = RouteRequest(f"r{i}", request.hashes, len(request.tokens))
-            decision = policies[g].pick(route, views[g])
-            policies[g].observe(route, decision)
-            if index_mode == "private":
-                views[g].kv_index.record_routed(decision.replica, request.hashes)
-            worker = workers[decision.replica]
-            hit = worker.cache.get_computed_blocks(request.hashes, len(request.tokens))
-            if worker.cache.allocate_slots(f"r{i}", len(request.tokens), hit.blocks) is None:
-                raise RuntimeError("capacity_blocks is too small for the requests in flight")
-            worker.cache.cache_blocks(f"r{i}", request.hashes)
-            worker.unpublished.extend(worker.cache.drain_events())
-            worker.running += 1
-            books[g].on_dispatch(decision.replica)
-            prompt_tokens += len(request.tokens)
-            cached_tokens += hit.num_tokens
-            mean = (sum(running) + 1) / len(running)
-            running[names.index(decision.replica)] += 1
-            imbalance.append(max(running) / mean)
-            peak = max(peak, max(running))
-            duration = 40e-6 * (len(request.tokens) - hit.num_tokens) + 0.02 * request.output_tokens
-            push(now + duration, "finish", (i, decision.replica, g))
-        else:
-            i, name, g = payload
-            worker = workers[name]
-            worker.cache.free(f"r{i}")
-            worker.unpublished.extend(worker.cache.drain_events())
-            worker.running -= 1
-            books[g].on_finish(name)
+    )
+    prompt_tokens = sum(len(r.tokens) for r in requests)
     return {
-        "hit_rate": cached_tokens / prompt_tokens,
-        "imbalance": statistics.mean(imbalance),
-        "peak_in_flight": peak,
+        "hit_rate": sum(run.cached_tokens) / prompt_tokens,
+        "imbalance": statistics.mean(run.imbalance),
+        "peak_in_flight": run.peak_in_flight,
     }
 
 

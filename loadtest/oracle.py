@@ -1,7 +1,7 @@
 """The replay's yardstick: a bounded longest-prefix oracle (`kvroute replay --policies oracle`).
 
-It knows every replica's cache exactly (the replay's fleet KV index, fed synchronously by the block
-pools' events) and routes request i (counting from 0) by two rules:
+It knows every replica's cache exactly (the replay's fleet KV index, fed by the block pools' events at the
+end of every step) and routes request i (counting from 0) by two rules:
 
   1. a replica is a candidate while it has been given fewer than ceil(1.1 * (i + 1) / N) requests, so
      after any prefix of the trace no replica holds more than 10% above its share of requests (the set
@@ -9,9 +9,11 @@ pools' events) and routes request i (counting from 0) by two rules:
   2. among the candidates, the longest cached prefix wins; ties go to the fewest assigned, then to the
      lowest replica index.
 
-No live router can do this (it needs the caches exactly and counts every request of the fleet), so a
-policy's prefill tokens over the oracle's says how far it is from the best a balanced router could do.
-The ideal (one unlimited cache, no routing) is the other, looser yardstick.
+No live router can do this (it needs the caches exactly and counts every request of the fleet), yet it is
+greedy, not an optimum: it looks at one request at a time and ignores load, so a policy can beat it (the
+replay's table names it "bounded longest-prefix yardstick"). A policy's prefill over the oracle's says how it
+compares with exact-knowledge greedy placement; the ideal (one unlimited cache, no routing) is the lower bound
+no routing can beat.
 """
 
 from __future__ import annotations

@@ -1,48 +1,46 @@
-"""The fleet replay: a trace through N simulated replicas, routed by the real router, on a simulated clock.
+"""The fleet replay: a trace through N simulated replicas and the real router, on a virtual clock (sim/).
 
-Each replica is a real `worker.kv_cache_manager.KVCacheManager` with `capacity_blocks` blocks. The cost
-model:
-  * a replica prefills one request at a time, in arrival order: TTFT = the wait for the replica's
-    prefill + uncached prompt tokens x `prefill_us_per_token`;
-  * decode then runs for `output_length` steps of `decode_ms_per_step`, concurrently with the
-    replica's other requests;
-  * a request holds its KV blocks (prompt + output - 1 tokens) from admission to its finish; a request
-    that does not fit waits (in order) until finishing requests free blocks. Its prompt blocks are
-    offered to the cache at admission (a later request on that replica prefills after it), the blocks
-    of a known answer at finish (a multi-turn chat's next turn reuses them).
-  * busy time of a replica = its prefill time + the time it has at least one request decoding;
-    load_imbalance = max / mean busy time; busy_min_share = min / mean (a starved replica shows 0).
-Mooncake traces: a block is 512 tokens, each hash id one cacheable block, the last partial one
-included (allocated as if full; a hit on it counts its real tokens). Token-id traces: chained hashes
-of full blocks (kvroute.hashing, model id "replay", the request's tenant salt), and at least the
-prompt's last token is always computed, as the worker does.
+Each replica is the worker's own engine (`LLMEngine` with the sim runner: the real scheduler with chunked
+prefill, the admission watermark and preemption, `KVCacheManager`, `BlockPool`), paced by the sim worker's
+`SimCostModel`: a step costs `prefill_us_per_token` per prompt token it computes plus `decode_ms_per_step`
+if it decodes. TTFT = arrival to the end of the step that samples the first token; busy time of a replica =
+the sum of its steps' costs; load_imbalance = max / mean busy time; busy_min_share = min / mean (a starved
+replica shows 0). A request's cached tokens are what its engine found at its first admission (the engine's
+figure), prefill tokens = prompt tokens less those.
+Token-id traces: the prompt as given, the known answer (when the trace has it) sampled as the output, so a
+multi-turn chat's next turn finds the answer's blocks where it was decoded; block hashes are kvroute.hashing's
+(model id "replay" unless `model_id`, the request's tenant salt). Mooncake traces: block i of a prompt is 512
+tokens made from hash id i (a last partial block from as many tokens as it holds), so equal hash-id prefixes
+are equal token prefixes; as in any engine only full blocks are cached and the prompt's last token is always
+computed (before this simulator a Mooncake replay counted a hit on the last partial block too).
 
-The router sees, per replica, in_flight (routed, not finished), queued (prefill not started) and
-kv_usage. With G gateways (requests dealt round-robin by arrival) and `shared_view`, every gateway
-reads the fleet's KV index (fed by the block pools' KV events) and loads, as through Redis; without
-it each gateway sees only its own decisions: its own in-flight counts and a `LearnedKVIndex`.
-Two yardsticks are printed with every replay: the ideal (one unlimited cache, in arrival order, no
-routing) and the bounded oracle (loadtest.oracle: exact caches, longest prefix under a request-count
-bound), which runs with every replay through one gateway with the exact fleet index.
+The router sees each replica through a gateway's real `FleetBook` (sim.gateway). With one gateway, or G
+gateways (requests dealt round-robin by arrival) and `shared_view`, every gateway reads one fleet KV index fed
+by the block pools' KV events and the replicas' running + waiting, both published at the end of every step,
+as through Redis; without it each gateway sees only its own decisions: its own in-flight counts and a
+`LearnedKVIndex`. Two yardsticks are printed with every replay: the ideal (one unlimited cache, in arrival
+order, no routing: a lower bound) and the bounded oracle (loadtest.oracle: exact caches, longest prefix under
+a request-count bound; a yardstick a good router can beat, not an optimum), which runs with every replay
+through one gateway with the exact fleet index.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter, deque
+import concurrent.futures
+import multiprocessing
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from gateway.fleet import FleetView, ReplicaLoad
-from gateway.kv_index import LearnedKVIndex
 from gateway.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
-from kvroute.prefix import common_prefix_length
 from loadtest.oracle import BoundedOracle
 from loadtest.traces import Trace, TraceRequest
-from worker.kv_cache_manager import KVCacheManager
+from sim import FleetConfig, FleetRun, FleetSim, SimRequest, ViewTiming
+from worker.sim_runner import SimCostModel
 
 REPLAY_MODEL_ID = "replay"
 ORACLE = BoundedOracle.name
@@ -72,16 +70,22 @@ class ReplayConfig:
     # The model id block hashes are computed with: a live fleet's (e.g. "sim-v1") gives the gateway's very
     # hashes, hence its ring keys; a salt is the trace request's, as the gateway would compute it.
     model_id: str = REPLAY_MODEL_ID
+    # Seconds between a gateway's reads of the replicas' KV events and load (sim.gateway.ViewTiming.poll_s):
+    # 0 reads them at the end of every step; a live embedded gateway polls each worker every 0.1 s.
+    view_poll_s: float = 0.0
+    jobs: int = 1  # runs (policy, one-gateway, oracle) simulated at once, one process each
+    # Time each replica step takes beyond the cost model (a live fleet's measured step period less the model's).
+    step_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight"):
+        for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight", "jobs"):
             if getattr(self, name) < 1:
                 raise ReplayError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.replica_names is not None and (
             len(self.replica_names) != self.replicas or len(set(self.replica_names)) != self.replicas
         ):
             raise ReplayError(f"replica_names must be {self.replicas} distinct names, got {list(self.replica_names)}")
-        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon"):
+        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon", "view_poll_s", "step_overhead_ms"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.policies:
@@ -192,7 +196,7 @@ class _Prepared:
     output_length: int
     route: RouteRequest
     usable_blocks: int  # how many leading blocks a cache hit may cover
-    kv_tokens: int  # tokens of KV the request holds while it runs
+    kv_tokens: int  # prompt + max_tokens: what the engine requires a replica's cache to hold
     finish_keys: Sequence  # keys of every full block at finish (prompt + known answer)
     session: str
 
@@ -204,7 +208,7 @@ def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
             keys: Sequence = req.hash_ids
             usable = len(keys)
             finish_keys = keys
-            kv_tokens = len(keys) * trace.block_size + max(req.output_length - 1, 0)
+            kv_tokens = req.input_length + max(req.output_length, 1)
             session = str(keys[min(1, len(keys) - 1)])
         else:
             keys = block_hashes(
@@ -212,7 +216,7 @@ def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
             )
             usable = (req.input_length - 1) // trace.block_size
             finish_keys = keys + _answer_hashes(req, keys, trace.block_size, model_id)
-            kv_tokens = req.input_length + max(req.output_length - 1, 0)
+            kv_tokens = req.input_length + max(req.output_length, 1)
             session = req.session_id if req.session_id is not None else f"request-{i}"
         route = RouteRequest(f"req-{i}", keys, req.input_length, req.session_id)
         out.append(
@@ -253,182 +257,100 @@ def ideal_prefill_tokens(prepared: Sequence[_Prepared], block_size: int) -> int:
     return total
 
 
-# -- simulated replicas ---------------------------------------------------------------------------
+# -- the simulated fleet --------------------------------------------------------------------------
 
 
-class _Replica:
-    """One simulated replica: a real KV cache manager, a FIFO prefill queue and decode accounting."""
+def _mooncake_prompt(hash_ids: Sequence[int], num_tokens: int, block_size: int) -> Callable[[], list[int]]:
+    def prompt() -> list[int]:
+        tokens = [0] * (len(hash_ids) * block_size)
+        tokens[::block_size] = [h % 2**31 for h in hash_ids]
+        del tokens[num_tokens:]
+        return tokens
 
-    def __init__(self, name: str, capacity_blocks: int, block_size: int) -> None:
-        self.name = name
-        self.manager = KVCacheManager(capacity_blocks, block_size)
-        self.block_size = block_size
-        self.prefill_free_at = 0.0
-        self.pending_prefill: deque[float] = deque()  # start times of admitted, not yet started prefills
-        self.waiting: deque[tuple[_Prepared, int]] = deque()  # (request, gateway) short of KV blocks
-        self.in_flight = 0
-        self.requests = 0
-        self.prefill_ms = 0.0
-        self.decode_ms = 0.0
-        self._decode_span = (0.0, 0.0)  # the current union of decode intervals (they start in order)
+    return prompt
 
-    def queued(self, now: float) -> int:
-        while self.pending_prefill and self.pending_prefill[0] <= now:
-            self.pending_prefill.popleft()
-        return len(self.pending_prefill) + len(self.waiting)
 
-    def add_decode(self, start: float, end: float) -> None:
-        span_start, span_end = self._decode_span
-        if start > span_end:
-            self.decode_ms += span_end - span_start
-            self._decode_span = (start, end)
+def _sim_requests(trace: Trace, prepared: list[_Prepared]) -> list[SimRequest]:
+    out = []
+    for p, req in zip(prepared, trace.requests, strict=True):
+        if trace.kind == "mooncake":
+            prompt = _mooncake_prompt(req.hash_ids, req.input_length, trace.block_size)
+            out.append(SimRequest(p.arrival_ms / 1e3, prompt, p.input_length, p.output_length))
         else:
-            self._decode_span = (span_start, max(span_end, end))
-
-    @property
-    def busy_ms(self) -> float:
-        return self.prefill_ms + self.decode_ms + self._decode_span[1] - self._decode_span[0]
-
-
-@dataclass
-class _Gateway:
-    policy: RoutingPolicy
-    view: FleetView
-    learned: LearnedKVIndex | None  # None: reads the shared fleet view
+            ids = req.token_ids
+            out.append(
+                SimRequest(
+                    p.arrival_ms / 1e3, lambda ids=ids: list(ids), p.input_length, p.output_length,
+                    answer=req.output_token_ids or (), cache_salt=req.cache_salt, session_id=req.session_id,
+                    block_hashes=p.route.block_hashes,
+                )
+            )  # fmt: skip
+    return out
 
 
-class Simulation:
-    """One policy's run over a prepared trace: `replicas` (each with its `manager`), the shared `fleet`
-    view and its KV index stay readable after `run()` (tests check the books balance)."""
+def replica_names(config: ReplayConfig) -> tuple[str, ...]:
+    width = len(str(config.replicas - 1))
+    return config.replica_names or tuple(f"replica-{i:0{width}d}" for i in range(config.replicas))
 
-    def __init__(
-        self,
-        trace: Trace,
-        prepared: list[_Prepared],
-        policy: str,
-        gateways: int,
-        shared: bool,
-        config: ReplayConfig,
-        tick: Callable[[], None],
-    ) -> None:
-        self.config = config
-        self.block_size = trace.block_size
-        self.prepared = prepared
-        self.tick = tick
-        n = config.replicas
-        width = len(str(n - 1))
-        names = config.replica_names or tuple(f"replica-{i:0{width}d}" for i in range(n))
-        self.replicas = [_Replica(name, config.capacity_blocks, trace.block_size) for name in names]
-        names = tuple(r.name for r in self.replicas)
-        self.fleet = FleetView.empty(names)
-        self.feed_index = shared or gateways == 1
-        self.gateways = []
-        for _ in range(gateways):
-            if shared or gateways == 1:
-                self.gateways.append(_Gateway(make_replay_policy(policy, config), self.fleet, None))
-            else:
-                learned = LearnedKVIndex(names, config.capacity_blocks)
-                view = FleetView(names, {r: ReplicaLoad() for r in names}, learned)
-                self.gateways.append(_Gateway(make_replay_policy(policy, config), view, learned))
-        self.finishes: list[tuple[float, int, int, int]] = []  # (time, request, replica, gateway)
-        self.cached = [0] * len(prepared)
-        self.replica_of = [0] * len(prepared)
-        self.ttft = [0.0] * len(prepared)
-        self.reasons: Counter[str] = Counter()
 
-    def run(self) -> None:
-        for p in self.prepared:
-            self._finish_until(p.arrival_ms)
-            g = p.index % len(self.gateways)
-            gateway = self.gateways[g]
-            if gateway.learned is None:
-                self._refresh_loads(p.arrival_ms)
-            decision = gateway.policy.pick(p.route, gateway.view)
-            gateway.policy.observe(p.route, decision)
-            self.reasons[decision.reason] += 1
-            r = self.fleet.index_of[decision.replica]
-            self.replica_of[p.index] = r
-            if gateway.learned is not None:
-                gateway.learned.record_routed(decision.replica, p.route.block_hashes)
-                gateway.view.loads[decision.replica].in_flight += 1
-            replica = self.replicas[r]
-            replica.in_flight += 1
-            replica.requests += 1
-            if replica.waiting or not self._admit(replica, p, g, p.arrival_ms):
-                replica.waiting.append((p, g))
-            self.tick()
-        self._finish_until(float("inf"))
+def fleet_config(trace: Trace, config: ReplayConfig, timing: ViewTiming) -> FleetConfig:
+    return FleetConfig(
+        replicas=replica_names(config),
+        capacity_blocks=config.capacity_blocks,
+        block_size=trace.block_size,
+        model_id=config.model_id,
+        cost=SimCostModel(config.prefill_us_per_token, config.decode_ms_per_step),
+        timing=timing,
+        step_overhead_s=config.step_overhead_ms * 1e-3,
+    )
 
-    def _refresh_loads(self, now: float) -> None:
-        for replica in self.replicas:
-            load = self.fleet.loads[replica.name]
-            load.in_flight = replica.in_flight
-            load.queued = replica.queued(now)
-            load.kv_usage = replica.manager.pool.usage
 
-    def _admit(self, replica: _Replica, p: _Prepared, gateway: int, now: float) -> bool:
-        manager = replica.manager
-        req_id = p.route.request_id
-        hit = manager.find_longest_cache_hit(p.route.block_hashes[: p.usable_blocks])
-        if manager.allocate_slots(req_id, p.kv_tokens, hit) is None:
-            return False
-        manager.cache_blocks(req_id, p.route.block_hashes)
-        self._publish(replica)
-        cached = _cached_tokens(p, len(hit), self.block_size)
-        start = max(now, replica.prefill_free_at)
-        end = start + (p.input_length - cached) * self.config.prefill_us_per_token / 1000
-        replica.prefill_free_at = end
-        replica.prefill_ms += end - start
-        if start > now:
-            replica.pending_prefill.append(start)
-        finish = end + p.output_length * self.config.decode_ms_per_step
-        replica.add_decode(end, finish)
-        self.cached[p.index] = cached
-        self.ttft[p.index] = end - p.arrival_ms
-        heapq.heappush(self.finishes, (finish, p.index, self.fleet.index_of[replica.name], gateway))
-        return True
+class Simulation(NamedTuple):
+    """One policy's finished run: the fleet (its replicas' engines and gateways' books stay readable) and what
+    it recorded."""
 
-    def _finish_until(self, now: float) -> None:
-        while self.finishes and self.finishes[0][0] <= now:
-            at, index, r, g = heapq.heappop(self.finishes)
-            replica = self.replicas[r]
-            p = self.prepared[index]
-            replica.manager.cache_blocks(p.route.request_id, p.finish_keys)
-            replica.manager.free(p.route.request_id)
-            self._publish(replica)
-            replica.in_flight -= 1
-            if self.gateways[g].learned is not None:
-                self.gateways[g].view.loads[replica.name].in_flight -= 1
-            while replica.waiting and self._admit(replica, replica.waiting[0][0], replica.waiting[0][1], at):
-                replica.waiting.popleft()
+    fleet: FleetSim
+    run: FleetRun
 
-    def _publish(self, replica: _Replica) -> None:
-        events = replica.manager.drain_events()
-        if self.feed_index and events and not self.fleet.kv_index.apply(replica.name, events):
-            seq, hashes = replica.manager.pool.snapshot()
-            self.fleet.kv_index.resync(replica.name, seq, hashes)
 
-    def result(self, policy: str) -> PolicyResult:
-        input_tokens = sum(p.input_length for p in self.prepared)
-        cached = sum(self.cached)
-        busy = [r.busy_ms for r in self.replicas]
-        mean_busy = sum(busy) / len(busy)
-        ttft = np.asarray(self.ttft)
-        percentiles = {f"p{q}": float(np.percentile(ttft, q)) for q in (50, 90, 99)}
-        return PolicyResult(
-            policy=policy,
-            prefill_tokens=input_tokens - cached,
-            hit_rate=cached / input_tokens,
-            load_imbalance=max(busy) / mean_busy if mean_busy > 0 else 1.0,
-            busy_min_share=min(busy) / mean_busy if mean_busy > 0 else 1.0,
-            ttft_ms=percentiles,
-            per_replica_requests=[r.requests for r in self.replicas],
-            per_replica_busy_s=[b / 1000 for b in busy],
-            reasons=dict(sorted(self.reasons.items())),
-            cached_tokens=self.cached,
-            replica_of=self.replica_of,
-            ttft_samples_ms=self.ttft,
-        )
+def _simulate(
+    trace: Trace, prepared: list[_Prepared], policy: str, gateways: int, shared: bool, config: ReplayConfig, tick
+) -> Simulation:
+    if shared or gateways == 1:
+        # One index read by every gateway as the replicas publish; with a poll interval each gateway's own books.
+        index = "books" if config.view_poll_s > 0 else "shared"
+        timing = ViewTiming(index=index, load="reported", poll_s=config.view_poll_s)
+    else:
+        timing = ViewTiming(index="private", load="own")
+    fleet = FleetSim(fleet_config(trace, config, timing), [make_replay_policy(policy, config) for _ in range(gateways)])
+    # The replicas are sorted by name (a FleetView's order); the results keep the configured order.
+    return Simulation(fleet, fleet.run(_sim_requests(trace, prepared), tick))
+
+
+def _result(policy: str, prepared: list[_Prepared], sim: Simulation, config: ReplayConfig) -> PolicyResult:
+    run = sim.run
+    order = [run.replicas.index(name) for name in replica_names(config)]
+    position = {r: i for i, r in enumerate(order)}
+    input_tokens = sum(p.input_length for p in prepared)
+    cached = sum(run.cached_tokens)
+    busy = [run.busy_s[r] for r in order]
+    mean_busy = sum(busy) / len(busy)
+    ttft_ms = [t * 1e3 for t in run.ttft_s]
+    percentiles = {f"p{q}": float(np.percentile(ttft_ms, q)) for q in (50, 90, 99)}
+    return PolicyResult(
+        policy=policy,
+        prefill_tokens=input_tokens - cached,
+        hit_rate=cached / input_tokens,
+        load_imbalance=max(busy) / mean_busy if mean_busy > 0 else 1.0,
+        busy_min_share=min(busy) / mean_busy if mean_busy > 0 else 1.0,
+        ttft_ms=percentiles,
+        per_replica_requests=[run.requests_per_replica[r] for r in order],
+        per_replica_busy_s=busy,
+        reasons=run.reason_counts,
+        cached_tokens=run.cached_tokens,
+        replica_of=[position[r] for r in run.replica_of],
+        ttft_samples_ms=ttft_ms,
+    )
 
 
 # -- the public API -------------------------------------------------------------------------------
@@ -436,20 +358,33 @@ class Simulation:
 
 def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     """Replay `trace` once per policy (and, with G > 1 gateways, once more with one gateway), and once
-    with the bounded oracle (one gateway) whether or not it is among the policies; it is the last result."""
+    with the bounded oracle (one gateway) whether or not it is among the policies; it is the last result.
+    `config.jobs` > 1 runs them in that many processes at once (the same results)."""
     prepared = _prepare(trace, config.model_id)
     _check_fits(trace, prepared, config)
     policies = [p for p in config.policies if p != ORACLE]
-    runs = len(policies) * (2 if config.gateways > 1 else 1) + 1
-    with _progress(len(prepared) * runs, config.progress) as bar:
-        results = {}
-        for policy in policies:
-            results[policy] = _run(trace, prepared, policy, config.gateways, config.shared_view, config, bar)
-            if config.gateways > 1:
-                one = _run(trace, prepared, policy, 1, True, config, bar)
-                loss = (one.hit_rate - results[policy].hit_rate) / one.hit_rate if one.hit_rate else 0.0
-                results[policy].vs_one_gateway = loss
-        results[ORACLE] = _run(trace, prepared, ORACLE, 1, True, config, bar)
+    runs = [(policy, config.gateways, config.shared_view) for policy in policies]
+    if config.gateways > 1:
+        runs += [(policy, 1, True) for policy in policies]
+    runs.append((ORACLE, 1, True))
+    with _progress(len(prepared) * len(runs), config.progress) as bar:
+        if config.jobs > 1:
+            # Each run is independent: forked workers share the prepared trace; a run ticks the bar when done.
+            context = multiprocessing.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(min(config.jobs, len(runs)), mp_context=context) as pool:
+                futures = [pool.submit(_run, trace, prepared, *run, config, _NoBar()) for run in runs]
+                for _ in concurrent.futures.as_completed(futures):
+                    bar.update(len(prepared))
+                done = [future.result() for future in futures]
+        else:
+            done = [_run(trace, prepared, *run, config, bar) for run in runs]
+    results = dict(zip(policies, done, strict=False))
+    for policy, one in zip(
+        policies, done[len(policies) : 2 * len(policies)] if config.gateways > 1 else (), strict=False
+    ):
+        loss = (one.hit_rate - results[policy].hit_rate) / one.hit_rate if one.hit_rate else 0.0
+        results[policy].vs_one_gateway = loss
+    results[ORACLE] = done[-1]
     return ReplayResult(
         trace=trace.name,
         requests=len(prepared),
@@ -464,18 +399,16 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
 def _run(
     trace: Trace, prepared: list[_Prepared], policy: str, gateways: int, shared: bool, config: ReplayConfig, bar
 ) -> PolicyResult:
-    sim = Simulation(trace, prepared, policy, gateways, shared, config, bar.update)
-    sim.run()
-    return sim.result(policy)
+    sim = _simulate(trace, prepared, policy, gateways, shared, config, bar.update)
+    return _result(policy, prepared, sim, config)
 
 
-def simulate(trace: Trace, policy: str, config: ReplayConfig) -> Simulation:
-    """Run one policy through one gateway (the shared view) and return the finished simulation."""
+def simulate(trace: Trace, policy: str, config: ReplayConfig) -> tuple[Simulation, PolicyResult]:
+    """Run one policy through one gateway (the shared view): the finished simulation and its result."""
     prepared = _prepare(trace, config.model_id)
     _check_fits(trace, prepared, config)
-    sim = Simulation(trace, prepared, policy, 1, True, config, lambda: None)
-    sim.run()
-    return sim
+    sim = _simulate(trace, prepared, policy, 1, True, config, lambda: None)
+    return sim, _result(policy, prepared, sim, config)
 
 
 def _check_fits(trace: Trace, prepared: list[_Prepared], config: ReplayConfig) -> None:
@@ -528,6 +461,15 @@ def first_divergence(trace: Trace) -> Divergence:
         buckets[_bucket(common_prefix_length(previous, seq))] += 1
     labels = {f"{lo}-{hi}": buckets[(lo, hi)] for lo, hi in sorted(buckets)}
     return Divergence("blocks" if mooncake else "tokens", first, labels)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (the doctor uses it too)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _bucket(position: int) -> tuple[int, int]:

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="generator and random-policy seed (default 0)")
     parser.add_argument("--gateways", type=int, default=1, help="gateways the requests are dealt over (default 1)")
     parser.add_argument(
+        "--jobs", type=int, default=1, help="policies simulated at once, one process each (default 1; the same results)"
+    )
+    parser.add_argument(
         "--shared-view",
         action="store_true",
         help="gateways read one fleet KV index and load (as through Redis); "
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             capacity_blocks=args.capacity_blocks,
             gateways=args.gateways,
             shared_view=args.shared_view,
+            jobs=args.jobs,
             prefill_us_per_token=args.prefill_us_per_token,
             decode_ms_per_step=args.decode_ms_per_step,
             epsilon=args.epsilon,
@@ -150,12 +154,14 @@ def write_output(path: Path, write) -> None:
 
 
 def format_table(result: ReplayResult) -> str:
-    """One row per policy, the oracle and the ideal, aligned; busy time per replica as max / mean and min / mean."""
+    """One row per policy, the oracle and the ideal, aligned; busy time per replica as max / mean and min / mean.
+    The oracle is labelled as what it is (a bounded longest-prefix yardstick: a policy may beat it), the ideal as
+    the lower bound no routing can beat."""
     gateways = result.config.gateways
     header = [
         "policy",
         "prefill tokens",
-        "x oracle",
+        "x yardstick",
         "x ideal",
         "hit rate",
         "busy max/mean",
@@ -170,7 +176,7 @@ def format_table(result: ReplayResult) -> str:
     rows = []
     for name, p in result.policies.items():
         row = [
-            f"{name} (bounded, yardstick)" if name == ORACLE else name,
+            f"{name} (bounded longest-prefix yardstick, not an optimum)" if name == ORACLE else name,
             f"{p.prefill_tokens:,}",
             f"{p.prefill_tokens / result.oracle_prefill_tokens:.3f}",
             f"{p.prefill_tokens / result.ideal_prefill_tokens:.3f}",
@@ -186,7 +192,7 @@ def format_table(result: ReplayResult) -> str:
             row.append("" if p.vs_one_gateway is None else f"{100 * p.vs_one_gateway:.1f}%")
         rows.append(row)
     ideal = [
-        "ideal (one unlimited cache)",
+        "ideal (one unlimited cache): lower bound",
         f"{result.ideal_prefill_tokens:,}",
         f"{result.ideal_prefill_tokens / result.oracle_prefill_tokens:.3f}",
         "1.000",

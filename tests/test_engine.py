@@ -300,3 +300,26 @@ def test_cli_generate_bad_input_is_one_line(capsys) -> None:
     assert "top_p" in capsys.readouterr().err
     assert cli_main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
     assert "model" in capsys.readouterr().err
+
+
+def test_a_preempted_request_keeps_its_first_cached_figure_and_counts_one_prefix_query() -> None:
+    """Re-admission after a preemption looks the prefix up over prompt + output; it must not report that as
+    cached prompt tokens (more than the prompt) nor count a second prefix query."""
+    from worker.clock import VirtualClock
+    from worker.sim_runner import SimRunner
+
+    config = EngineConfig(model="sim", num_kv_blocks=8, block_size=4, max_num_batched_tokens=64, watermark=0.0)
+    runner = SimRunner(config, clock=VirtualClock(), outputs=lambda seq: 7)
+    engine = LLMEngine(config, clock=runner.clock, sim_runner=runner)
+    params = SamplingParams(max_tokens=14)
+    engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=1))  # caches block [1, 2, 3, 4]
+    before = engine.stats()
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14]]  # both grow to 20 tokens: 5 blocks each, 8 in all
+    results = engine.generate(prompts, params)
+    stats = engine.stats()
+    assert stats.num_preemptions > before.num_preemptions
+    assert [r.prompt_tokens for r in results] == [6, 6]
+    assert [r.cached_tokens for r in results] == [4, 0]  # the first admission's figures
+    assert stats.prefix_queries - before.prefix_queries == 12  # one query per request, in prompt tokens
+    assert stats.prefix_hits - before.prefix_hits == 4
+    engine.check_invariants()

@@ -29,6 +29,8 @@ def mooncake(*requests: tuple[float, int, int, list[int]]) -> Trace:
 
 def test_hand_computed_prefill_ttft_and_busy_time():
     # A: 1,000 tokens, both blocks new. B: 1,024 tokens, block 1 cached by A (512 tokens), block 3 new.
+    # The replica is the real engine: A's prefill is one step (1,000 ms; it samples A's first token); B arrived
+    # as that step started, so it joins the next, which prefills B's 512 new tokens and decodes A (522 ms).
     trace = mooncake((0, 1000, 10, [1, 2]), (0, 1024, 10, [1, 3]))
     config = ReplayConfig(
         replicas=1, policies=("round_robin",), capacity_blocks=8, prefill_us_per_token=1000, decode_ms_per_step=10
@@ -38,27 +40,29 @@ def test_hand_computed_prefill_ttft_and_busy_time():
     assert p.cached_tokens == [0, 512]
     assert p.prefill_tokens == 1000 + 512 and result.ideal_prefill_tokens == 1512
     assert p.hit_rate == pytest.approx(512 / 2024)
-    assert p.ttft_samples_ms == [1000.0, 1512.0]  # B waits for A's prefill (FIFO), then 512 ms
-    # busy = prefill 1,512 ms + decode [1000, 1100] and [1512, 1612]
-    assert p.per_replica_busy_s == [pytest.approx(1.712)]
+    assert p.ttft_samples_ms == [pytest.approx(1000.0), pytest.approx(1522.0)]
+    # busy = the steps: 1,000 + 522 ms, then 8 decode steps of A and B together (A's 10th token), 1 of B alone
+    assert p.per_replica_busy_s == [pytest.approx(1.000 + 0.522 + 9 * 0.010)]
 
 
-def test_last_partial_block_counts_its_real_tokens_and_the_ideal_has_no_routing():
+def test_only_full_blocks_are_cached_and_the_ideal_has_no_routing():
+    """As in the engine, a last partial block is never cached (the ideal, a yardstick, counts it)."""
     trace = mooncake((0, 700, 1, [1, 2]), (5000, 700, 1, [1, 2]), (10000, 600, 1, [1, 2]))
     result = replay(trace, ReplayConfig(replicas=2, policies=("round_robin", "kv_aware"), capacity_blocks=8))
-    assert result.policies["round_robin"].cached_tokens == [0, 0, 600]
-    assert result.policies["kv_aware"].cached_tokens == [0, 700, 600]
+    assert result.policies["round_robin"].cached_tokens == [0, 0, 512]
+    assert result.policies["kv_aware"].cached_tokens == [0, 512, 512]
     assert result.ideal_prefill_tokens == 700
 
 
 def test_requests_wait_for_blocks_and_blocks_are_freed():
-    # Each request holds 2 blocks of a 3-block replica: the second waits for the first to finish.
+    # A grows to 3 blocks of a 3-block replica: B waits for A to finish (A's prefill samples its first token,
+    # 99 decode steps follow: A ends at 2,014 ms), then prefills in 1,024 ms.
     trace = mooncake((0, 1024, 100, [1, 2]), (0, 1024, 1, [3, 4]))
     config = ReplayConfig(
         replicas=1, policies=("round_robin",), capacity_blocks=3, prefill_us_per_token=1000, decode_ms_per_step=10
     )
     p = replay(trace, config).policies["round_robin"]
-    assert p.ttft_samples_ms == [1024.0, 1024 + 1000 + 1024.0]  # B admitted when A finishes at 2,024 ms
+    assert p.ttft_samples_ms == [pytest.approx(1024.0), pytest.approx(1024 + 990 + 1024.0)]
 
 
 def test_oracle_hand_worked_two_replicas():
@@ -83,11 +87,11 @@ def test_oracle_takes_the_longest_prefix_and_breaks_ties_by_fewest_assigned():
         (20_000, 1024, 1, [7, 8]),  # nothing matches; replica 2 has the fewest
         (30_000, 1536, 1, [1, 2, 9]),  # replica 0 holds 2 blocks, replica 1 one: replica 0 (cap 2)
         (40_000, 1536, 1, [1, 3, 9]),  # replica 1 holds [1, 3]: 2 blocks
-        (50_000, 1024, 1, [7, 8]),  # replica 2 holds all of it
+        (50_000, 1024, 1, [7, 8]),  # replica 2 holds all of it (the last block is computed: 512 tokens cached)
     )
     oracle = replay(trace, ReplayConfig(replicas=3, policies=("oracle",), capacity_blocks=8)).policies["oracle"]
     assert oracle.replica_of == [0, 1, 2, 0, 1, 2]
-    assert oracle.cached_tokens == [0, 0, 0, 1024, 1024, 1024]
+    assert oracle.cached_tokens == [0, 0, 0, 1024, 1024, 512]
 
 
 def test_oracle_never_exceeds_its_request_count_bound(real_trace):
@@ -111,16 +115,16 @@ def test_replicas_take_the_live_fleets_names_and_model_id():
     trace = generate("multiturn", 120)
     names = ("w0", "w1", "w2", "w3")
     live = ReplayConfig(replicas=4, policies=("prefix",), replica_names=names, model_id="sim-v1")
-    sim = simulate(trace, "prefix", live)
-    assert [r.name for r in sim.replicas] == list(names)
+    sim, result = simulate(trace, "prefix", live)
+    assert [r.name for r in sim.fleet.replicas] == list(names)
     placements = {
         (names_, model): tuple(
-            simulate(trace, "prefix", ReplayConfig(replicas=4, replica_names=names_, model_id=model)).replica_of
+            simulate(trace, "prefix", ReplayConfig(replicas=4, replica_names=names_, model_id=model))[1].replica_of
         )
         for names_ in (None, names)
         for model in ("replay", "sim-v1")
     }
-    assert placements[(names, "sim-v1")] == tuple(sim.replica_of)  # deterministic
+    assert placements[(names, "sim-v1")] == tuple(result.replica_of)  # deterministic
     assert len(set(placements.values())) == 4
     for bad in (("w0", "w1"), ("w0", "w0", "w1", "w2")):
         with pytest.raises(ReplayError, match="4 distinct names"):
@@ -236,12 +240,14 @@ def test_real_trace_kv_aware_near_ideal_and_balanced(real_trace):
 def test_block_managers_are_consistent_and_empty_after_a_replay(real_trace):
     trace = Trace("head", "mooncake", 512, real_trace.requests[:400])
     config = ReplayConfig(replicas=4, policies=("kv_aware",), capacity_blocks=300)
-    sim = simulate(trace, "kv_aware", config)
-    for replica in sim.replicas:
-        replica.manager.check_invariants()
-        assert replica.manager.num_free_blocks == 300 and replica.in_flight == 0
-        cached = set(replica.manager.pool.cached)  # the fleet index agrees with every pool
-        assert sim.fleet.kv_index.held(replica.name) == cached
+    sim, _ = simulate(trace, "kv_aware", config)
+    index = sim.fleet.gateways[0].view.kv_index
+    for replica in sim.fleet.replicas:
+        replica.engine.check_invariants()
+        manager = replica.engine.kv_manager
+        assert manager.num_free_blocks == 300 and not replica.engine.has_unfinished_requests()
+        cached = set(manager.pool.cached)  # the fleet index agrees with every pool
+        assert index.held(replica.name) == cached
 
 
 @pytest.mark.parametrize("workload", ["platform", "hot-prompt"])
@@ -251,3 +257,11 @@ def test_new_workloads_kv_aware_near_the_oracle_and_every_replica_busy(workload)
     kv = result.policies["kv_aware"]
     assert kv.prefill_tokens <= 1.10 * result.oracle_prefill_tokens
     assert kv.load_imbalance <= 1.25 and kv.busy_min_share >= 0.5 and min(kv.per_replica_requests) > 0
+
+
+def test_jobs_run_the_policies_in_processes_with_the_same_results():
+    trace = generate("multiturn", 80)
+    base = dict(replicas=3, policies=("round_robin", "kv_aware"), capacity_blocks=400, gateways=2)
+    one, two = (replay(trace, ReplayConfig(**base, jobs=jobs)) for jobs in (1, 2))
+    assert one.to_json() == two.to_json()
+    assert two.policies["kv_aware"].vs_one_gateway is not None

@@ -10,8 +10,16 @@ from loadtest.workloads import WorkloadError, generate
 
 
 def run(name: str, requests: int | None = None, replicas: int = 1, capacity: int = 10_000, seed: int = 0):
+    """The worked numbers are what the prompts share, not timing: with a cost-free model no request arrives
+    while another is still prefilling (which would find only the blocks computed so far, as in any engine)."""
     trace = generate(name, requests, seed=seed)
-    config = ReplayConfig(replicas=replicas, policies=("round_robin",), capacity_blocks=capacity)
+    config = ReplayConfig(
+        replicas=replicas,
+        policies=("round_robin",),
+        capacity_blocks=capacity,
+        prefill_us_per_token=0,
+        decode_ms_per_step=0,
+    )
     return trace, replay(trace, config)
 
 

@@ -4,7 +4,9 @@
                    ▲                                                           │
                    └──────────── update: append tokens, cache full blocks, free finished ◄┘
 
-The engine is not thread-safe: one thread owns it (worker.async_engine runs its step loop).
+The engine is not thread-safe: one thread owns it (worker.async_engine runs its step loop). Its clock
+(worker.clock) stamps request timings; the fleet simulator (sim/) gives it a virtual one and a sim runner that
+spends each step's cost on it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +25,7 @@ from kvroute.model_source import ModelSource, resolve_model
 from kvroute.sampling import InvalidRequest, SamplingParams, validate_prompt
 from kvroute.tokenizer import Tokenizer
 from worker.block_pool import KVEvent
+from worker.clock import WALL_CLOCK, Clock
 from worker.config import EngineConfig
 from worker.kv_cache_manager import KVCacheManager
 from worker.model.config import LlamaConfig
@@ -30,6 +33,9 @@ from worker.model.llama import LlamaForCausalLM
 from worker.model_runner import StepRunner
 from worker.scheduler import Scheduler
 from worker.sequence import RequestTimings, Sequence
+
+if TYPE_CHECKING:
+    from worker.sim_runner import SimRunner
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache (at the last admission)
+    cached_tokens: int  # prompt tokens served from the prefix cache at its first admission (< prompt_tokens)
     timings: RequestTimings | None = None  # on a request's finished output only (its phases, for metrics and spans)
 
 
@@ -78,17 +84,30 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`clock` stamps request timings (wall time unless given). `sim_runner` (with `config.model` "sim"): run
+    this runner instead of building one, with no tokenizer and any token id a prompt carries (the fleet
+    simulator's replicas; their block hashes use `model_id` when given, else the sim model's id)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Clock = WALL_CLOCK,
+        sim_runner: SimRunner | None = None,
+        model_id: str | None = None,
+    ) -> None:
         config.validate()
         self.config = config
+        self.clock = clock
         source = resolve_model(config.model)
-        self.model_id = source.model_id
+        if sim_runner is not None and source.kind != "sim":
+            raise ValueError(f"a sim runner needs model 'sim', got {config.model!r}")
+        self.model_id = model_id or source.model_id
         self.runner: StepRunner
         self.dtype: torch.dtype
         self.dtype_reason: str  # why this dtype, e.g. "auto: float32, the CPU has no native bf16 (...)"
         self.attention_backend: str  # the attention path taken, and why, e.g. "cpu: torch path (...)"
         if source.kind == "sim":
-            self._init_sim(source)
+            self._init_sim(source, sim_runner)
         else:
             self._init_model(source)
         log.info(
@@ -118,17 +137,22 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, model, model_config)
         self.attention_backend = self.runner.attention_path
 
-    def _init_sim(self, source: ModelSource) -> None:
+    def _init_sim(self, source: ModelSource, runner: SimRunner | None) -> None:
         from worker.model_runner import resolve_dtype
         from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
 
         self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
         self.attention_backend = "none (sim: no model)"
-        self.tokenizer = _load_tokenizer(source)
-        self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN
         self.eos_token_ids = frozenset()  # sim outputs run to max_tokens, like the replay's output lengths
-        self.runner = SimRunner(self.config, tokenizer=self.tokenizer)
+        if runner is not None:
+            self.tokenizer = None
+            self.vocab_size = 2**32  # token ids as uint32 (kvroute.hashing): any id a trace carries
+            self.runner = runner
+            return
+        self.tokenizer = _load_tokenizer(source)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.runner = SimRunner(self.config, tokenizer=self.tokenizer, clock=self.clock)
 
     def warm_up(self) -> None:
         """Build kernels and JIT code now, before a worker reports SERVING, not in its first request's TTFT.
@@ -145,7 +169,15 @@ class LLMEngine:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         self.validate_request(prompt_token_ids, params)
         hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
-        seq = Sequence(request_id, list(prompt_token_ids), params, hasher, cache_salt, self.eos_token_ids)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            hasher,
+            cache_salt,
+            self.eos_token_ids,
+            timings=RequestTimings(self.clock.now()),
+        )
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
 
@@ -172,15 +204,26 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step: outputs for every request that got a token (or was aborted since)."""
+    def decode_steps_ahead(self) -> int:
+        """How many of the next steps are plain decode steps (worker.scheduler) that `step(n)` can take at once:
+        0 unless the runner is the sim runner."""
+        if not hasattr(self.runner, "spend_decode_steps") or self._pending:
+            return 0
+        return self.scheduler.decode_steps_ahead()
+
+    def step(self, num_steps: int = 1) -> list[RequestOutput]:
+        """One scheduler step: outputs for every request that got a token (or was aborted since). `num_steps` > 1
+        takes that many plain decode steps at once (at most `decode_steps_ahead()`): the same tokens, books and
+        clock as that many single steps, one output per running request."""
+        if num_steps > 1:
+            return self._plain_decode_steps(num_steps)
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             seq.timings.preemptions += 1
         if not batch.seqs:
             return outputs
-        scheduled_at = time.monotonic()
+        scheduled_at = self.clock.now()
         for item in batch.seqs:
             timings = item.seq.timings
             if timings.first_scheduled is None:
@@ -191,7 +234,7 @@ class LLMEngine:
                 timings.prefill_steps += 1
         sampled = self.runner.run(batch)
         advanced = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs)
-        sampled_at = time.monotonic()
+        sampled_at = self.clock.now()
         for seq in advanced:
             if seq.timings.first_token is None:
                 seq.timings.first_token = sampled_at
@@ -205,6 +248,21 @@ class LLMEngine:
         self.generation_tokens_total += len(advanced)
         outputs.extend(self._output(seq) for seq in advanced)
         return outputs
+
+    def _plain_decode_steps(self, num_steps: int) -> list[RequestOutput]:
+        if num_steps > self.decode_steps_ahead():
+            raise ValueError(f"{num_steps} plain decode steps asked, {self.decode_steps_ahead()} ahead")
+        self.runner.spend_decode_steps(num_steps)
+        advanced = self.scheduler.advance_decodes(num_steps, self.runner.sample_run)
+        now = self.clock.now()
+        for seq in advanced:
+            seq.timings.decode_steps += num_steps
+            seq.timings.last_token = now
+        if self.on_step is not None:
+            for _ in range(num_steps):
+                self.on_step(len(advanced))
+        self.generation_tokens_total += num_steps * len(advanced)
+        return [self._output(seq) for seq in advanced]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_tokens = seq.output_token_ids[seq.num_emitted :]

@@ -6,20 +6,30 @@ One step:
      sequence (its blocks are freed and it goes back to the front of the waiting queue, to be recomputed),
      or itself when it is the newest;
   2. if nothing was preempted, waiting sequences are admitted in FIFO order while the budget, `max_num_seqs`
-     and the free blocks above the watermark allow; each starts from its longest cached prefix.
+     and the free blocks above the watermark allow; each starts from its longest cached prefix. The first
+     admission counts one prefix-cache query and sets the sequence's `num_cached_tokens` (less than its
+     prompt); a re-admission after preemption reuses what it finds over prompt + output but counts nothing
+     and keeps that figure.
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
+
+Plain decode steps (`decode_steps_ahead`): steps in which every running sequence decodes one token and
+nothing else happens (no block allocated or filled, no sequence finishing, nothing admitted) change nothing
+but those sequences' tokens, so `advance_decodes` may take several of them at once; the fleet simulator
+(sim/) does, to cross long decodes in one call. They are exactly the steps `schedule` + `update` would run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
-from worker.kv_cache_manager import KVCacheManager
+from worker.kv_cache_manager import KVCacheManager, PrefixHit
 from worker.sequence import Sequence, SequenceStatus
 
 
@@ -30,7 +40,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new_tokens: int
-    block_table: list[int]
+    kv: KVCacheManager = field(repr=False)
+
+    @functools.cached_property
+    def block_table(self) -> list[int]:
+        """The sequence's blocks, read when the model runs (built on first read: a sim runner never reads it)."""
+        return self.kv.block_table(self.seq.request_id)
 
     @property
     def samples(self) -> bool:
@@ -63,6 +78,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._preempted: set[Sequence] = set()  # waiting again after a preemption: re-admitted, not new
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -104,10 +120,7 @@ class Scheduler:
             budget = self.max_num_batched_tokens - sum(chosen.values())
         if not preempted:
             budget = self._admit(budget, chosen)
-        scheduled = [
-            ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv.block_table(seq.request_id))
-            for seq, n in chosen.items()
-        ]
+        scheduled = [ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv) for seq, n in chosen.items()]
         return SchedulerOutput(scheduled, preempted)
 
     def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
@@ -128,28 +141,79 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._preempted.add(seq)
         self.num_preemptions += 1
 
+    def _admission(self, seq: Sequence, budget: int) -> tuple[PrefixHit, int] | None:
+        """The prefix hit and the tokens `seq` would be admitted with now, or None if it must wait."""
+        if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return None
+        hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
+        num_new = min(seq.num_tokens - hit.num_tokens, budget)
+        needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks)
+        # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
+        reserve = self.watermark_blocks if self.running else 0
+        if self.kv.num_free_blocks - needed < reserve:
+            return None
+        return hit, num_new
+
     def _admit(self, budget: int, chosen: dict[Sequence, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             seq = self.waiting[0]
-            hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
-            num_new = min(seq.num_tokens - hit.num_tokens, budget)
-            needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks)
-            # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
-            reserve = self.watermark_blocks if self.running else 0
-            if self.kv.num_free_blocks - needed < reserve:
+            admission = self._admission(seq, budget)
+            if admission is None:
                 break
-            self.kv.record_prefix_query(hit, seq.num_tokens)
+            hit, num_new = admission
             allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
             assert allocated is not None, "admission checked the free blocks"
             self.waiting.popleft()
-            seq.num_computed_tokens = seq.num_cached_tokens = hit.num_tokens
+            if seq in self._preempted:
+                self._preempted.discard(seq)
+            else:
+                self.kv.record_prefix_query(hit, seq.num_tokens)
+                seq.num_cached_tokens = hit.num_tokens
+            seq.num_computed_tokens = hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq] = num_new
             budget -= num_new
         return budget
+
+    # -- plain decode steps ----------------------------------------------------------------------
+
+    def decode_steps_ahead(self) -> int:
+        """How many of the next steps are plain decode steps (module docstring); 0 when the next one is not."""
+        if not self.running or len(self.running) > self.max_num_batched_tokens:
+            return 0
+        if self.waiting and self._admission(self.waiting[0], self.max_num_batched_tokens - len(self.running)):
+            return 0
+        bs = self.block_size
+        ahead = self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.num_uncomputed_tokens != 1 or seq.stopping_token_ids:
+                return 0
+            computed = seq.num_computed_tokens
+            held = len(self.kv.req_blocks[seq.request_id]) * bs
+            # step i computes position computed + i: held already, and not the last slot of a block (filling
+            # it caches the block); the sequence must not reach max_tokens in these steps either
+            ahead = min(
+                ahead, held - computed, bs - 1 - computed % bs, seq.params.max_tokens - seq.num_output_tokens - 1
+            )
+            if ahead <= 0:
+                return 0
+        return ahead
+
+    def advance_decodes(self, num_steps: int, sample: Callable[[Sequence, int], list[int]]) -> list[Sequence]:
+        """Run `num_steps` plain decode steps at once (at most `decode_steps_ahead()`): `sample(seq, n)` is the
+        n tokens a running sequence samples in them, one per step (logprob 0). Returns the running sequences,
+        as `update` would."""
+        if not 0 < num_steps <= self.decode_steps_ahead():
+            raise ValueError(f"{num_steps} plain decode steps asked, {self.decode_steps_ahead()} ahead")
+        for seq in self.running:
+            seq.token_ids.extend(sample(seq, num_steps))
+            seq.output_logprobs.extend([0.0] * num_steps)
+            seq.num_computed_tokens += num_steps
+        return list(self.running)
 
     # -- after the model ran ---------------------------------------------------------------------
 
@@ -168,7 +232,8 @@ class Scheduler:
                 advanced.append(seq)
             # Blocks full of computed K/V become findable, prompt and generated tokens alike.
             num_full = seq.num_computed_tokens // self.block_size
-            self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full], seq.token_ids, seq.cache_salt)
+            if num_full > self.kv.num_hashed[seq.request_id]:
+                self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full], seq.token_ids, seq.cache_salt)
             if samples:
                 reason = seq.check_stop()
                 if reason is not None:
@@ -178,6 +243,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.kv.free(seq.request_id)
+        self._preempted.discard(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]

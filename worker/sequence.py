@@ -57,7 +57,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per output token, with top_logprobs
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_emitted: int = 0  # output tokens already handed to the caller

@@ -1,0 +1,122 @@
+"""One simulated gateway: the real `FleetBook` and `RoutingPolicy`, fed what the replicas published as late as
+the fleet-state timing says.
+
+`ViewTiming` is how stale a gateway's view is:
+  * `index`: where its KV index comes from.
+      - "books": the gateway's own book applies the replicas' published KV events at each of its polls
+        (kvroute's layout: events in Redis Streams, or read over gRPC by the embedded fleet state);
+      - "shared": one KV index that every gateway reads, updated as the replicas publish (llm-d's layout:
+        the index in Redis; also `kvroute replay --shared-view`);
+      - "private": no events at all; each gateway learns from its own routing decisions (`LearnedKVIndex`).
+  * `load`: "reported" takes the replicas' published running + waiting at each poll, plus the gateway's own
+    requests since (FleetBook's rule); "own" counts only this gateway's requests in flight.
+  * `publish_s`: replicas publish KV events and load every `publish_s` seconds (0: at the end of every step);
+    `poll_s`: each gateway reads them every `poll_s` seconds, the gateways' phases spread evenly (0: as soon as
+    they are published).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.fleet import FleetView
+from gateway.fleet_state import FleetBook, FleetIdentity
+from gateway.kv_index import KVIndex, LearnedKVIndex
+from gateway.router import RouteDecision, RouteRequest, RoutingPolicy
+from kvroute.kv_events import KVEvent
+
+INDEX_FEEDS = ("books", "shared", "private")
+LOAD_FEEDS = ("reported", "own")
+
+
+@dataclass(frozen=True)
+class ViewTiming:
+    index: str = "books"
+    load: str = "reported"
+    publish_s: float = 0.0
+    poll_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.index not in INDEX_FEEDS:
+            raise ValueError(f"index must be one of {', '.join(INDEX_FEEDS)}, got {self.index!r}")
+        if self.load not in LOAD_FEEDS:
+            raise ValueError(f"load must be one of {', '.join(LOAD_FEEDS)}, got {self.load!r}")
+        if self.publish_s < 0 or self.poll_s < 0:
+            raise ValueError("publish_s and poll_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A replica's published load, numbered so a gateway takes each report once."""
+
+    number: int
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class SimGateway:
+    """Routes with `policy` over its view; `read` feeds it what the replicas published (see ViewTiming)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        policy: RoutingPolicy,
+        identity: FleetIdentity,
+        timing: ViewTiming,
+        shared_index: KVIndex,
+        capacity_blocks: int,
+    ) -> None:
+        self.policy = policy
+        self.timing = timing
+        self.book = FleetBook(identity)
+        for name in replicas:
+            self.book.admit(
+                name, name, 1, identity.model_id, identity.block_size, 1 << 30,
+                identity.hash_fingerprint, identity.tokenizer_fingerprint,
+            )  # fmt: skip
+        fleet = self.book.fleet
+        self.learned: LearnedKVIndex | None = None
+        if timing.index == "shared":
+            self.view = FleetView(fleet.replicas, fleet.loads, shared_index)
+        elif timing.index == "private":
+            self.learned = LearnedKVIndex(fleet.replicas, capacity_blocks)
+            self.view = FleetView(fleet.replicas, fleet.loads, self.learned)
+        else:
+            self.view = fleet
+        self._unread: dict[str, list[list[KVEvent]]] = {name: [] for name in fleet.replicas}
+        self._reports: dict[str, LoadReport] = {}
+        self._taken: dict[str, int] = dict.fromkeys(fleet.replicas, -1)
+
+    def pick(self, request: RouteRequest) -> RouteDecision:
+        decision = self.policy.pick(request, self.view)
+        self.policy.observe(request, decision)
+        if self.learned is not None:
+            self.learned.record_routed(decision.replica, request.block_hashes)
+        self.book.on_dispatch(decision.replica)
+        return decision
+
+    def finished(self, replica: str) -> None:
+        self.book.on_finish(replica)
+
+    def published(self, replica: str, events: list[KVEvent], report: LoadReport) -> None:
+        """A replica published: held until the gateway's next `read`."""
+        if events and self.timing.index == "books":
+            self._unread[replica].append(events)
+        self._reports[replica] = report
+
+    def read(self, resync) -> None:
+        """Apply what was published since the last read; `resync(replica)` gives (seq, hashes) after a gap."""
+        if self.timing.index == "books":
+            for replica, batches in self._unread.items():
+                for events in batches:
+                    if not self.book.apply_events(replica, 1, events):
+                        seq, hashes = resync(replica)
+                        self.book.resync(replica, 1, seq, hashes)
+                batches.clear()
+        if self.timing.load == "reported":
+            for replica, report in self._reports.items():
+                if report.number != self._taken[replica]:
+                    self._taken[replica] = report.number
+                    self.book.report_load(replica, 1, report.running, report.waiting, report.kv_usage)

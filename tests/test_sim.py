@@ -1,0 +1,97 @@
+"""The fleet simulator (sim/): real engines on a virtual clock behind real fleet books and policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.router import make_policy
+from kvroute.sampling import SamplingParams
+from loadtest.oracle import BoundedOracle
+from sim import FleetConfig, FleetSim, SimRequest, ViewTiming
+from worker.clock import VirtualClock
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.sim_runner import SimCostModel, SimRunner
+
+
+def sim_engine(num_kv_blocks: int = 64) -> LLMEngine:
+    config = EngineConfig(model="sim", num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=64)
+    clock = VirtualClock()
+    runner = SimRunner(config, SimCostModel(100.0, 10.0), clock=clock, outputs=lambda seq: 5 + seq.num_output_tokens)
+    runner.outputs_run = lambda seq, n: [5 + seq.num_output_tokens + i for i in range(n)]
+    return LLMEngine(config, clock=clock, sim_runner=runner)
+
+
+def test_plain_decode_steps_at_once_are_the_single_steps():
+    """step(n) over the steps decode_steps_ahead() names gives the tokens, books, events and clock of n steps."""
+    engines = [sim_engine(), sim_engine()]
+    for engine in engines:
+        for i, n in enumerate((40, 23, 7)):
+            engine.add_request(str(i), list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=30))
+    tokens: list[dict[str, list[int]]] = [{}, {}]
+    runs = 0
+    while engines[0].has_unfinished_requests():
+        ahead = engines[1].decode_steps_ahead()
+        assert ahead == engines[0].decode_steps_ahead()
+        many = engines[1].step(ahead) if ahead >= 2 else engines[1].step()
+        runs += ahead >= 2
+        single = [out for _ in range(max(ahead, 1)) for out in engines[0].step()]
+        for outs, got in ((single, tokens[0]), (many, tokens[1])):
+            for out in outs:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engines[0].clock.now() == pytest.approx(engines[1].clock.now())
+        assert engines[0].drain_kv_events() == engines[1].drain_kv_events()
+        for engine in engines:
+            engine.check_invariants()
+    assert runs > 0 and not engines[1].has_unfinished_requests()
+    assert tokens[0] == tokens[1] and all(len(t) == 30 for t in tokens[0].values())
+    assert engines[0].stats() == engines[1].stats()
+    with pytest.raises(ValueError, match="plain decode steps"):
+        engines[0].add_request("x", [1] * 20, SamplingParams(max_tokens=5))
+        engines[0].step(3)  # a prefill is waiting: the next step is not a plain decode
+
+
+def request(at: float, prompt: list[int], max_tokens: int = 4) -> SimRequest:
+    return SimRequest(at, lambda: list(prompt), len(prompt), max_tokens)
+
+
+def test_a_gateway_sees_a_replicas_blocks_only_after_its_next_poll():
+    """The oracle (exact index, ties to the fewest assigned) follows a cached prefix once its gateway has read
+    the KV events (ViewTiming.poll_s); before, the second request goes to the other, emptier replica."""
+    prompt = list(range(160))  # 10 blocks
+    requests = [request(0.0, prompt), request(1.0, prompt + [7])]
+
+    def placement(poll_s: float) -> tuple[list[int], list[int]]:
+        config = FleetConfig(("a", "b"), 64, 16, timing=ViewTiming("books", "reported", poll_s=poll_s))
+        run = FleetSim(config, [BoundedOracle()]).run(requests)
+        return run.replica_of, run.cached_tokens
+
+    assert placement(0.0) == ([0, 0], [0, 160])  # read at the end of the step that cached them
+    assert placement(10.0) == ([0, 1], [0, 0])  # the poll at 0 s saw nothing; the next is at 10 s
+
+
+def test_a_replica_under_pressure_preempts_and_reports_at_most_its_prompt_cached():
+    """The replicas are the real engine: a small cache makes it preempt and recompute, and what it reports as
+    cached is its first admission's figure (never more than the prompt)."""
+    requests = [request(0.001 * i, [i % 3] * 32 + list(range(1000 * i, 1000 * i + 60)), 40) for i in range(12)]
+    config = FleetConfig(("a",), 24, 16, cost=SimCostModel(10.0, 5.0))
+    fleet = FleetSim(config, [make_policy("round_robin")])
+    run = fleet.run(requests)
+    engine = fleet.replicas[0].engine
+    assert engine.stats().num_preemptions > 0
+    assert all(c < r.num_prompt_tokens for c, r in zip(run.cached_tokens, requests, strict=True))
+    assert sum(run.cached_tokens) == engine.stats().prefix_hits  # one prefix query per request
+    assert all(f > 0 for f in run.finish_s) and not engine.has_unfinished_requests()
+    engine.check_invariants()
+
+
+def test_a_measured_step_overhead_lengthens_every_step_runs_included():
+    requests = [request(0.0, list(range(100)), 20)]  # one 10 ms prefill step, then 19 decode steps of 10 ms
+
+    def timings(overhead_s: float) -> tuple[float, float]:
+        config = FleetConfig(("a",), 64, 16, cost=SimCostModel(100.0, 10.0), step_overhead_s=overhead_s)
+        run = FleetSim(config, [make_policy("round_robin")]).run(requests)
+        return run.ttft_s[0], run.finish_s[0]
+
+    assert timings(0.0) == (pytest.approx(0.010), pytest.approx(0.010 + 19 * 0.010))
+    assert timings(0.001) == (pytest.approx(0.011), pytest.approx(0.011 + 19 * 0.011))
