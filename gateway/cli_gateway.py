@@ -44,15 +44,15 @@ from typing import Any
 
 import uvicorn
 
-from gateway.http_protocol import HttpLimits, raise_open_files_limit
-from gateway.router import POLICY_NAMES
+from gateway.frontdoors.http_protocol import HttpLimits, raise_open_files_limit
+from gateway.routing.router import POLICY_NAMES
 from kvroute.errors import UserError
 
 logger = logging.getLogger("kvroute.gateway")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.limits import Limits
+    from gateway.admission.limits import Limits
 
     limits = Limits()
     parser.add_argument(
@@ -158,7 +158,7 @@ class Gateway:
     the front doors' settings."""
 
     request_path: Any  # gateway.pools.Pools: what the front doors call
-    fleets: list[Any]  # gateway.fleet_state.FleetState, one per pool
+    fleets: list[Any]  # gateway.fleet.fleet_state.FleetState, one per pool
     max_body_bytes: int
     default_max_tokens: int
     http_limits: HttpLimits
@@ -169,7 +169,8 @@ class Gateway:
 class PoolConfig:
     """One served model: the tokenizer/model source (`--model`'s forms), the name clients send as `model` (and
     its aliases), its worker specs (gateway.worker_spec), block size, routing policy, the policy's options,
-    and the engine backends' options (`medium_weights`, gateway.engine_fleet.EngineOptions; read at start only)."""
+    and the engine backends' options (`medium_weights`, gateway.fleet.engine_fleet.EngineOptions; read at
+    start only)."""
 
     model: str
     served_model_name: str
@@ -251,14 +252,14 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     """Everything `kvroute gateway` serves, from its parsed flags and routing config (`pool_configs`): one
     request path per pool, sharing the Authenticator, the tenants' concurrency, the worker channels and the
     metrics registry. Raises UserError with one line."""
-    from gateway.auth import Authenticator
-    from gateway.backends import HttpBackend
-    from gateway.limits import Limits, TenantConcurrency
+    from gateway.admission.auth import Authenticator
+    from gateway.admission.limits import Limits, TenantConcurrency
+    from gateway.forwarding.backends import HttpBackend
+    from gateway.forwarding.retry import RetryPolicy, StreamDeadlines
     from gateway.metrics import GatewayMetrics
     from gateway.pools import Pools
     from gateway.request_path import RequestPath, fleet_identity
-    from gateway.retry import RetryPolicy, StreamDeadlines
-    from gateway.router import make_policy
+    from gateway.routing.router import make_policy
     from gateway.worker_client import WorkerClients
     from gateway.worker_spec import parse_worker_specs
     from kvroute.credentials import worker_token
@@ -360,8 +361,8 @@ def _routing_options(path: str | None) -> dict[str, Any]:
 
 
 def _engine_options(options: dict[str, Any]) -> Any:
-    """The routing config's engine keys (gateway.engine_fleet.EngineOptions.from_routing_config), taken out."""
-    from gateway.engine_fleet import EngineOptions
+    """The routing config's engine keys (gateway.fleet.engine_fleet.EngineOptions.from_routing_config), taken out."""
+    from gateway.fleet.engine_fleet import EngineOptions
 
     return EngineOptions.from_routing_config(options)
 
@@ -369,7 +370,7 @@ def _engine_options(options: dict[str, Any]) -> Any:
 def _fleet_state(
     args: argparse.Namespace, specs: list[Any], identity: Any, tokenizer: Any, token: str | None, engine: Any
 ) -> Any:
-    from gateway.embedded_fleet import EmbeddedFleetState, validate_address
+    from gateway.fleet.embedded_fleet import EmbeddedFleetState, validate_address
     from kvroute.credentials import redis_password
 
     addresses = [spec.address for spec in specs]
@@ -377,7 +378,7 @@ def _fleet_state(
         if args.redis:
             raise UserError("--redis takes kvroute workers only (host:port); vllm:// and sglang:// workers are read "
                             "directly: leave out --redis")  # fmt: skip
-        from gateway.engine_fleet import EngineFleetState
+        from gateway.fleet.engine_fleet import EngineFleetState
 
         try:
             return EngineFleetState(specs, identity, tokenizer, options=engine, token=token)
@@ -387,7 +388,7 @@ def _fleet_state(
         for address in addresses:
             validate_address(address)
         if args.redis:
-            from gateway.redis_fleet import RedisFleetState
+            from gateway.fleet.redis_fleet import RedisFleetState
 
             return RedisFleetState(
                 args.redis, identity, fallback_addresses=addresses, password=redis_password(), worker_token=token
@@ -521,7 +522,7 @@ class HttpServer:
     def start(
         cls, app: Any, host: str, port: int, limits: HttpLimits | None = None, reuse_port: bool = False
     ) -> HttpServer:
-        """Serve `app` on host:port (0: a free one) under `limits` (gateway.http_protocol; default: its
+        """Serve `app` on host:port (0: a free one) under `limits` (gateway.frontdoors.http_protocol; default: its
         defaults), sharing the port with other processes when `reuse_port`. No WebSocket upgrade (the API
         has none) and no `server` header."""
         limits = limits or HttpLimits()
@@ -549,7 +550,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     """Start the fleet state and both front doors, print where they listen, and serve until a signal; then
     drain and stop as the module docstring says. Returns the exit code: 0 after a drain, 130 after a second
     signal."""
-    from gateway import http_server
+    from gateway.frontdoors import http_server
     from gateway.metrics import metrics_app
     from kvroute.tracing import flush_tracing, setup_tracing
 
@@ -570,7 +571,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     http = HttpServer.start(app, args.host, args.http_port, gateway.http_limits, reuse_port=in_group)
     grpc_server = None
     if args.grpc_port:
-        from gateway.grpc_server import start_grpc_server
+        from gateway.frontdoors.grpc_server import start_grpc_server
 
         try:
             grpc_server = await start_grpc_server(
@@ -651,7 +652,7 @@ def reload(gateway: Gateway, args: argparse.Namespace) -> None:
     """SIGHUP: re-read --api-keys-file and --routing-config (those the gateway was started with) and log what
     changed. A file that fails to load is logged and what was in force stays. Requests in flight keep the
     tenant they were admitted as; a new routing policy starts with no memory (its sketch, guard and turn)."""
-    from gateway.auth import Authenticator
+    from gateway.admission.auth import Authenticator
 
     request_path = gateway.request_path
     if not args.api_keys_file and not args.routing_config:
@@ -680,7 +681,7 @@ def _reload_routing(pools: Any, start_configs: list[PoolConfig], args: argparse.
     """SIGHUP's routing half: each pool (by served model name) takes its new policy or options, logging what
     changed; pools added or removed, and a pool's model, workers or block size, are read at start only
     (logged). A config that fails to parse keeps every pool's policy."""
-    from gateway.router import make_policy
+    from gateway.routing.router import make_policy
 
     try:
         configs = pool_configs(args, _routing_options(args.routing_config))

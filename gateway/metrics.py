@@ -76,7 +76,7 @@ def tenant_id(tenant: Tenant) -> str:
 
 class _LiveCollector(Collector):
     """Read at scrape time: breaker states, and parity mismatches and membership changes from the fleet
-    state's counters (`gateway.fleet_state.FleetCounters`), summed over every source (one per pool)."""
+    state's counters (`gateway.fleet.fleet_state.FleetCounters`), summed over every source (one per pool)."""
 
     def __init__(self) -> None:
         self.sources: list[tuple[Callable[[], Any], Callable[[], dict[str, int]]]] = []
@@ -116,7 +116,7 @@ class _LiveCollector(Collector):
         yield changes
         drops = CounterMetricFamily(
             "kvroute:gateway_kv_event_drops",
-            "Engine KV event batches or events dropped, by worker and reason (gateway.engine_events).",
+            "Engine KV event batches or events dropped, by worker and reason (gateway.fleet.engine_events).",
             labels=["worker", "reason"],
         )
         for (worker, reason), count in sorted(_summed(getattr(c, "kv_event_drops", {}) for c in all_counters).items()):

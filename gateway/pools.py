@@ -26,9 +26,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from gateway.auth import Authenticator
+from gateway.admission.auth import Authenticator
 from gateway.errors import InvalidRequestError, ModelNotFound, quoted
-from gateway.fleet_state import FleetIdentity, WorkerMember
+from gateway.fleet.fleet_state import FleetIdentity, WorkerMember
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest, Generation, TokenizeResult
 from gateway.request_path import RequestPath

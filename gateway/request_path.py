@@ -1,18 +1,19 @@
 """The request path: one request from an API key to a stream of text, top to bottom (DESIGN §1, §4).
 
     GatewayRequest (from a front door)
-      1. auth          API key -> Tenant (401)                                   gateway.auth
-      2. limits        n, max_tokens, stop strings; tenant concurrency (429)     gateway.limits
+      1. auth          API key -> Tenant (401)                                   gateway.admission.auth
+      2. limits        n, max_tokens, stop strings; tenant concurrency (429)     gateway.admission.limits
       3. prompt        chat template + tokenize (typed special tokens stay text), or the prompt's ids;
                        in the prompt pool off the event loop (short ones on it), refused past
                        max_prompt_tokens (before tokenizing where its length proves it)   kvroute.tokenizer
       4. hash          block hashes with the tenant's salt (the client's mixed in under it)
-      5. route         policy.pick(request, fleet.view(), exclude)               gateway.router
+      5. route         policy.pick(request, fleet.view(), exclude)               gateway.routing.router
       6. forward       over the worker's backend (kvroute gRPC, or vLLM / SGLang OpenAI HTTP in the
                        engine's own API); before its first message a failed worker is retried on
-                       another (backoff, breaker)                                gateway.backends, gateway.retry
+                       another (backoff, breaker)                                gateway.forwarding.backends,
+                                                                                 gateway.forwarding.retry
       7. detokenize    incremental, stop strings across token boundaries (a kvroute worker's token ids;
-                       an HTTP engine sends text it cut at stop strings itself)  gateway.stop_strings
+                       an HTTP engine sends text it cut at stop strings itself)  gateway.forwarding.stop_strings
     Generation: route known (the first token has come), then Chunks per choice, then usage.
 
 `n` choices are n worker requests. The first is routed; the others go to the same worker once the first
@@ -21,7 +22,7 @@ retried: a worker that fails then ends the stream with UpstreamError. Closing a 
 that left) cancels every worker request it holds, which frees their blocks on the workers.
 
 Every worker request is watched while the gateway waits on it (one watchdog task, a tick of 0.2 s):
-  - past its deadline (gateway.retry.StreamDeadlines) on a worker that no longer answers its fleet state,
+  - past its deadline (gateway.forwarding.retry.StreamDeadlines) on a worker that no longer answers its fleet state,
     or past the cap on one that does, it ends: before its first token it is retried on another worker,
     after it the stream ends with UpstreamError naming the worker (an error event, then `[DONE]`);
   - when its worker leaves the fleet with its requests lost (fleet `watch_membership`: it stopped
@@ -56,8 +57,8 @@ import grpc
 from opentelemetry import trace
 
 from gateway import tracing
-from gateway.auth import Authenticator, cache_salt
-from gateway.backends import Backend, BackendCall, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
+from gateway.admission.auth import Authenticator, cache_salt
+from gateway.admission.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -68,8 +69,10 @@ from gateway.errors import (
     UpstreamError,
     quoted,
 )
-from gateway.fleet_state import FleetIdentity, FleetState, WorkerMember
-from gateway.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
+from gateway.fleet.fleet_state import FleetIdentity, FleetState, WorkerMember
+from gateway.forwarding.backends import Backend, BackendCall, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
+from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
+from gateway.forwarding.stop_strings import ChoiceText
 from gateway.metrics import GatewayMetrics, label_value
 from gateway.request import (
     Chunk,
@@ -81,9 +84,7 @@ from gateway.request import (
     TokenLogprob,
     Usage,
 )
-from gateway.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
-from gateway.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
-from gateway.stop_strings import ChoiceText
+from gateway.routing.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
@@ -686,7 +687,7 @@ class _StreamEnded(Exception):
 class _WorkerStream:
     choice: int
     worker_id: str
-    call: BackendCall  # a grpc.aio.UnaryStreamCall, or gateway.backends.HttpCall
+    call: BackendCall  # a grpc.aio.UnaryStreamCall, or gateway.forwarding.backends.HttpCall
     request_id: str
     incarnation: int  # of the worker it was sent to (a restart ends only the old incarnation's requests)
     first: worker_pb2.GenerateResponse | EngineDelta | None = None

@@ -32,7 +32,7 @@ Only `tcp://` endpoints are accepted for `events` and `replay`. `ValueError` nam
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qsl, urlsplit
@@ -41,6 +41,16 @@ Engine = Literal["kvroute", "vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("kvroute", "vllm", "sglang")
 _QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover", "api_key_file", "dp")
 MAX_DATA_PARALLEL = 256
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """How an HTTP engine member is addressed beyond its address: the key it was started with (`--api-key`,
+    sent as `Authorization: Bearer`; kept out of the repr, so never logged) and, for one data-parallel rank of
+    an engine, that rank (sent as `X-data-parallel-rank`)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    data_parallel_rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Secret) or, for local use, from an environment variable; never from a command li
 - The Redis password: $KVROUTE_REDIS_PASSWORD_FILE, passed to the client (kvroute.fleet_keys.redis_client)
   beside a URL that carries none.
 - The cache-salt secret of the gateway's tenants: $KVROUTE_CACHE_SALT_SECRET_FILE or
-  $KVROUTE_CACHE_SALT_SECRET (gateway.auth).
+  $KVROUTE_CACHE_SALT_SECRET (gateway.admission.auth).
 
 A secret file holds the secret alone; surrounding whitespace (the newline an editor or `echo` adds) is not
 part of it. Every reader raises ValueError with one line naming the flag or variable at fault.

@@ -1,5 +1,5 @@
 """The Redis layout of the fleet state: written by each worker's reporter (worker.reporter), read by every
-gateway (gateway.redis_fleet). One copy of the truth for both sides.
+gateway (gateway.fleet.redis_fleet). One copy of the truth for both sides.
 
 Keys (`prefix` defaults to "kvroute"; `{worker_id}` is a Cluster hash tag, so one worker's keys share a slot
 and its snapshot and stream trim go in one transaction):

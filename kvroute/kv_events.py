@@ -2,7 +2,7 @@
 
 The worker's block pool writes it, the worker's services send it (gRPC `KVEvent`, a Redis stream entry, vLLM's
 ZMQ format), and every gateway fleet state reads it back into the same record before its KV index applies it
-(`gateway.kv_index.KVIndex.apply`). `seq` grows by one per event, so a reader can see a gap.
+(`gateway.routing.kv_index.KVIndex.apply`). `seq` grows by one per event, so a reader can see a gap.
 """
 
 from __future__ import annotations

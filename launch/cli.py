@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "generate": ("worker.cli_generate", "generate text offline with the worker engine"),
     "worker": ("launch.worker", "run a worker: the engine behind its gRPC service (and, with --http-port, HTTP)"),
     "gateway": ("gateway.cli_gateway", "run a gateway: OpenAI HTTP and gRPC front doors routing over a fleet"),
-    "epp": ("gateway.epp.cli", "run an endpoint picker: Envoy ext_proc for a Gateway API InferencePool"),
+    "epp": ("gateway.cli_epp", "run an endpoint picker: Envoy ext_proc for a Gateway API InferencePool"),
     "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
     "bench": ("loadtest.bench_cli", "send a workload to a live fleet (or compare routers) and report latencies"),
     "sweep": ("loadtest.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),

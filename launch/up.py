@@ -23,8 +23,8 @@ import signal
 import sys
 from collections.abc import Mapping
 
-from gateway.auth import SALT_SECRET_ENV, SALT_SECRET_FILE_ENV
-from gateway.router import POLICY_NAMES
+from gateway.admission.auth import SALT_SECRET_ENV, SALT_SECRET_FILE_ENV
+from gateway.routing.router import POLICY_NAMES
 from kvroute.credentials import WORKER_TOKEN_ENV, WORKER_TOKEN_FILE_ENV, generate_secret
 from kvroute.errors import UserError
 from launch.fleet import Fleet, LaunchError, free_port, grpc_serving, kvroute_argv, routable

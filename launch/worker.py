@@ -12,7 +12,7 @@ or `--allow-derived-salt`), and the front door presents the worker's own token (
 
 So that the worker can stand in a vLLM pool (routed by kvroute's `vllm://` workers, llm-d, Dynamo or a
 Gateway API Inference Extension picker), the HTTP port also serves vLLM's `POST /tokenize` and
-`POST /detokenize` (the gateway's own, gateway.http_server), and `GET /metrics` and `GET /health` of its own
+`POST /detokenize` (the gateway's own, gateway.frontdoors.http_server), and `GET /metrics` and `GET /health` of its own
 engine (`EngineRoutes`): the engine metrics under vLLM's names (worker.metrics, the same registry as
 `--metrics-port`) where vLLM serves them, on its API port, and a /health that turns 503 when the engine
 stops serving.
@@ -124,14 +124,14 @@ class FrontDoor:
 
 
 async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> FrontDoor:
-    from gateway import http_server
-    from gateway.auth import Authenticator
+    from gateway.admission.auth import Authenticator
+    from gateway.admission.limits import Limits
     from gateway.cli_gateway import HttpServer
-    from gateway.embedded_fleet import EmbeddedFleetState
-    from gateway.limits import Limits
+    from gateway.fleet.embedded_fleet import EmbeddedFleetState
+    from gateway.frontdoors import http_server
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
-    from gateway.router import make_policy
+    from gateway.routing.router import make_policy
     from gateway.worker_client import WorkerClients
 
     block_size = engine.config.block_size

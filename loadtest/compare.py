@@ -73,7 +73,7 @@ class Entry:
 
 
 def parse_entries(text: str) -> list[Entry]:
-    from gateway.router import POLICY_NAMES
+    from gateway.routing.router import POLICY_NAMES
 
     entries = []
     for item in (part.strip() for part in text.split(",")):
@@ -504,8 +504,8 @@ def predict(
     (`ttft_ms_with_fixed_latency`: the overhead probes' TTFT through the router less a probe's one step)."""
     from dataclasses import replace
 
-    from gateway.auth import OPEN_TENANT, cache_salt
-    from gateway.embedded_fleet import PollOptions
+    from gateway.admission.auth import OPEN_TENANT, cache_salt
+    from gateway.fleet.embedded_fleet import PollOptions
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary

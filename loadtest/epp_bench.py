@@ -185,7 +185,7 @@ def _measure(paths: dict[str, tuple[str, list[int]]], requests: int) -> None:
 
 
 def _decision_time(grpc_addresses: list[str], endpoints: list[str]) -> None:
-    from gateway.epp import cli
+    from gateway import cli_epp as cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

@@ -30,8 +30,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from gateway.kv_index import KVIndex
-from gateway.router import make_policy
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.router import make_policy
 from kvroute.fleet_keys import FleetKeys, pack_hashes, redis_client, stream_id
 from kvroute.hashing import block_hashes
 from sim import FleetConfig, FleetSim, SimRequest, ViewTiming
@@ -39,7 +39,7 @@ from sim import FleetConfig, FleetSim, SimRequest, ViewTiming
 MODEL_ID = "bench"
 BLOCK = 16
 PUBLISH_S = 0.05  # worker.reporter's publish_interval
-POLL_S = 0.1  # gateway.redis_fleet's poll_interval
+POLL_S = 0.1  # gateway.fleet.redis_fleet's poll_interval
 
 
 # -- 1. lookup and write cost against a real Redis --------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The HTTP front door's own cost per request: gateway.http_server.build_app served by uvicorn (uvloop,
+"""The HTTP front door's own cost per request: gateway.frontdoors.http_server.build_app served by uvicorn (uvloop,
 httptools) over a request path that answers at once (16 chunks of one token, no worker), against a bare
 Starlette JSON endpoint on the same server setup, measured in the same run.
 
@@ -29,8 +29,8 @@ def serve(kind: str, port: int) -> None:
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from gateway.auth import Authenticator
-    from gateway.http_server import build_app
+    from gateway.admission.auth import Authenticator
+    from gateway.frontdoors.http_server import build_app
     from gateway.request import Chunk, Generation, RouteInfo, Usage
 
     class Instant(Generation):

@@ -366,8 +366,8 @@ def stream_figures(raw: dict[str, float]) -> dict[str, float]:
 
 
 def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repeats: int = 200) -> dict[str, float]:
-    from gateway.fleet import FleetView
-    from gateway.router import RouteRequest, make_policy
+    from gateway.routing.fleet_view import FleetView
+    from gateway.routing.router import RouteRequest, make_policy
     from kvroute.hashing import block_hashes
     from kvroute.model_source import resolve_model
     from kvroute.tokenizer import Tokenizer
@@ -458,21 +458,21 @@ def profiled_gateway(argv: list[str]) -> None:
 # (file "~") goes where its caller goes.
 STAGES = (
     ("event loop (uvloop: sockets, callbacks)", ("asyncio/", "uvloop/")),
-    ("HTTP server (uvicorn, httptools, our limits)", ("uvicorn/", "gateway/http_protocol.py", "h11")),
+    ("HTTP server (uvicorn, httptools, our limits)", ("uvicorn/", "gateway/frontdoors/http_protocol.py", "h11")),
     ("web framework (Starlette)", ("starlette/",)),
-    ("front door: parse, validate, render (pydantic, orjson)", ("gateway/http_server.py", "openai_protocol.py",
-                                                                  "pydantic", "gateway/request.py")),
+    ("front door: parse, validate, render (pydantic, orjson)",
+     ("gateway/frontdoors/http_server.py", "openai_protocol.py", "pydantic", "gateway/request.py")),
     ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2",
                                                "stop_strings.py")),
     ("block hashes", ("kvroute/hashing.py",)),
-    ("routing pick + fleet view", ("gateway/router.py", "gateway/fleet", "kv_index.py", "common_prefix.py",
-                                   "embedded_fleet.py", "gateway/retry.py", "hash_ring.py")),
-    ("gRPC call and stream (grpc.aio, protobuf)", ("grpc/", "gateway/backends.py", "worker_client.py",
+    ("routing pick + fleet view", ("gateway/routing/router.py", "gateway/fleet", "kv_index.py", "common_prefix.py",
+                                   "embedded_fleet.py", "gateway/forwarding/retry.py", "hash_ring.py")),
+    ("gRPC call and stream (grpc.aio, protobuf)", ("grpc/", "gateway/forwarding/backends.py", "worker_client.py",
                                                    "protobuf", "_pb2")),
     ("metrics (prometheus_client)", ("prometheus_client", "gateway/metrics.py")),
     ("spans (OpenTelemetry)", ("opentelemetry", "gateway/tracing.py")),
-    ("request path bookkeeping (auth, limits, Generation)", ("gateway/request_path.py", "gateway/auth.py",
-                                                            "gateway/limits.py", "uuid.py", "sampling")),
+    ("request path bookkeeping (auth, limits, Generation)", ("gateway/request_path.py", "gateway/admission/auth.py",
+                                                            "gateway/admission/limits.py", "uuid.py", "sampling")),
     ("prompt pool handoff (threads)", ("concurrent/futures", "threading.py", "_weakrefset.py")),
 )  # fmt: skip
 

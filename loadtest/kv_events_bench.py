@@ -28,8 +28,8 @@ import random
 import time
 import tracemalloc
 
-from gateway.engine_events import EngineEventSource, EngineEventSubscriber
-from gateway.fleet_state import FleetBook, FleetIdentity
+from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
+from gateway.fleet.fleet_state import FleetBook, FleetIdentity
 from kvroute.engine_kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch, encode_seq
 from kvroute.hashing import hash_fingerprint
 
@@ -153,7 +153,7 @@ def index_memory(workers: int, blocks: int, block_size: int) -> float:
 
 
 def routing_decision(workers: int, blocks: int, block_size: int) -> tuple[float, float]:
-    from gateway.router import RouteRequest, make_policy
+    from gateway.routing.router import RouteRequest, make_policy
 
     rng = random.Random(7)
     ids = [f"w{i:03d}" for i in range(workers)]

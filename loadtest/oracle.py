@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from gateway.fleet import FleetView
-from gateway.router import PolicyOptions, RouteDecision, RouteRequest, RoutingPolicy
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.router import PolicyOptions, RouteDecision, RouteRequest, RoutingPolicy
 
 ORACLE_SLACK = Fraction(11, 10)  # a Fraction: ceil(1.1 (i + 1) / N) with no float rounding at the edges
 

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gateway.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
+from gateway.routing.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
 from loadtest.oracle import BoundedOracle
 from loadtest.traces import Trace, TraceRequest

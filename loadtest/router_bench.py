@@ -16,8 +16,8 @@ import random
 import statistics
 import time
 
-from gateway.fleet import FleetView
-from gateway.router import POLICY_NAMES, RouteRequest, make_policy
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.router import POLICY_NAMES, RouteRequest, make_policy
 from kvroute.hashing import block_hashes
 
 MODEL_ID = "bench"

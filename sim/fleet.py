@@ -22,9 +22,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.fleet_state import FleetIdentity
-from gateway.kv_index import KVIndex
-from gateway.router import RouteRequest, RoutingPolicy
+from gateway.fleet.fleet_state import FleetIdentity
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.router import RouteRequest, RoutingPolicy
 from kvroute.hashing import block_hashes as hash_blocks
 from sim.gateway import LoadReport, SimGateway, ViewTiming
 from sim.replica import SimReplica

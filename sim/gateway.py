@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.fleet import FleetView
-from gateway.fleet_state import FleetBook, FleetIdentity
-from gateway.kv_index import KVIndex, LearnedKVIndex
-from gateway.router import RouteDecision, RouteRequest, RoutingPolicy
+from gateway.fleet.fleet_state import FleetBook, FleetIdentity
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.kv_index import KVIndex, LearnedKVIndex
+from gateway.routing.router import RouteDecision, RouteRequest, RoutingPolicy
 from kvroute.kv_events import KVEvent
 
 INDEX_FEEDS = ("books", "shared", "private")

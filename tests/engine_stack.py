@@ -1,6 +1,6 @@
 """A real gateway over kvroute workers that it treats as vLLM servers: each worker (sim model) serves its own
 OpenAI HTTP front door (launch.worker.start_http_front_door, what `kvroute worker --http-port` runs), and the
-gateway's fleet is gateway.engine_fleet.EngineFleetState over `vllm://127.0.0.1:<http port>` specs, so every
+gateway's fleet is gateway.fleet.engine_fleet.EngineFleetState over `vllm://127.0.0.1:<http port>` specs, so every
 request is forwarded over the HTTP backend. Like tests/gateway_stack.py it runs in a background thread's
 event loop; tests talk to it over real sockets and reach into it through `call(coroutine)`.
 
@@ -16,16 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.auth import Authenticator
-from gateway.backends import HttpBackend
+from gateway.admission.auth import Authenticator
+from gateway.admission.limits import Limits
 from gateway.cli_gateway import HttpServer
-from gateway.engine_fleet import EngineFleetState, EngineOptions, EventSourceFactory, Resolver, resolve_all, subscribe
-from gateway.http_server import build_app
-from gateway.limits import Limits
+from gateway.fleet.engine_fleet import (
+    EngineFleetState,
+    EngineOptions,
+    EventSourceFactory,
+    Resolver,
+    resolve_all,
+    subscribe,
+)
+from gateway.forwarding.backends import HttpBackend
+from gateway.forwarding.retry import StreamDeadlines
+from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity
-from gateway.retry import StreamDeadlines
-from gateway.router import make_policy
+from gateway.routing.router import make_policy
 from gateway.worker_spec import WorkerSpec, parse_worker_spec
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer

@@ -24,15 +24,15 @@ import grpc
 import pytest
 import uvloop
 
-from gateway.auth import Authenticator, key_sha256
+from gateway.admission.auth import Authenticator, key_sha256
+from gateway.admission.limits import Limits
 from gateway.cli_gateway import HttpServer
-from gateway.embedded_fleet import EmbeddedFleetState
-from gateway.grpc_server import GatewayGrpcServer, start_grpc_server
-from gateway.http_server import build_app
-from gateway.limits import Limits
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
+from gateway.frontdoors.grpc_server import GatewayGrpcServer, start_grpc_server
+from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics, metrics_app
 from gateway.request_path import RequestPath, fleet_identity
-from gateway.router import make_policy
+from gateway.routing.router import make_policy
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
 from launch.fleet import free_port

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gateway.kv_index import KVIndex
+from gateway.routing.kv_index import KVIndex
 from kvroute.hashing import block_hashes
 from worker.block_pool import BlockPool
 from worker.kv_cache_manager import KVCacheManager

@@ -1,6 +1,6 @@
 """KV events over ZMQ in vLLM's wire format, both ends real: kvroute workers (sim model) publishing with
 `worker.kv_event_publisher` (as `kvroute worker --kv-events-config` does), the gateway's
-`gateway.engine_events` subscriber decoding them into a FleetBook whose index must equal the worker's pool.
+`gateway.fleet.engine_events` subscriber decoding them into a FleetBook whose index must equal the worker's pool.
 Everything on loopback; every wait bounded."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.engine_events import EngineEventHub, EngineEventSource, EngineEventSubscriber
-from gateway.fleet_state import FleetBook, FleetIdentity
+from gateway.fleet.engine_events import EngineEventHub, EngineEventSource, EngineEventSubscriber
+from gateway.fleet.fleet_state import FleetBook, FleetIdentity
 from kvroute.engine_kv_events import (
     MAX_BATCH_BYTES,
     BlockRemoved,

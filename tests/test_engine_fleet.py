@@ -23,11 +23,11 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
-from gateway.auth import key_sha256
-from gateway.engine_fleet import EngineOptions
-from gateway.http_server import merge_delta
+from gateway.admission.auth import key_sha256
+from gateway.fleet.engine_fleet import EngineOptions
+from gateway.forwarding.retry import StreamDeadlines
+from gateway.frontdoors.http_server import merge_delta
 from gateway.metrics import label_value
-from gateway.retry import StreamDeadlines
 from kvroute.engine_kv_events import BlockStored, EventBatch, encode_batch, encode_seq
 from kvroute.hashing import block_hashes
 from kvroute.model_source import resolve_model

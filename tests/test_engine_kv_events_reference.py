@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway.engine_events import EngineEventSource, EngineEventSubscriber
-from gateway.fleet_state import FleetBook, FleetIdentity
+from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
+from gateway.fleet.fleet_state import FleetBook, FleetIdentity
 from kvroute.engine_kv_events import (
     AllBlocksCleared,
     BlockRemoved,

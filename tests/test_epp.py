@@ -22,8 +22,8 @@ from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptio
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.epp.cli import EndpointPicker, start_picker
-from gateway.epp.ext_proc import DESTINATION, SERVED, EndpointMap, Picker
+from gateway.cli_epp import EndpointPicker, start_picker
+from gateway.frontdoors.ext_proc import DESTINATION, SERVED, EndpointMap, Picker
 
 ROOT = Path(__file__).resolve().parents[1]
 stack = stack_fixture(StackOptions(model="sim", workers=2))
@@ -263,7 +263,7 @@ def test_the_picker_imports_without_torch_or_the_worker() -> None:
     """It runs on the gateway image, which has no torch; gateway/ never imports worker/."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import gateway.epp.cli, gateway.epp.ext_proc\n"
+        "import gateway.cli_epp, gateway.frontdoors.ext_proc\n"
         "from launch.cli import build_parser\n"
         "build_parser(['epp']).parse_args(['epp', '--workers', 'a:1', '--target-port', '8000'])\n"
         "loaded = {m.split('.')[0] for m, v in sys.modules.items() if v is not None}\n"
@@ -303,7 +303,7 @@ def test_envoys_protos_and_opentelemetrys_import_side_by_side() -> None:
 def test_an_engine_is_dialled_at_its_own_address() -> None:
     """A vllm:// or sglang:// worker's address is its OpenAI HTTP server: Envoy dials it there, unless mapped
     explicitly; a kvroute worker's comes from --target-port (tests/test_epp_envoy_engines.py runs it whole)."""
-    from gateway.fleet_state import WorkerMember
+    from gateway.fleet.fleet_state import WorkerMember
 
     def member(worker_id: str, engine: str) -> WorkerMember:
         return WorkerMember(worker_id, worker_id, 1, "m", 16, 512, "h", "t", parity_ok=True, engine=engine)

@@ -1,5 +1,5 @@
 """`kvroute epp --workers vllm://...` behind a real Envoy: the picker over stock-engine workers (the engine fleet
-state, gateway/engine_fleet.py), whose endpoints are the engines' own HTTP addresses (no `--target-port`, no
+state, gateway/fleet/engine_fleet.py), whose endpoints are the engines' own HTTP addresses (no `--target-port`, no
 `--endpoints`). The engines are `kvroute worker --model sim --http-port --kv-events-config` processes: vLLM's
 OpenAI HTTP API and its ZMQ KV events, as tests/test_engine_fleet.py's workers serve them."""
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from gateway.embedded_fleet import EmbeddedFleetState
-from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
-from gateway.redis_fleet import RedisFleetState
-from gateway.router import RouteRequest, make_policy
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
+from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
+from gateway.fleet.redis_fleet import RedisFleetState
+from gateway.routing.router import RouteRequest, make_policy
 from kvroute.fleet_keys import FleetKeys, WorkerRecord, redis_client
 from kvroute.hashing import block_hashes
 from launch.fleet import free_port
@@ -328,7 +328,7 @@ def test_a_parity_mismatch_is_counted_and_routed_by_load_only(kind, redis_server
             await good.stop()
             await odd.stop()
 
-    with caplog.at_level("WARNING", logger="gateway.fleet_state"):
+    with caplog.at_level("WARNING", logger="gateway.fleet.fleet_state"):
         run(main)
     lines = [r.getMessage() for r in caplog.records if "hash parity" in r.getMessage()]
     assert len(lines) == 1 and "odd" in lines[0] and "block size 8" in lines[0]
@@ -359,7 +359,7 @@ def test_an_embedded_gateway_that_lost_events_rebuilds_the_worker_from_seq_0(cap
             await state.stop()
             await worker.stop()
 
-    with caplog.at_level("WARNING", logger="gateway.embedded_fleet"):
+    with caplog.at_level("WARNING", logger="gateway.fleet.embedded_fleet"):
         run(main)
 
 

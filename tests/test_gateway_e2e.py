@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.auth import Authenticator, key_sha256
-from gateway.embedded_fleet import EmbeddedFleetState
+from gateway.admission.auth import Authenticator, key_sha256
+from gateway.admission.limits import Limits
 from gateway.errors import (
     AuthenticationError,
     ContextLengthExceeded,
@@ -20,11 +20,11 @@ from gateway.errors import (
     RateLimited,
     UpstreamError,
 )
-from gateway.limits import Limits
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest, Generation
 from gateway.request_path import RequestPath, fleet_identity
-from gateway.router import RouteRequest, make_policy
+from gateway.routing.router import RouteRequest, make_policy
 from kvroute.hashing import block_hashes
 from kvroute.sampling import SamplingParams
 from proto import worker_pb2
@@ -473,7 +473,7 @@ def test_limits_name_the_field_and_the_numbers() -> None:
 
 
 def test_over_redis_a_late_gateway_routes_cached_prefixes_and_a_redis_restart_loses_no_request(redis_server) -> None:
-    from gateway.redis_fleet import RedisFleetState
+    from gateway.fleet.redis_fleet import RedisFleetState
     from worker.reporter import start_reporter
 
     async def body() -> None:

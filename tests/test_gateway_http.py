@@ -20,7 +20,12 @@ from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.openai_protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse
+from gateway.frontdoors.openai_protocol import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+)
 
 AUTH = {"authorization": f"Bearer {KEY}"}
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # over 64 tokens: several full blocks

@@ -23,18 +23,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_epp import Exchange, _bodies, _destination, _request_headers
 from test_epp_envoy import _spawn, _wait
 
-from gateway.auth import Authenticator, cache_salt, key_sha256
+from gateway.admission.auth import Authenticator, cache_salt, key_sha256
+from gateway.admission.limits import TenantConcurrency
+from gateway.cli_epp import EndpointPicker, start_picker
 from gateway.cli_gateway import HttpServer
-from gateway.embedded_fleet import EmbeddedFleetState
-from gateway.epp.cli import EndpointPicker, start_picker
-from gateway.epp.ext_proc import EndpointMap, Picker
-from gateway.grpc_server import start_grpc_server
-from gateway.http_server import build_app
-from gateway.limits import TenantConcurrency
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
+from gateway.frontdoors.ext_proc import EndpointMap, Picker
+from gateway.frontdoors.grpc_server import start_grpc_server
+from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Pools
 from gateway.request_path import RequestPath, fleet_identity
-from gateway.router import make_policy
+from gateway.routing.router import make_policy
 from kvroute.hashing import block_hashes
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
@@ -405,7 +405,7 @@ def test_a_pool_without_workers_leaves_the_other_serving(stack: PoolsStack) -> N
 
 
 def test_the_picker_reads_the_same_pools(tmp_path: Path) -> None:
-    from gateway.epp.cli import build_picker
+    from gateway.cli_epp import build_picker
     from kvroute.errors import UserError
     from launch.cli import build_parser
 

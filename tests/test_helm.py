@@ -42,7 +42,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from packaging.requirements import Requirement
 
-from gateway.router import POLICY_NAMES, PolicyOptions, make_policy
+from gateway.routing.router import POLICY_NAMES, PolicyOptions, make_policy
 from kvroute.fleet_keys import redis_client
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The HTTP connection's limits (gateway.http_protocol) on a real uvicorn socket in front of the real gateway
+"""The HTTP connection's limits (gateway.frontdoors.http_protocol) on a real uvicorn socket in front of the real gateway
 app and request path: header size and count (431), malformed HTTP (400), both in OpenAI's error body; the
 head timeout (slowloris: 408, then closed), idle fresh and keep-alive connections closed after their
 timeouts, and connections over the cap refused with a fast 503. The server under test has small limits
@@ -20,9 +20,9 @@ import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions, stack_fixture
 
 from gateway.cli_gateway import HttpServer, add_arguments, build_gateway
-from gateway.http_protocol import HttpLimits
-from gateway.http_server import build_app
-from gateway.openai_protocol import ErrorResponse
+from gateway.frontdoors.http_protocol import HttpLimits
+from gateway.frontdoors.http_server import build_app
+from gateway.frontdoors.openai_protocol import ErrorResponse
 from kvroute.errors import UserError
 from launch.cli import build_parser
 

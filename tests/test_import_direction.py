@@ -3,13 +3,15 @@
 
     proto, kvroute (the bottom) ──► kernels ──► worker
                    kvroute ──────────────────► gateway
-    sim, loadtest, launch, exercises, deploy above them all
+    sim, loadtest, launch, benchmarks, exercises, deploy above them all
+    gateway/: request, errors, worker_spec, worker_client ──► routing, admission, tracing, metrics ──► fleet
+              ──► forwarding ──► request_path ──► pools ──► frontdoors ──► cli_gateway, cli_epp
 
-`MAY_IMPORT` is the one table: a row per package (a top-level folder, or a room inside one such as
-"gateway/epp") and the packages it may import besides itself. A module belongs to the longest row whose
-folder holds it, and so does each module it imports; an import is allowed within one row, or to a row named
-in the importer's (naming a package allows its rooms: "gateway" allows "gateway/epp"). Add a folder, or split
-one into rooms, here and nowhere else.
+`MAY_IMPORT` is the one table: a row per package (a top-level folder, a room inside one such as
+"gateway/routing", or one module such as "launch/cli") and the packages it may import besides itself. A module
+belongs to the longest row that holds it, and so does each module it imports; an import is allowed within one
+row, or to a row named in the importer's (naming a package allows its rooms: "gateway" allows
+"gateway/routing"). Add a folder, or split one into rooms, here and nowhere else.
 
 Every `import` and `from ... import` counts, under `if TYPE_CHECKING:` and inside functions too. A module that
 imports by name (`importlib.import_module`, `__import__`) is taken to import every module of this repository
@@ -29,16 +31,41 @@ _BOTTOM = {"proto", "kvroute"}
 _ENGINE = _BOTTOM | {"kernels", "worker"}
 _SERVING = _ENGINE | {"gateway"}
 
+_GATEWAY_GROUND = {"gateway/request", "gateway/errors", "gateway/worker_spec", "gateway/worker_client"}
+_GATEWAY_BELOW_PATH = _GATEWAY_GROUND | {
+    "gateway/routing",
+    "gateway/admission",
+    "gateway/metrics",
+    "gateway/tracing",
+    "gateway/fleet",
+    "gateway/forwarding",
+}
+
 MAY_IMPORT: dict[str, set[str]] = {
     "proto": set(),  # generated from proto/*.proto
     "kvroute": {"proto"},  # hashing, tokenizer, chat template, wire formats: shared by every layer
     "kernels": {"kvroute"},
     "worker": {"kvroute", "kernels", "proto"},
-    "gateway": {"kvroute", "proto"},  # never the worker: it speaks to workers over the wire only
+    # the gateway's rooms, bottom to top; it never imports the worker: it speaks to workers over the wire only
+    "gateway": {"kvroute", "proto"},
+    **{ground: {"kvroute", "proto"} | _GATEWAY_GROUND for ground in _GATEWAY_GROUND},
+    "gateway/routing": {"kvroute", "proto"} | _GATEWAY_GROUND,  # policies, ring, KV index, the view they read
+    "gateway/admission": {"kvroute", "proto"} | _GATEWAY_GROUND,  # API keys, tenants, limits
+    "gateway/tracing": {"kvroute", "proto"} | _GATEWAY_GROUND,
+    "gateway/metrics": {"kvroute", "proto", "gateway/routing", "gateway/admission"} | _GATEWAY_GROUND,
+    "gateway/fleet": {"kvroute", "proto", "gateway/routing", "gateway/metrics"} | _GATEWAY_GROUND,  # fleet states
+    "gateway/forwarding": {"kvroute", "proto", "gateway/fleet", "gateway/routing", "gateway/metrics"}
+    | _GATEWAY_GROUND,  # backends, retries and deadlines, detokenizing
+    "gateway/request_path": {"kvroute", "proto"} | _GATEWAY_BELOW_PATH,
+    "gateway/pools": {"kvroute", "proto", "gateway/request_path"} | _GATEWAY_BELOW_PATH,
+    "gateway/frontdoors": {"kvroute", "proto", "gateway/request_path", "gateway/pools"} | _GATEWAY_BELOW_PATH,
+    "gateway/cli_gateway": {"kvroute", "proto", "gateway"},  # builds and serves it all
+    "gateway/cli_epp": {"kvroute", "proto", "gateway"},
     "sim": _SERVING,  # the simulator runs the real engine and the real router
     "loadtest": _SERVING | {"sim", "launch"},  # the bench starts its fleets with the launcher
     "launch": _SERVING | {"sim"},  # the fleet launcher, `kvroute up`, `kvroute worker`
-    "launch/cli.py": _SERVING | {"sim", "loadtest", "launch"},  # the command line dispatches to every subcommand
+    "launch/cli": _SERVING | {"sim", "loadtest", "launch", "benchmarks"},  # the command line: every subcommand
+    "benchmarks": _SERVING | {"sim", "loadtest", "launch"},  # micro-benchmarks, each against a baseline
     "exercises": _SERVING | {"sim", "loadtest", "launch"},
     "deploy": set(),  # the images' health check runs on the standard library alone
 }
@@ -47,8 +74,9 @@ EXCEPTIONS: dict[str, set[str]] = {}
 
 
 def row_of(path: str) -> str | None:
-    """The table's row for a file or module path ("gateway/epp/cli.py", "gateway/epp/cli"), or None."""
-    parts = path.split("/")
+    """The table's row for a file or module path ("gateway/routing/router.py", "gateway/routing/router"), or
+    None."""
+    parts = path.removesuffix(".py").split("/")
     for n in range(len(parts), 0, -1):
         if "/".join(parts[:n]) in MAY_IMPORT:
             return "/".join(parts[:n])
@@ -154,18 +182,21 @@ def test_an_upward_import_is_reported_with_its_file_and_line(tmp_path: Path):
     (tmp_path / "kvroute" / "bad.py").write_text(
         "import importlib\n"
         "from kvroute import hashing\n"
-        "from gateway.router import make_policy\n"
+        "from gateway.routing.router import make_policy\n"
         "def later():\n"
         "    return importlib.import_module('worker.engine')\n"
     )
     (tmp_path / "gateway").mkdir()
-    (tmp_path / "gateway" / "router.py").write_text("from . import fleet\nfrom ..kvroute import hashing\n")
+    (tmp_path / "gateway" / "routing").mkdir()
+    (tmp_path / "gateway" / "routing" / "router.py").write_text(
+        "from . import kv_index\nfrom ...kvroute import hashing\n"
+    )
     (tmp_path / "gateway" / "bad.py").write_text("from .. import worker\n")
     (tmp_path / "attic").mkdir()
     (tmp_path / "attic" / "old.py").write_text("")
     assert offences(tmp_path) == [
         "attic/old.py: its folder has no row in MAY_IMPORT (tests/test_import_direction.py)",
         "gateway/bad.py:1: gateway imports worker (worker)",
-        "kvroute/bad.py:3: kvroute imports gateway.router (gateway)",
+        "kvroute/bad.py:3: kvroute imports gateway.routing.router (gateway/routing)",
         "kvroute/bad.py:5: kvroute imports worker.engine (worker)",
     ]

@@ -1,7 +1,7 @@
 import pytest
 
-from gateway.fleet import FleetView
-from gateway.kv_index import KVIndex, LearnedKVIndex
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.kv_index import KVIndex, LearnedKVIndex
 from kvroute.hashing import block_hashes
 from worker.kv_cache_manager import KVCacheManager
 

@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_gateway_and_its_front_doors_import_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # `import torch` now raises ImportError
-        "import gateway.cli_gateway, gateway.http_server, gateway.grpc_server, gateway.request_path\n"
-        "import gateway.embedded_fleet, gateway.redis_fleet, launch.up\n"
+        "import gateway.cli_gateway, gateway.frontdoors.http_server, gateway.frontdoors.grpc_server\n"
+        "import gateway.request_path\n"
+        "import gateway.fleet.embedded_fleet, gateway.fleet.redis_fleet, launch.up\n"
         "from launch.cli import build_parser\n"
         "build_parser(['gateway']).parse_args(['gateway', '--workers', 'a:1'])\n"
         "assert 'torch' not in [m.split('.')[0] for m, v in sys.modules.items() if v is not None]\n"

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from gateway_stack import KEY, SMALL_KEY, GatewayStack, StackOptions, stack_fixture
 
-from gateway.limits import Limits
+from gateway.admission.limits import Limits
 from kvroute.chat_template import render_chat_template
 from kvroute.tokenizer import PromptTooLong, Tokenizer
 from launch.fleet import Fleet, free_port, http_ok, kvroute_argv

@@ -9,14 +9,14 @@ import random
 
 import pytest
 
-from gateway.auth import OPEN_TENANT, Authenticator, cache_salt, key_sha256, tenant_salt
+from gateway.admission.auth import OPEN_TENANT, Authenticator, cache_salt, key_sha256, tenant_salt
+from gateway.admission.limits import Limits
 from gateway.errors import AuthenticationError
-from gateway.fleet_state import BookkeepingFleetState
-from gateway.limits import Limits
+from gateway.fleet.fleet_state import BookkeepingFleetState
+from gateway.forwarding.retry import BreakerState, CircuitBreakers, RetryPolicy
+from gateway.forwarding.stop_strings import ChoiceText, StopStringMatcher
 from gateway.metrics import GatewayMetrics
 from gateway.request import Tenant
-from gateway.retry import BreakerState, CircuitBreakers, RetryPolicy
-from gateway.stop_strings import ChoiceText, StopStringMatcher
 from kvroute.tokenizer import Tokenizer
 
 # -- stop strings ------------------------------------------------------------------------------------------------
@@ -116,9 +116,9 @@ def test_a_success_resets_the_failure_count() -> None:
 
 
 def test_a_worker_that_leaves_or_restarts_has_its_breaker_and_channel_reset(tokenizer_smollm2: Tokenizer) -> None:
-    from gateway.fleet_state import FleetBook, FleetIdentity
+    from gateway.fleet.fleet_state import FleetBook, FleetIdentity
     from gateway.request_path import RequestPath
-    from gateway.router import make_policy
+    from gateway.routing.router import make_policy
 
     async def body() -> None:
         identity = FleetIdentity("m", 16, "h", "t")
@@ -146,8 +146,8 @@ def test_a_worker_that_leaves_or_restarts_has_its_breaker_and_channel_reset(toke
 
 
 def test_front_doors_mark_a_max_tokens_the_client_did_not_set() -> None:
-    from gateway.grpc_server import gateway_request_from_proto
-    from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestHeaders
+    from gateway.frontdoors.grpc_server import gateway_request_from_proto
+    from gateway.frontdoors.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestHeaders
     from proto import gateway_pb2
 
     headers = RequestHeaders()

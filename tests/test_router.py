@@ -1,10 +1,10 @@
 import pytest
 
-from gateway.common_prefix import HALF_LIFE, CommonPrefixSketch
-from gateway.fleet import FleetView
-from gateway.hash_ring import HashRing, LoadBound, ring_key
-from gateway.kv_index import KVIndex
-from gateway.router import POLICY_NAMES, STARVATION_WINDOW, NoReplicaAvailable, RouteRequest, make_policy
+from gateway.routing.common_prefix import HALF_LIFE, CommonPrefixSketch
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.hash_ring import HashRing, LoadBound, ring_key
+from gateway.routing.kv_index import KVIndex
+from gateway.routing.router import POLICY_NAMES, STARVATION_WINDOW, NoReplicaAvailable, RouteRequest, make_policy
 
 REPLICAS = [f"r{i}" for i in range(8)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import make_policy
+from gateway.routing.router import make_policy
 from kvroute.sampling import SamplingParams
 from loadtest.oracle import BoundedOracle
 from sim import FleetConfig, FleetSim, SimRequest, ViewTiming

@@ -20,15 +20,15 @@ import grpc
 import httpx
 import pytest
 
-from gateway.auth import Authenticator, key_sha256
-from gateway.embedded_fleet import EmbeddedFleetState
+from gateway.admission.auth import Authenticator, key_sha256
+from gateway.admission.limits import Limits
 from gateway.errors import NoWorkerAvailable, UpstreamError
-from gateway.limits import Limits
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
+from gateway.forwarding.retry import RetryPolicy, StreamDeadlines
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest
 from gateway.request_path import RequestPath, fleet_identity
-from gateway.retry import RetryPolicy, StreamDeadlines
-from gateway.router import make_policy
+from gateway.routing.router import make_policy
 from kvroute.sampling import SamplingParams
 from launch.fleet import Child, free_port, kvroute_argv
 from launch.fleet import Fleet as Launcher

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from gateway_stack import API_KEYS, KEY, SERVED_MODEL, GatewayStack, StackOptions, stack_fixture
 
-from gateway.limits import Limits
+from gateway.admission.limits import Limits
 from launch.fleet import Child, Fleet, free_port, http_ok, kvroute_argv
 
 AUTH = {"authorization": f"Bearer {KEY}"}

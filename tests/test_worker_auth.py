@@ -20,8 +20,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.auth import key_sha256, tenant_salt
-from gateway.embedded_fleet import EmbeddedFleetState
+from gateway.admission.auth import key_sha256, tenant_salt
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.request_path import fleet_identity
 from gateway.worker_client import worker_stub
 from kvroute.credentials import generate_secret
@@ -127,7 +127,7 @@ def test_a_gateway_fleet_without_the_token_admits_no_worker_and_one_with_it_does
                 finally:
                     await fleet.stop()
 
-    with caplog.at_level("ERROR", logger="gateway.embedded_fleet"):
+    with caplog.at_level("ERROR", logger="gateway.fleet.embedded_fleet"):
         asyncio.run(main())
     refusals = [r.getMessage() for r in caplog.records if "refuses this gateway's worker token" in r.getMessage()]
     assert len(refusals) == 2 and "missing worker token" in refusals[0] and "invalid worker token" in refusals[1]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.cli_gateway import build_gateway
-from gateway.engine_fleet import EngineFleetState
+from gateway.fleet.engine_fleet import EngineFleetState
 from gateway.worker_spec import WorkerSpec, parse_worker_spec, parse_worker_specs
 from kvroute.errors import UserError
 from launch.cli import build_parser

@@ -20,7 +20,7 @@ from hashlib import md5
 
 from uhashring import HashRing as _UHashRing
 
-from gateway.fleet import FleetView
+from gateway.routing.fleet_view import FleetView
 
 DEFAULT_VNODES = 160
 

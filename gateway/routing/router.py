@@ -1,13 +1,13 @@
 """Routing policies: one interface, `RoutingPolicy.pick(request, fleet) -> RouteDecision`.
 
 - `round_robin`, `random` (seeded, keyed by request id), `least_loaded` (fewest in flight + queued).
-- `session`: the session id on the consistent-hash ring (gateway.hash_ring), bounded loads.
+- `session`: the session id on the consistent-hash ring (gateway.routing.hash_ring), bounded loads.
 - `prefix`: the request's routing key on the ring, bounded loads; it reads no KV index. The key's owner
   is taken to hold the whole prompt, so it has the slack of a full hit (rule 2 below with f = 1).
 - `kv_aware`: the longest cached prefix per the fleet KV index, weighed against load; the ring for the rest.
 
 The routing key (`prefix`, `kv_aware`) is the first block past the common prefix: the leading blocks that
-more than one replica's share of recent traffic carries (gateway.common_prefix). It lies past a system
+more than one replica's share of recent traffic carries (gateway.routing.common_prefix). It lies past a system
 prompt or a popular tenant's tool schemas whatever their length, and at a conversation's, a small
 tenant's or a one-off request's first block of its own, which its later turns carry too. A prompt with
 no full block is keyed by its request id.
@@ -49,9 +49,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from gateway.common_prefix import CommonPrefixSketch
-from gateway.fleet import FleetView
-from gateway.hash_ring import DEFAULT_VNODES, HashRing, LoadBound
+from gateway.routing.common_prefix import CommonPrefixSketch
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.hash_ring import DEFAULT_VNODES, HashRing, LoadBound
 
 BlockKey = Hashable
 HIT_SLACK = 2.0  # rule 2: a replica holding a share f of the prompt has epsilon x (1 + HIT_SLACK x f)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.kv_index import KVIndex
+from gateway.routing.kv_index import KVIndex
 
 
 @dataclass

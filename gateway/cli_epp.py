@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from gateway import cli_gateway
-from gateway.epp.ext_proc import EndpointMap, ExternalProcessor, Picker
+from gateway.frontdoors.ext_proc import EndpointMap, ExternalProcessor, Picker
 from kvroute.errors import UserError
 from kvroute.grpc_options import grpc_address
 

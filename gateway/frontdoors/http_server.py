@@ -18,7 +18,7 @@ The contract every response keeps:
   `GatewayError` (gateway.errors): 400 naming the field (never a 422), 401, 404, 413 (the body limit is
   enforced while reading, before the body is held whole), 429 with Retry-After, 503. Any other exception is
   logged and answered 500 in the same shape, and the server keeps serving. The connection's own refusals
-  (malformed HTTP 400, 408, 431, 503 over the connection cap) are gateway.http_protocol's, in the same shape.
+  (malformed HTTP 400, 408, 431, 503 over the connection cap) are gateway.frontdoors.http_protocol's, in the same shape.
   A message quotes at most a short prefix of what the client sent (`errors.quoted`).
 - Once routed, every response (streamed or not, errors included) carries `x-kvroute-worker` and
   `x-kvroute-route`; every response carries `x-request-id` (the client's, echoed, or the gateway's own).
@@ -46,11 +46,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth import Authenticator
+from gateway.admission.auth import Authenticator
+from gateway.admission.limits import Limits
 from gateway.errors import AuthenticationError, BodyTooLarge, GatewayError, InvalidRequestError, quoted
-from gateway.limits import Limits
-from gateway.metrics import GatewayMetrics
-from gateway.openai_protocol import (
+from gateway.frontdoors.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -69,6 +68,7 @@ from gateway.openai_protocol import (
     client_request_id_of,
     parse_request,
 )
+from gateway.metrics import GatewayMetrics
 from gateway.request import Chunk, GatewayRequest, Generation, TokenizeResult, TokenLogprob, Usage
 from kvroute.tokenizer import Tokenizer
 

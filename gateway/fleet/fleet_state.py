@@ -1,9 +1,9 @@
 """The gateway's fleet state: which workers are live, how loaded, and which blocks each holds. One interface,
 two implementations (DESIGN §1, §4):
 
-- `gateway.embedded_fleet.EmbeddedFleetState`: reads each worker directly over gRPC (GetInfo, GetStats,
+- `gateway.fleet.embedded_fleet.EmbeddedFleetState`: reads each worker directly over gRPC (GetInfo, GetStats,
   GetKVEvents with snapshot resync). `kvroute up`'s default, and a gateway's fallback while Redis is down.
-- `gateway.redis_fleet.RedisFleetState`: reads the registry, load reports and KV events that each worker's
+- `gateway.fleet.redis_fleet.RedisFleetState`: reads the registry, load reports and KV events that each worker's
   reporter (worker.reporter) writes to Redis; several gateways share it.
 
 Contract for the request path:
@@ -23,7 +23,7 @@ Contract for the request path:
      restarted or left the registry), False when they go on (it drains, or moved).
   6. `answering(worker_id)`: the worker answered this fleet state's own checks lately (a GetStats reply, a
      heartbeat that moved): alive, if perhaps busy. The request path asks it before it ends a stream whose
-     deadline passed (gateway.retry.StreamDeadlines), so a worker busy with a long prefill is not cut.
+     deadline passed (gateway.forwarding.retry.StreamDeadlines), so a worker busy with a long prefill is not cut.
   7. `flags(worker_id)`: why the worker's cached prefixes are not scored (`parity_mismatch`,
      `no_kv_events`), empty for a scored worker; the request path shows them in `x-kvroute-route`.
 Membership changes (a worker joins, its heartbeat expires, it restarts with a new incarnation) update the
@@ -39,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gateway.fleet import FleetView
+from gateway.routing.fleet_view import FleetView
 from kvroute.fleet_keys import WorkerDescription
 from kvroute.kv_events import BlockKey, KVEvent
 
@@ -117,7 +117,7 @@ class FleetCounters:
     resyncs: int = 0  # a worker's KV entries were replaced from a snapshot
     parity_mismatches: dict[str, int] = field(default_factory=dict)  # worker id -> mismatched incarnations seen
     no_kv_events: dict[str, int] = field(default_factory=dict)  # worker id -> times found publishing no KV events
-    # (worker id, reason) -> engine KV event batches or events dropped (gateway.engine_events names the reasons)
+    # (worker id, reason) -> engine KV event batches or events dropped (gateway.fleet.engine_events names the reasons)
     kv_event_drops: dict[tuple[str, str], int] = field(default_factory=dict)
 
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
-from gateway.kv_index import KVIndex
+from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
+from gateway.routing.kv_index import KVIndex
 from gateway.worker_client import worker_stub
 from kvroute.grpc_options import CLIENT_OPTIONS
 from kvroute.kv_events import KVEvent

@@ -37,9 +37,10 @@ import aiohttp
 import grpc
 import orjson
 
-from gateway.fleet_state import WorkerMember
+from gateway.fleet.fleet_state import WorkerMember
 from gateway.request import GatewayRequest, TokenLogprob
 from gateway.worker_client import WorkerClients
+from gateway.worker_spec import EngineTarget
 from kvroute.sampling import SamplingParams
 from kvroute.sampling_proto import sampling_to_proto
 from proto import worker_pb2
@@ -98,16 +99,6 @@ class EngineDelta:
 
 
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's (`_get_data_parallel_rank`) and SGLang's (serving_base), any case
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineTarget:
-    """How an HTTP engine member is addressed beyond its address: the key it was started with (`--api-key`,
-    sent as `Authorization: Bearer`; kept out of the repr, so never logged) and, for one data-parallel rank of
-    an engine, that rank (sent as `X-data-parallel-rank`)."""
-
-    api_key: str | None = dataclasses.field(default=None, repr=False)
-    data_parallel_rank: int | None = None
 
 
 class BackendCall(Protocol):

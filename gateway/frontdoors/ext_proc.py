@@ -49,10 +49,8 @@ from opentelemetry import trace
 
 from gateway import tracing
 from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, NoWorkerAvailable
-from gateway.fleet import FleetView
-from gateway.fleet_state import WorkerMember
-from gateway.metrics import label_value
-from gateway.openai_protocol import (
+from gateway.fleet.fleet_state import WorkerMember
+from gateway.frontdoors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestHeaders,
@@ -60,10 +58,12 @@ from gateway.openai_protocol import (
     client_request_id_of,
     parse_request,
 )
+from gateway.metrics import label_value
 from gateway.pools import Pools
 from gateway.request import GatewayRequest, RouteInfo, Tenant, Usage
 from gateway.request_path import RequestPath
-from gateway.router import NoReplicaAvailable, RouteRequest
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.router import NoReplicaAvailable, RouteRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The gateway's subscriber to stock engines' KV events (vLLM, SGLang, and kvroute workers started with
-`--kv-events-config`), over ZMQ, feeding a `FleetBook` (gateway/fleet_state.py) through the KV event records
+`--kv-events-config`), over ZMQ, feeding a `FleetBook` (gateway/fleet/fleet_state.py) through the KV event records
 the index already takes, so the policies and the index do not change (DESIGN §4). The wire format is
 `kvroute.engine_kv_events`.
 
@@ -59,7 +59,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from gateway.fleet_state import FleetBook
+from gateway.fleet.fleet_state import FleetBook
 from kvroute.engine_kv_events import (
     END_SEQ,
     GPU_MEDIA,

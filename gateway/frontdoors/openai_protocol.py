@@ -9,7 +9,7 @@ echo, image parts, ...) are refused with a clear 400 rather than silently ignore
 ignored, as vLLM does, because clients send their own extensions.
 
 The response models document the shapes for the OpenAPI schema and for tests; the server itself builds the
-same shapes as plain dicts (gateway.http_server), which is several times faster on the hot path.
+same shapes as plain dicts (gateway.frontdoors.http_server), which is several times faster on the hot path.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The engine fleet state: stock vLLM and SGLang servers (and kvroute workers beside them) as one fleet
-(DESIGN §4, gateway.fleet_state's contract).
+(DESIGN §4, gateway.fleet.fleet_state's contract).
 
 Members come from worker specs (gateway.worker_spec): a `kvroute` spec is polled over gRPC exactly as the
-embedded fleet state does (gateway.embedded_fleet.WorkerPoller); a `vllm` / `sglang` spec by an
+embedded fleet state does (gateway.fleet.embedded_fleet.WorkerPoller); a `vllm` / `sglang` spec by an
 `EnginePoller` over the engine's own HTTP endpoints, every `poll_interval` seconds (default 0.25):
 
     GET /health ──► 200: it answers (`answering`)       anything else, or no answer: failing
@@ -60,12 +60,11 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backends import EngineTarget
-from gateway.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
-from gateway.fleet import FleetView
-from gateway.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
-from gateway.kv_index import BlockKey
-from gateway.worker_spec import WorkerSpec, read_api_key
+from gateway.fleet.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
+from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
+from gateway.routing.fleet_view import FleetView
+from gateway.routing.kv_index import BlockKey
+from gateway.worker_spec import EngineTarget, WorkerSpec, read_api_key
 from kvroute.hashing import hash_fingerprint
 from kvroute.tokenizer import Tokenizer
 
@@ -90,7 +89,7 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 
 class EventSource(Protocol):
-    """A worker's KV-event subscriber (gateway.engine_events): feeds the book, says when it last heard."""
+    """A worker's KV-event subscriber (gateway.fleet.engine_events): feeds the book, says when it last heard."""
 
     last_event_at: float | None  # time.monotonic() of the last event applied; None: none yet
     parity_failed: bool  # an event's block size did not fit the pool's: its events are dropped
@@ -125,7 +124,7 @@ class EngineOptions:
     def from_routing_config(cls, options: dict[str, Any]) -> EngineOptions:
         """The engine keys of a routing config (`medium_weights`), taken out of `options`; ValueError names a
         bad one."""
-        from gateway.engine_events import check_medium_weights
+        from gateway.fleet.engine_events import check_medium_weights
 
         weights = options.pop("medium_weights", {})
         if not isinstance(weights, dict):
@@ -137,8 +136,8 @@ class EngineOptions:
 def subscribe(
     spec: WorkerSpec, worker_id: str, book: FleetBook, on_restart: Callable[[str], None], options: EngineOptions
 ) -> EventSource:
-    """The default EventSourceFactory: gateway.engine_events' ZMQ subscriber to the spec's endpoints."""
-    from gateway.engine_events import EngineEventSource, EngineEventSubscriber
+    """The default EventSourceFactory: gateway.fleet.engine_events' ZMQ subscriber to the spec's endpoints."""
+    from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
 
     source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic, spec.data_parallel_rank or 0)
     return EngineEventSubscriber(book, source, on_restart=on_restart, medium_weights=options.medium_weights)
@@ -467,7 +466,7 @@ class EngineFleetState(BookkeepingFleetState):
     ZMQ). `resolve`: host, port -> addresses, for
     `discover=dns` specs (default: the system resolver). `token`: what kvroute workers are shown. ValueError
     names a spec whose `api_key_file` cannot be read. `engine_target(worker_id)`: that engine's key and rank, for
-    the HTTP backend (gateway.backends.HttpBackend)."""
+    the HTTP backend (gateway.forwarding.backends.HttpBackend)."""
 
     def __init__(
         self,

@@ -36,11 +36,16 @@ import pydantic_core
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gateway.auth import Authenticator
+from gateway.admission.auth import Authenticator
 from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
-from gateway.fleet_state import FleetIdentity, WorkerMember
+from gateway.fleet.fleet_state import FleetIdentity, WorkerMember
+from gateway.frontdoors.openai_protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    RequestHeaders,
+    bearer_token,
+    client_request_id_of,
+)
 from gateway.metrics import GatewayMetrics
-from gateway.openai_protocol import COMPLETION_DEFAULT_MAX_TOKENS, RequestHeaders, bearer_token, client_request_id_of
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.proto_maps import FINISH_REASONS

@@ -21,13 +21,13 @@ reporter's 0.05 s + poll_interval).
 Redis down: the view stays as it was (no worker expires: nobody can beat), loads go on from this gateway's
 own counts, and each round retries. With `fallback_addresses` (`--workers` beside `--redis`), after
 `fallback_after` seconds (at once when Redis is down at start) the gateway reads those workers directly
-(gateway.embedded_fleet.WorkerPoller) into the same books; stream ids are the workers' own event seqs, so
+(gateway.fleet.embedded_fleet.WorkerPoller) into the same books; stream ids are the workers' own event seqs, so
 both sources continue from the same place. When Redis answers again, the direct reading stops, every
 member gets a fresh heartbeat_ttl of grace (reporters re-register), and the streams resume.
 
 Liveness (`answering`): the worker's beat moved within half its heartbeat_ttl (2.5 s with the reporter's
 defaults, a beat a second and a 5 s TTL); while Redis is down, the direct fallback's polls when it runs
-(gateway.embedded_fleet), else every member counts as answering (nobody can beat: a stream's deadline
+(gateway.fleet.embedded_fleet), else every member counts as answering (nobody can beat: a stream's deadline
 then ends only at its cap).
 """
 
@@ -40,8 +40,8 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from gateway.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
-from gateway.fleet_state import BookkeepingFleetState, FleetIdentity, WorkerMember
+from gateway.fleet.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
+from gateway.fleet.fleet_state import BookkeepingFleetState, FleetIdentity, WorkerMember
 from kvroute.fleet_keys import DEFAULT_PREFIX, FleetKeys, WorkerRecord, redis_client, seq_of, stream_id, unpack_hashes
 from kvroute.kv_events import KVEvent
 

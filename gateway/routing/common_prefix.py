@@ -5,7 +5,7 @@ with d: it is 1 for a system prompt that everything carries, a tenant's share fo
 schemas, a conversation's share for its first turn, and one request's share for a one-off question.
 `common_prefix(cells, replicas)` finds the number of leading blocks whose share is above one replica's fair
 share (1 / replicas): a key taken there would send more than a replica's worth of traffic to one place.
-The first block past them is the request's routing key (gateway.router); it sits past a shared prefix of
+The first block past them is the request's routing key (gateway.routing.router); it sits past a shared prefix of
 any length, and stops before the part that changes turn by turn, because a conversation's first unique
 block is carried by all of its turns and by nothing else.
 
