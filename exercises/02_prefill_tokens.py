@@ -8,8 +8,8 @@ chat's history; the prefix ring keeps a chat on one replica.
     .venv/bin/python exercises/02_prefill_tokens.py
 """
 
-from loadtest.replay import ReplayConfig, replay
-from loadtest.workloads import generate
+from sim.replay import ReplayConfig, replay
+from sim.workloads import generate
 
 trace = generate("multiturn", requests=120, seed=0)
 result = replay(trace, ReplayConfig(replicas=4, policies=("round_robin", "prefix", "kv_aware")))

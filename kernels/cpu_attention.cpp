@@ -16,7 +16,7 @@
 //
 // Why not SDPA: torch's CPU flash kernel computes in float32 (about 180 GFLOP/s on 2 cores here, the same
 // for bf16 inputs), while vdpbf16ps multiplies bf16 pairs at about 4x the float32 FMA rate. This kernel runs
-// at about 800 GFLOP/s on SmolLM2's shapes (`python -m loadtest.cpu_kernel_bench`: a 3,000-token prefill in
+// at about 800 GFLOP/s on SmolLM2's shapes (`python -m benchmarks.cpu_kernel_bench`: a 3,000-token prefill in
 // 12.5 ms a layer against SDPA's 68; 400 new tokens over a 2,900-token cached prefix in 3.5 ms against 18),
 // about 75% of the dot-product peak measured here (548 GFLOP/s a core); the two micro-kernels alone reach
 // 86%, and the softmax takes about 5% of the time.

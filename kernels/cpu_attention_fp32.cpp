@@ -16,7 +16,7 @@
 //
 // Why: the torch path gathers K/V out of the cache (index_select) and runs SDPA's float32 flash kernel, ~75-115
 // GFLOP/s of useful work on SmolLM2's shapes under AVX2 (it computes its last 512-key block in full). Measured
-// under the AVX2 emulation on 2 threads, the two paths taking turns (`python -m loadtest.cpu_kernel_bench --fp32`),
+// under the AVX2 emulation on 2 threads, the two paths taking turns (`python -m benchmarks.cpu_kernel_bench --fp32`),
 // ms a layer: a 1,000-token prefill 8.6 against 14.7, 2,048 tokens 36 against 48, 952 new tokens over 2,048
 // cached 41 against 49 (~134 GFLOP/s, near MKL sgemm's ~160 on these 2 cores: the softmax takes most of the
 // rest), one decode over 250 tokens 0.04 against 0.08 (no gather, no SDPA call overhead), 32 such decodes 1.0-1.1

@@ -16,15 +16,15 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
-    "replay": ("loadtest.replay_cli", "replay a trace through simulated replicas and compare routing policies"),
-    "doctor": ("loadtest.doctor", "find where each app's prompts stop sharing their prefix, and what it costs"),
+    "replay": ("sim.replay_cli", "replay a trace through simulated replicas and compare routing policies"),
+    "doctor": ("sim.doctor", "find where each app's prompts stop sharing their prefix, and what it costs"),
     "generate": ("worker.cli_generate", "generate text offline with the worker engine"),
     "worker": ("launch.worker", "run a worker: the engine behind its gRPC service (and, with --http-port, HTTP)"),
     "gateway": ("gateway.cli_gateway", "run a gateway: OpenAI HTTP and gRPC front doors routing over a fleet"),
     "epp": ("gateway.cli_epp", "run an endpoint picker: Envoy ext_proc for a Gateway API InferencePool"),
     "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
     "bench": ("loadtest.bench_cli", "send a workload to a live fleet (or compare routers) and report latencies"),
-    "sweep": ("loadtest.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),
+    "sweep": ("sim.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),
     "export-tokenizer": (
         "kvroute.export_tokenizer",
         "write a model's tokenizer as an HF folder (tokenizer.json, tokenizer_config.json) for other tools",

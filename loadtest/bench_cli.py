@@ -36,7 +36,7 @@ from loadtest.bench_stats import SLO, format_summary, summarize
 from loadtest.compare import add_compare_arguments, run_compare
 from loadtest.render import CHAT_THINK_MS, RenderError, Workload, dump_jsonl, render, workload_names
 from loadtest.soak import run_soak
-from loadtest.traces import MOONCAKE_BLOCK_TOKENS
+from sim.traces import MOONCAKE_BLOCK_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -509,8 +509,8 @@ def predict(
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary
-    from loadtest.replay import ReplayConfig, replay
-    from loadtest.traces import Trace, TraceRequest
+    from sim.replay import ReplayConfig, replay
+    from sim.traces import Trace, TraceRequest
 
     tokenizer = vocabulary(tokenizer_spec).tokenizer
     answers = {r.index: r.output_text for r in run.records if r.ok}

@@ -3,7 +3,7 @@
 # minutes (each step has its own time limit; all of them together stay under 10 minutes):
 #   1. the kernel and sampler tests on the GPU (TRITON_INTERPRET=0): Triton attention against the reference,
 #      the engine on the Triton backend, the sampler on CUDA with seeded rows;
-#   2. python -m loadtest.kernel_bench: paged decode bandwidth and prefill TFLOP/s against torch SDPA;
+#   2. python -m benchmarks.kernel_bench: paged decode bandwidth and prefill TFLOP/s against torch SDPA;
 #   3. the engine on SmolLM2 on the GPU with temperature > 0 (top-p, top-k, seeds, top logprobs), with the
 #      model's KV dtype and with FP8 KV: tokens/s, seeded reruns reproduce, and `kvroute generate` end to end.
 #
@@ -133,7 +133,7 @@ step "kernel tests" 200 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/
 grep -E "passed|failed|error" "$LOG" | tail -1 | sed 's/^/  /' | tee -a "$SUMMARY"
 
 # -- 2. kernel benchmark ------------------------------------------------------------------------------
-step "kernel_bench" 150 "$PY" -m loadtest.kernel_bench --json "$OUT/kernel_bench.json"
+step "kernel_bench" 150 "$PY" -m benchmarks.kernel_bench --json "$OUT/kernel_bench.json"
 
 # -- 3. the engine on SmolLM2 -------------------------------------------------------------------------
 [ $HAVE_MODEL -eq 1 ] || { say "some steps FAILED"; exit 1; }

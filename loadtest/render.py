@@ -7,7 +7,7 @@ prefixes give equal text prefixes, hence equal token prefixes again on the serve
 splits at every space, so a word never merges with its neighbour).
 
 Sources (`--workload`):
-  NAME         a synthetic workload of loadtest.workloads (`synthetic:NAME` is accepted too), one
+  NAME         a synthetic workload of sim.workloads (`synthetic:NAME` is accepted too), one
                `/v1/completions` prompt per request. A request whose trace carries a known answer
                (multi-turn chat, agents) follows the previous request of its session: the bench sends
                it only after that one finished, as a user would.
@@ -40,8 +40,8 @@ from typing import Any
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
 from kvroute.model_source import resolve_model, smollm2_gguf_path
 from kvroute.tokenizer import Tokenizer
-from loadtest.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest, read_mooncake
-from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
+from sim.traces import MOONCAKE_BLOCK_TOKENS, Trace, TraceRequest, read_mooncake
+from sim.workloads import WORKLOAD_NAMES, WorkloadError, generate
 from worker.sim_words import single_token_words
 
 TRACE_PREFIX = "trace:"

@@ -5,7 +5,7 @@ A simulated replica (sim.replica) is the worker's own `LLMEngine` with the sim r
 worker's `SimCostModel` on a virtual clock. A simulated gateway (sim.gateway) is the real `FleetBook` and
 `RoutingPolicy`, fed the replicas' KV events and load as late as the fleet-state timing (`ViewTiming`) says.
 sim.fleet runs them on one timeline. `kvroute replay`, `sweep` and `doctor`, the live bench's prediction
-and `loadtest.fleet_state_bench` all run it; it imports worker/, gateway/ and kvroute/, and nothing below
+and `benchmarks.fleet_state_bench` all run it; it imports worker/, gateway/ and kvroute/, and nothing below
 imports it.
 """
 

@@ -27,10 +27,10 @@ from loadtest.render import (
     render,
     vocabulary,
 )
-from loadtest.replay import ReplayConfig
-from loadtest.sweep import main as sweep_main
-from loadtest.sweep import parse_axes, sweep
-from loadtest.workloads import generate
+from sim.replay import ReplayConfig
+from sim.sweep import main as sweep_main
+from sim.sweep import parse_axes, sweep
+from sim.workloads import generate
 
 # -- statistics ---------------------------------------------------------------------------------------
 
@@ -231,7 +231,7 @@ def test_a_mooncake_trace_renders_equal_hash_ids_to_equal_text(tmp_path, tokeniz
 
 
 def test_the_dump_is_the_prefix_doctors_input(tmp_path):
-    from loadtest.doctor import read_prompts
+    from sim.doctor import read_prompts
 
     path = tmp_path / "chat.jsonl"
     dump_jsonl(render("chat", 8), path)

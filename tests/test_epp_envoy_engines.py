@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from launch.fleet import free_port
-from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from tests.test_epp_envoy import _shared_prefix, _spawn, _start_epp, _wait
 
 pytestmark = [

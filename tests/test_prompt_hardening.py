@@ -7,7 +7,7 @@
 3. No client string becomes a control token through a template that renders tools with `tojson`, compares
    roles, or cuts strings: dict keys, `role`/`type` values and sliced text included.
 
-The benchmark of item 1 (`/health` latency under 3.9 MB prompts) is loadtest/prompt_stall_bench.py.
+The benchmark of item 1 (`/health` latency under 3.9 MB prompts) is benchmarks/prompt_stall_bench.py.
 """
 
 from __future__ import annotations

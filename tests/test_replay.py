@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main
-from loadtest.replay import ReplayConfig, ReplayError, replay, simulate
-from loadtest.traces import Trace, TraceError, TraceRequest, read_mooncake
-from loadtest.workloads import generate
+from sim.replay import ReplayConfig, ReplayError, replay, simulate
+from sim.traces import Trace, TraceError, TraceRequest, read_mooncake
+from sim.workloads import generate
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 

@@ -6,8 +6,8 @@ import pytest
 
 from gateway.routing.router import make_policy
 from kvroute.sampling import SamplingParams
-from loadtest.oracle import BoundedOracle
 from sim import FleetConfig, FleetSim, SimRequest, ViewTiming
+from sim.oracle import BoundedOracle
 from worker.clock import VirtualClock
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

@@ -4,9 +4,9 @@ from itertools import pairwise
 
 import pytest
 
-from loadtest.replay import ReplayConfig, replay
-from loadtest.traces import Trace, TraceRequest
-from loadtest.workloads import WorkloadError, generate
+from sim.replay import ReplayConfig, replay
+from sim.traces import Trace, TraceRequest
+from sim.workloads import WorkloadError, generate
 
 
 def run(name: str, requests: int | None = None, replicas: int = 1, capacity: int = 10_000, seed: int = 0):

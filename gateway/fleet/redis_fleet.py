@@ -3,7 +3,7 @@
 Layout (kvroute.fleet_keys): a registry hash per worker (identity, fingerprints, load, a `beat` counter,
 refreshed every heartbeat with a time-to-live) and a stream of KV events per worker incarnation, with a
 snapshot key. Each gateway reads the streams into its own in-memory KV index (so a routing decision never
-waits on Redis; loadtest/fleet_state_bench.py measures the choice against llm-d's index-in-Redis layout).
+waits on Redis; benchmarks/fleet_state_bench.py measures the choice against llm-d's index-in-Redis layout).
 
 Every `poll_interval` (0.1 s) one round:
     SMEMBERS workers, HGETALL each record (one pipeline)

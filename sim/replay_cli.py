@@ -1,4 +1,4 @@
-"""`kvroute replay TRACE`: compare routing policies on a trace (see loadtest.replay for the model)."""
+"""`kvroute replay TRACE`: compare routing policies on a trace (see sim.replay for the model)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
-from loadtest.replay import (
+from sim.replay import (
     ORACLE,
     REPLAY_MODEL_ID,
     REPLAY_POLICIES,
@@ -19,8 +19,8 @@ from loadtest.replay import (
     ReplayResult,
     replay,
 )
-from loadtest.traces import Trace, TraceError, read_mooncake
-from loadtest.workloads import WORKLOAD_NAMES, WorkloadError, generate
+from sim.traces import Trace, TraceError, read_mooncake
+from sim.workloads import WORKLOAD_NAMES, WorkloadError, generate
 
 SYNTHETIC = "synthetic:"
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_output(args.json, lambda path: path.write_text(json.dumps(result.to_json(), indent=2) + "\n"))
     if args.plot is not None:
-        from loadtest.plot import plot_result
+        from sim.plot import plot_result
 
         write_output(args.plot, lambda path: plot_result(result, path))
     return 0

@@ -1,7 +1,7 @@
 """What a hostile HTTP client can do to a front door on this machine: a huge header, thousands of headers,
 slowloris and idle connections, connections past the cap (the gateway's HTTP limits, docs/gateway.md).
 
-    python -m loadtest.http_abuse --port 8000 [--pid PID] [--connections 150] [--wait 30]
+    python -m benchmarks.http_abuse --port 8000 [--pid PID] [--connections 150] [--wait 30]
 
 Only loopback is a target. Every attack is bounded in bytes, connections and seconds; the report is one
 line per attack: the answer's status (or `closed` / `open`), and when it came.

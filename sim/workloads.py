@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
-from loadtest.traces import Trace, TraceRequest
+from sim.traces import Trace, TraceRequest
 
 VOCAB_SIZE = 32_000
 DEFAULT_REQUESTS = 200

@@ -11,7 +11,7 @@ from /proc. Streamed requests (16 tokens) time the first token through Envoy wit
 Then the picker's decision time (parse, template, tokenize, hash, pick) for a 4,096-token prompt,
 in-process over the same workers.
 
-Run: python -m loadtest.epp_bench [--requests 300]
+Run: python -m benchmarks.epp_bench [--requests 300]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from launch.envoy_proxy import Envoy, EnvoyConfig
 from launch.fleet import free_port
-from loadtest.envoy_proxy import Envoy, EnvoyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_LEN = 8192

@@ -1,5 +1,5 @@
 """The bf16-weight linear kernel of CPUs without native bf16 against MKL's float32:
-`python -m loadtest.linear_bench [--rows 1,2,8,16,32,64,96] [--repeats 9] [--threads 2]`.
+`python -m benchmarks.linear_bench [--rows 1,2,8,16,32,64,96] [--repeats 9] [--threads 2]`.
 
 For each number of rows, every linear of SmolLM2-135M (30 layers of qkv, o, gate_up and down, and the
 49,152-row lm_head) multiplies random float32 rows through kernels/cpu_bf16_linear.cpp on bf16 panels and

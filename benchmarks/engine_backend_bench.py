@@ -9,7 +9,7 @@ CPU time, unlike latency, does not grow with other jobs on shared cores.
 With `--workers 1` a third mode, `direct`, sends the same workload to the worker's own HTTP front door, with no
 gateway in between: `vllm` less `direct` is what the gateway's HTTP backend adds.
 
-    python -m loadtest.engine_backend_bench --workers 2 --sessions 16 --turns 4
+    python -m benchmarks.engine_backend_bench --workers 2 --sessions 16 --turns 4
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where should the fleet's KV index live? `python -m loadtest.fleet_state_bench` measures both layouts.
+"""Where should the fleet's KV index live? `python -m benchmarks.fleet_state_bench` measures both layouts.
 
 (a) llm-d's layout: the index in Redis, one hash per block (field per worker); a gateway looks a request's
     blocks up in Redis (pipelined) on every request.

@@ -1,6 +1,6 @@
 """`kvroute sweep TRACE --sweep replicas=2,4,8,16 --sweep capacity-blocks=500,2000`: capacity planning.
 
-The replay (loadtest.replay) run over a grid of fleet sizes and cache sizes, every point on the same
+The replay (sim.replay) run over a grid of fleet sizes and cache sizes, every point on the same
 trace with the same seed and policies. It answers, for a user's own trace: what fraction of the traffic
 repeats (the ideal: one unlimited cache), and how many replicas and how much cache per replica it takes
 to keep that reuse (hit rate, prefill tokens and the cost model's TTFT per point and policy). For each
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.errors import UserError
-from loadtest.replay import ORACLE, REPLAY_POLICIES, ReplayConfig, ReplayError, ReplayResult, replay
-from loadtest.replay_cli import load_trace, write_output
-from loadtest.traces import Trace
-from loadtest.workloads import WORKLOAD_NAMES
+from sim.replay import ORACLE, REPLAY_POLICIES, ReplayConfig, ReplayError, ReplayResult, replay
+from sim.replay_cli import load_trace, write_output
+from sim.traces import Trace
+from sim.workloads import WORKLOAD_NAMES
 
 AXES = {"replicas": "replicas", "capacity-blocks": "capacity_blocks"}
 MAX_POINTS = 64  # a grid past this is a typo more often than a plan, and each point replays the whole trace
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m loadtest.sweep ...`, the same as `kvroute sweep ...`."""
+    """`python -m sim.sweep ...`, the same as `kvroute sweep ...`."""
     parser = argparse.ArgumentParser(prog="kvroute sweep", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

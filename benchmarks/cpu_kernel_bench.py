@@ -1,4 +1,4 @@
-"""CPU benchmark of the C++ attention kernels: `python -m loadtest.cpu_kernel_bench [--fp32] [--json OUT]`.
+"""CPU benchmark of the C++ attention kernels: `python -m benchmarks.cpu_kernel_bench [--fp32] [--json OUT]`.
 
 For each case, the kernel (kernels/cpu_attention.cpp, through CpuAttentionBackend) against the torch path
 (TorchAttentionBackend: SDPA over K/V gathered from the cache) on the same paged step, in the same run: median

@@ -2,9 +2,9 @@
 httptools) over a request path that answers at once (16 chunks of one token, no worker), against a bare
 Starlette JSON endpoint on the same server setup, measured in the same run.
 
-Run: python -m loadtest.front_door_bench
+Run: python -m benchmarks.front_door_bench
 What it isolates: body read + strict pydantic validation + GatewayRequest + response/SSE rendering + the
-disconnect listener. The request path (tokenize, hash, route, gRPC) is measured by loadtest/gateway_bench.py.
+disconnect listener. The request path (tokenize, hash, route, gRPC) is measured by benchmarks/gateway_bench.py.
 """
 
 from __future__ import annotations

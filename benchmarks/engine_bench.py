@@ -1,6 +1,6 @@
 """Engine benchmark on CPU: kvroute's engine against HF transformers on the same weights, in one run.
 
-    python -m loadtest.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5] [--sections prefill,...]
+    python -m benchmarks.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5] [--sections prefill,...]
         [--dtype auto]
 
 To measure another CPU's branch on this one, hide its features and cap oneDNN, MKL and ATen to its ISA, e.g. an

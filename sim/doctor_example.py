@@ -1,6 +1,6 @@
 """A prompts file for `kvroute doctor`: three apps, one with the seeds' support-assistant mistake.
 
-`python -m loadtest.doctor_example OUT.jsonl [--requests N] [--seed S]` writes N requests over one hour:
+`python -m sim.doctor_example OUT.jsonl [--requests N] [--seed S]` writes N requests over one hour:
   * support (text prompts): "You are the support assistant for Acme." then the request ID on line 2,
     then about 2,000 tokens of the same policies for everyone, then the customer's question;
   * rag (chat messages): a fixed system prompt, then a user message that opens with the current date and

@@ -1,7 +1,7 @@
 """What the gateway costs: its added latency, its throughput, and its routing decision, against the same
 workers called directly and against SGLang's Rust router (smg) over the same workers, in one run.
 
-    python -m loadtest.gateway_bench --json OUT [--workers 2] [--requests 300] [--duration 8] [--profile FILE]
+    python -m benchmarks.gateway_bench --json OUT [--workers 2] [--requests 300] [--duration 8] [--profile FILE]
         [--streams 100] [--stream-tokens 200] [--stream-rounds 3] [--baseline-tree DIR]
 
 Set-up: `--workers` sim workers (`kvroute worker --model sim --http-port`, sim costs 0, so the worker is
@@ -149,7 +149,7 @@ def start_fleet(
         "--workers", ",".join(f"127.0.0.1:{p}" for p in grpc_ports), "--log-level", "warning", "--metrics-port", "0",
     )  # fmt: skip
     if profile:  # serving only, under cProfile (not the start-up's tokenizer load)
-        code = "import sys; from loadtest.gateway_bench import profiled_gateway; profiled_gateway(sys.argv[1:])"
+        code = "import sys; from benchmarks.gateway_bench import profiled_gateway; profiled_gateway(sys.argv[1:])"
         gateway_argv = [sys.executable, "-c", code, profile, *gateway_argv[4:]]
     fleet.spawn("gateway", gateway_argv)
     ports = {"worker_grpc": grpc_ports[0], "worker_http": http_ports[0], "gateway_http": gateway_port}
@@ -523,7 +523,7 @@ def profile_top(path: str, limit: int = 25) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.gateway_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gateway_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="write the figures here")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--requests", type=int, default=300, help="latency samples per target")

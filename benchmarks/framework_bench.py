@@ -1,7 +1,7 @@
 """FastAPI vs Starlette on uvicorn (uvloop + httptools): per-request latency of a trivial JSON endpoint, a JSON
 POST endpoint that validates a small pydantic body, and a streamed (SSE, 8 events) endpoint.
 
-Run: python -m loadtest.framework_bench (needs `pip install fastapi`, which kvroute itself does not use)
+Run: python -m benchmarks.framework_bench (needs `pip install fastapi`, which kvroute itself does not use)
 Each framework runs in its own uvicorn process; one sequential keep-alive client (http.client) measures,
 interleaving the two servers round by round so machine noise hits both alike. Also measures the framework
 alone: the ASGI app called in-process, no sockets.

@@ -1,6 +1,6 @@
 """KV-event ingest and index memory for engines' ZMQ events (docs/engines.md, "KV events"; not a timed test).
 
-    python -m loadtest.kv_events_bench [--workers 8] [--blocks 20000] [--block-size 16] [--zmq]
+    python -m benchmarks.kv_events_bench [--workers 8] [--blocks 20000] [--block-size 16] [--zmq]
 
 Ingest: vLLM 0.33-format batches (each a step's worth: BlockStored runs of new blocks with their token ids,
 BlockRemoved for evictions), encoded beforehand, then fed to `EngineEventSubscriber.handle` on one core: decode,

@@ -1,4 +1,4 @@
-"""Router decision cost: hash a 4,096-token prompt and pick a replica (`python -m loadtest.router_bench`).
+"""Router decision cost: hash a 4,096-token prompt and pick a replica (`python -m benchmarks.router_bench`).
 
 Runs over 8 and over 64 replicas by default. The fleet KV index is warm (each replica holds 2,000 blocks
 of other prompts and one holds half of this prompt), loads are mixed, and the prompt differs every

@@ -2,7 +2,7 @@
 
 Mooncake lines: {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]},
 one prefix-chained id per 512-token block of the prompt, the last (usually partial) block included.
-Token-id traces come from loadtest.workloads: token ids, the known answer's ids (so the engine's cache
+Token-id traces come from sim.workloads: token ids, the known answer's ids (so the engine's cache
 of a turn's answer can serve the next turn), a session/app id and the tenant's cache salt.
 """
 

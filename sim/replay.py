@@ -19,7 +19,7 @@ gateways (requests dealt round-robin by arrival) and `shared_view`, every gatewa
 by the block pools' KV events and the replicas' running + waiting, both published at the end of every step,
 as through Redis; without it each gateway sees only its own decisions: its own in-flight counts and a
 `LearnedKVIndex`. Two yardsticks are printed with every replay: the ideal (one unlimited cache, in arrival
-order, no routing: a lower bound) and the bounded oracle (loadtest.oracle: exact caches, longest prefix under
+order, no routing: a lower bound) and the bounded oracle (sim.oracle: exact caches, longest prefix under
 a request-count bound; a yardstick a good router can beat, not an optimum), which runs with every replay
 through one gateway with the exact fleet index.
 """
@@ -37,9 +37,9 @@ import numpy as np
 
 from gateway.routing.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
-from loadtest.oracle import BoundedOracle
-from loadtest.traces import Trace, TraceRequest
 from sim import FleetConfig, FleetRun, FleetSim, SimRequest, ViewTiming
+from sim.oracle import BoundedOracle
+from sim.traces import Trace, TraceRequest
 from worker.sim_runner import SimCostModel
 
 REPLAY_MODEL_ID = "replay"

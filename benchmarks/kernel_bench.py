@@ -1,4 +1,4 @@
-"""GPU benchmark of the attention kernels: `python -m loadtest.kernel_bench --json OUT`.
+"""GPU benchmark of the attention kernels: `python -m benchmarks.kernel_bench --json OUT`.
 
 Decode: achieved memory bandwidth of the paged decode kernel (bytes of K/V read / time) as a share of the device's
 peak, at batch 64 x context 4096 and a small sweep, beside torch SDPA over the same K/V already gathered into

@@ -1,7 +1,7 @@
 """Can one client's big prompt stall every other client? `/health` latency while `--clients` clients send
 multi-megabyte chat prompts to one gateway, for this tree's gateway and (`--before ROOT`) another tree's.
 
-    python -m loadtest.prompt_stall_bench [--before /work/main] [--clients 4] [--seconds 8] [--json OUT]
+    python -m benchmarks.prompt_stall_bench [--before /work/main] [--clients 4] [--seconds 8] [--json OUT]
 
 Set-up: one `sim` worker (this tree's; it answers at once) and, over it, `kvroute gateway` started from each
 tree under test (its own cwd and PYTHONPATH), with the default limits (32,768 prompt tokens, 4 MiB bodies).
@@ -34,9 +34,9 @@ from typing import Any
 
 import grpc
 
+from benchmarks.gateway_bench import wait_ok
 from launch.fleet import Fleet, free_port, kvroute_argv
 from loadtest.bench_stats import percentiles
-from loadtest.gateway_bench import wait_ok
 from proto import gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

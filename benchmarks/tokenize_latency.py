@@ -1,7 +1,7 @@
 """Latency of a worker's vLLM tokenizer endpoints (docs/engines.md): one `kvroute worker --model sim --http-port`
 process, one client over keep-alive, `--requests` sequential calls per body; prints p50 and p99.
 
-    python -m loadtest.tokenize_latency --requests 300
+    python -m benchmarks.tokenize_latency --requests 300
 """
 
 from __future__ import annotations

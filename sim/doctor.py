@@ -36,7 +36,7 @@ from pathlib import Path
 from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from kvroute.prefix import common_prefix_length
-from loadtest.traces import MOONCAKE_BLOCK_TOKENS, TraceError, json_object_line, read_mooncake
+from sim.traces import MOONCAKE_BLOCK_TOKENS, TraceError, json_object_line, read_mooncake
 
 DOCTOR_MODEL_ID = "doctor"
 LINE_EXCERPT = 48  # characters of the parting line shown
