@@ -130,13 +130,12 @@ def test_processes_share_one_port_route_one_prefix_alike_and_drain_as_a_group() 
         shares = [routed(metrics_port), routed(metrics_port + 1)]
         assert all(share > 0 for share in shares), shares  # the kernel spread the connections over both
 
-        gateway.send_signal(signal.SIGHUP)  # passed on; each process reloads (here: nothing) and serves on
+        gateway.process.send_signal(signal.SIGHUP)  # passed on; each process reloads (here: nothing) and serves on
         time.sleep(0.5)
         assert chat(http_port, "Still there?") in ("worker-0", "worker-1")
         assert all(os.path.exists(f"/proc/{pid}") for pid in processes)
 
-        gateway.send_signal(signal.SIGTERM)  # the whole group drains and exits 0
-        assert gateway.wait(timeout=40) == 0
+        assert gateway.signal(signal.SIGTERM, wait_s=40) == 0  # the whole group drains and exits 0
         assert not [pid for pid in processes if os.path.exists(f"/proc/{pid}")]
     finally:
         fleet.stop()
