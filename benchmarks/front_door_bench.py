@@ -31,6 +31,7 @@ def serve(kind: str, port: int) -> None:
 
     from gateway.admission.auth import Authenticator
     from gateway.frontdoors.http_server import build_app
+    from gateway.metrics import GatewayMetrics
     from gateway.request import Chunk, Generation, RouteInfo, Usage
 
     class Instant(Generation):
@@ -54,6 +55,7 @@ def serve(kind: str, port: int) -> None:
     class InstantPath:
         served_model_name = "m"
         auth = Authenticator()
+        metrics = GatewayMetrics("m")
 
         async def generate(self, request):
             return Instant()
