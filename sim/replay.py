@@ -37,6 +37,7 @@ import numpy as np
 
 from gateway.routing.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
+from kvroute.prefix import common_prefix_length
 from sim import FleetConfig, FleetRun, FleetSim, SimRequest, ViewTiming
 from sim.oracle import BoundedOracle
 from sim.traces import Trace, TraceRequest
@@ -461,15 +462,6 @@ def first_divergence(trace: Trace) -> Divergence:
         buckets[_bucket(common_prefix_length(previous, seq))] += 1
     labels = {f"{lo}-{hi}": buckets[(lo, hi)] for lo, hi in sorted(buckets)}
     return Divergence("blocks" if mooncake else "tokens", first, labels)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share (the doctor uses it too)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _bucket(position: int) -> tuple[int, int]:
