@@ -2,8 +2,14 @@
 local fleet of kvroute workers started with the same model, seed and cache size.
 
 Entries: a kvroute policy (`round_robin`, `prefix`, `kv_aware`, ...: `kvroute gateway` over the workers'
-gRPC ports), or `smg:POLICY` / `vllm-router:POLICY` (that router over the workers' own OpenAI HTTP ports,
-`kvroute worker --http-port`). A peer whose binary is not installed is skipped with one line.
+gRPC ports), the same in vLLM mode (`POLICY@vllm`: the workers also publish their KV events in vLLM's wire
+format, `--kv-events-config`, and the gateway names them `vllm://HOST:HTTP?events=...&replay=...`, so it
+routes from their ZMQ events and forwards over their OpenAI HTTP ports, as in front of `vllm serve`), or
+`smg:POLICY` / `vllm-router:POLICY` (that router over the workers' own OpenAI HTTP ports, `kvroute worker
+--http-port`). A peer whose binary is not installed is skipped with one line. The worker mode is a part of the
+entry, not a flag over all of them, because it is a property of one fleet: one entry is one fleet and one
+column, `kv_aware` and `kv_aware@vllm` stand side by side in one run, and the peers, which reach the workers
+over HTTP only, take no mode.
 
 Every router is measured alike, from the workers' own Prometheus counters read before and after the
 run: prefill tokens = prompt tokens received - prefix-cache hits, the cached-token share, and requests
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
 
 KVROUTE = "kvroute"
 PEERS = ("smg", "vllm-router")
+WORKER_MODES = ("grpc", "vllm")  # how our gateway reaches the workers; grpc: the default, unnamed
 PEER_INSTALL_HINT = "pip install 'kvroute[peers]'"
 STARTUP_TIMEOUT_S = 180.0
 PROBES = 40
@@ -62,14 +69,17 @@ PROBE_TOKENS = 24
 
 @dataclass(frozen=True)
 class Entry:
-    """One `--compare` item: which router, with which policy."""
+    """One `--compare` item: which router, with which policy, over workers in which mode (kvroute only)."""
 
     router: str  # "kvroute", "smg" or "vllm-router"
     policy: str
+    mode: str = "grpc"  # one of WORKER_MODES
 
     @property
     def name(self) -> str:
-        return self.policy if self.router == KVROUTE else f"{self.router}:{self.policy}"
+        if self.router != KVROUTE:
+            return f"{self.router}:{self.policy}"
+        return self.policy if self.mode == "grpc" else f"{self.policy}@{self.mode}"
 
 
 def parse_entries(text: str) -> list[Entry]:
@@ -79,14 +89,21 @@ def parse_entries(text: str) -> list[Entry]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        router, _, policy = item.rpartition(":")
+        routed, at, mode = item.partition("@")
+        router, _, policy = routed.rpartition(":")
         if router and router not in PEERS:
             raise UserError(f"--compare: unknown router {router!r} in {item!r}; peers: {', '.join(PEERS)}")
         if not policy:
             raise UserError(f"--compare: {item!r} names no policy")
         if not router and policy not in POLICY_NAMES:
             raise UserError(f"--compare: unknown kvroute policy {policy!r}; choose from {', '.join(POLICY_NAMES)}")
-        entries.append(Entry(router or KVROUTE, policy))
+        if at and router:
+            raise UserError(f"--compare: {item!r}: {router} reaches the workers over HTTP only; @MODE is for kvroute")
+        if at and mode not in WORKER_MODES:
+            raise UserError(
+                f"--compare: unknown worker mode {mode!r} in {item!r}; choose from {', '.join(WORKER_MODES)}"
+            )
+        entries.append(Entry(router or KVROUTE, policy, mode or "grpc"))
     if not entries:
         raise UserError("--compare: no entries")
     names = [e.name for e in entries]
@@ -120,6 +137,20 @@ class WorkerProcess:
     http_port: int
     metrics_port: int
     process: Child
+    event_ports: tuple[int, int] | None = None  # (PUB, replay) of its vLLM-format KV events, in vLLM mode
+
+    @property
+    def spec(self) -> str:
+        """The worker as our gateway's `--workers` names it: its gRPC address, or in vLLM mode its `vllm://` spec."""
+        if self.event_ports is None:
+            return f"127.0.0.1:{self.grpc_port}"
+        events, replay = self.event_ports
+        return f"vllm://127.0.0.1:{self.http_port}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"
+
+    @property
+    def routed_id(self) -> str:
+        """The id our gateway routes it by: its `--worker-id` over gRPC, its HTTP address in vLLM mode."""
+        return self.worker_id if self.event_ports is None else f"127.0.0.1:{self.http_port}"
 
     @property
     def http_url(self) -> str:
@@ -158,17 +189,20 @@ class RouterFleet:
         self.fleet.stop()
 
     def start(self) -> None:
+        vllm_mode = self.entry.router == KVROUTE and self.entry.mode == "vllm"
         for i in range(self.config.workers):
             grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+            event_ports = (free_port(), free_port()) if vllm_mode else None
             argv = kvroute_argv(
                 "worker", "--model", self.config.model,
                 "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
                 "--metrics-port", str(metrics_port), "--worker-id", f"w{i}", "--seed", str(self.config.seed),
                 *(["--num-kv-blocks", str(self.config.num_kv_blocks)] if self.config.num_kv_blocks else []),
+                *(["--kv-events-config", kv_events_config(*event_ports)] if event_ports else []),
                 *self.config.worker_args,
             )  # fmt: skip
             child = self.fleet.spawn(f"worker-{i}", argv)
-            self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, child))
+            self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, child, event_ports))
         ours = self.entry.router == KVROUTE
         # Our gateway finds workers as they come up, so it starts alongside them; the peers check their
         # workers once at startup, so they start after.
@@ -202,7 +236,7 @@ class RouterFleet:
     def _router_argv(self) -> list[str]:
         port = str(self.router_port)
         if self.entry.router == KVROUTE:
-            addresses = ",".join(f"127.0.0.1:{w.grpc_port}" for w in self.workers)
+            addresses = ",".join(w.spec for w in self.workers)
             return kvroute_argv(
                 "gateway", "--model", self.config.model,
                 "--host", "127.0.0.1", "--http-port", port, "--grpc-port", "0",
@@ -218,6 +252,14 @@ class RouterFleet:
     def counters(self) -> dict[str, dict[str, float]]:
         """Each worker's cumulative counters: prompt tokens, prefix-cache hits, finished requests."""
         return {w.worker_id: scrape_counters(w.metrics_url) for w in self.workers}
+
+
+def kv_events_config(events_port: int, replay_port: int) -> str:
+    """`kvroute worker --kv-events-config`'s JSON (vLLM's): publish on loopback, binding both ports."""
+    return json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "bind": True,
+    })  # fmt: skip
 
 
 def scrape_counters(metrics_url: str) -> dict[str, float]:
@@ -279,6 +321,7 @@ class RunResult:
     workers: dict[str, Any]
     overhead_ms: dict[str, float]
     capacity_blocks: int  # KV blocks per worker
+    routed_ids: tuple[str, ...] = ()  # the ids the router knew the workers by, in `workers`' order
     prediction: dict[str, Any] | None = None  # the replay's, for a kvroute policy
 
     def to_json(self) -> dict[str, Any]:
@@ -286,6 +329,7 @@ class RunResult:
             return {k: None if stats[k] is None else round(stats[k], 3) for k in ("p50", "p90", "p99")}
 
         return {
+            **({"worker_mode": self.entry.mode} if self.entry.router == KVROUTE else {}),
             "ttft_ms": pick(self.summary.ttft_ms),
             "e2e_ms": pick(self.summary.e2e_ms),
             "tpot_ms": pick(self.summary.tpot_ms),
@@ -328,8 +372,9 @@ def run_entry(
         time.sleep(0.2)  # the last request's counters are updated as its stream ends
         workers = counter_delta(before, fleet.counters())
         overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
+        routed_ids = tuple(w.routed_id for w in fleet.workers)
     summary = summarize(records, duration, slo)
-    return RunResult(entry, records, summary, workers, overhead, capacity_blocks)
+    return RunResult(entry, records, summary, workers, overhead, capacity_blocks, routed_ids)
 
 
 def format_table(results: dict[str, RunResult]) -> str:
@@ -366,6 +411,25 @@ def format_table(results: dict[str, RunResult]) -> str:
     return "\n".join(lines)
 
 
+def format_mode_ratios(results: dict[str, RunResult]) -> list[str]:
+    """For each policy run in both worker modes: its vLLM-mode prefill and TTFT p50 over its gRPC run's."""
+    lines = []
+    for name, run in results.items():
+        if run.entry.router != KVROUTE or run.entry.mode == "grpc":
+            continue
+        base = results.get(Entry(KVROUTE, run.entry.policy).name)
+        if base is None:
+            continue
+        prefill = _ratio(run.workers["prefill_tokens"], base.workers["prefill_tokens"])
+        ttft = _ratio(run.summary.ttft_ms["p50"], base.summary.ttft_ms["p50"])
+        lines.append(f"{name} / {base.entry.name}: prefill x{prefill}, TTFT p50 x{ttft}")
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b or a != a or b != b else f"{a / b:.3f}"
+
+
 def _times_ideal(run: RunResult) -> str:
     """Measured prefill over the ideal (one unlimited cache on the same prompts), for a predicted run."""
     if not run.prediction or not run.prediction["ideal_prefill_tokens"]:
@@ -379,7 +443,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare",
         default=None,
         metavar="LIST",
-        help="comma list: kvroute policies (round_robin, prefix, kv_aware, ...), smg:POLICY, vllm-router:POLICY",
+        help="comma list: kvroute policies (round_robin, prefix, kv_aware, ...) over gRPC workers, POLICY@vllm "
+        "(over the same workers in vLLM mode: vllm:// specs, ZMQ KV events, HTTP), smg:POLICY, vllm-router:POLICY",
     )
     group.add_argument(
         "--faults",
@@ -449,6 +514,8 @@ def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals
             if result.entry.router == KVROUTE and result.records:
                 result.prediction = predict(workload, result, config, args.tokenizer, args.history == "live")
     print(format_table(results))
+    for line in format_mode_ratios(results):
+        print(line)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})")
     if args.json is not None:
@@ -490,9 +557,9 @@ def predict(
 ) -> dict[str, Any]:
     """The replay's prediction for one kvroute run: the prompts exactly as the workers received them
     (rendered, with the run's own answers in closed-loop chats, templated, tokenized), in the order and at
-    the times the bench sent them in that run, over replicas named as the live workers (so the replay's hash
-    ring is the gateway's) with the live model's block hashes, the run's cache size and the sim workers'
-    cost model (`config.worker_args`), through the fleet simulator (sim/: the workers' own engine and
+    the times the bench sent them in that run, over replicas named as the gateway names the live workers (so
+    the replay's hash ring is the gateway's) with the live model's block hashes, the run's cache size and the
+    sim workers' cost model (`config.worker_args`), through the fleet simulator (sim/: the workers' own engine and
     scheduler on a virtual clock, the gateway's books read as often as the embedded fleet state polls). Each
     request's answer is the text the fleet streamed, tokenized in place after its prompt: its worker holds
     that KV when it finishes, as a worker caches the blocks its decoded tokens fill, and a next turn that
@@ -537,7 +604,7 @@ def predict(
         replicas=config.workers,
         policies=(run.entry.policy,),
         capacity_blocks=run.capacity_blocks,
-        replica_names=names,
+        replica_names=run.routed_ids or names,
         model_id=resolve_model(config.model).model_id,
         view_poll_s=PollOptions().poll_interval,
         **sim_costs(config.worker_args),

@@ -290,11 +290,20 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
         "smg:cache_aware",
         "vllm-router:round_robin",
     ]
+    entries = parse_entries("kv_aware,kv_aware@vllm,round_robin@grpc")
+    assert [(e.name, e.mode) for e in entries] == [
+        ("kv_aware", "grpc"),
+        ("kv_aware@vllm", "vllm"),
+        ("round_robin", "grpc"),
+    ]
     for bad, message in (
         ("nginx:rr", "unknown router 'nginx'"),
         ("fastest", "unknown kvroute policy 'fastest'"),
         ("smg:", "names no policy"),
         ("prefix,prefix", "listed twice"),
+        ("kv_aware,kv_aware@grpc", "listed twice"),
+        ("kv_aware@sglang", "unknown worker mode 'sglang'"),
+        ("smg:cache_aware@vllm", "smg reaches the workers over HTTP only"),
         (" , ", "no entries"),
     ):
         with pytest.raises(UserError, match=message):
@@ -347,6 +356,35 @@ def test_a_short_compare_run_reports_every_router_alike(tmp_path):
                 finish = sent[previous]["sent_ms"] + sent[previous]["e2e_ms"]
                 assert sent[index]["sent_ms"] >= finish + think[index] * 1e3 - 0.01
     assert "kv_aware" in done.stdout and "smg:cache_aware" in done.stdout  # the side-by-side table
+
+
+@pytest.mark.slow
+def test_a_compare_run_measures_grpc_and_vllm_mode_workers_side_by_side(tmp_path):
+    """`kv_aware` over 2 gRPC sim workers and `kv_aware@vllm` over 2 fresh ones that publish their KV events in
+    vLLM's wire format and are named `vllm://` (the gateway routes from their ZMQ events and forwards over their
+    HTTP front doors): the same 5 closed-loop chat turns, prefill from the workers' own counters, the replay's
+    prediction over the gateway's ids for each mode, and the ratio line."""
+    out = tmp_path / "compare.json"
+    argv = [
+        sys.executable, "-m", "launch.cli", "bench", "--compare", "kv_aware,kv_aware@vllm",
+        "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "5", "--concurrency", "2",
+        "--probes", "2", "--worker-arg=--sim-decode-ms-per-step=1", "--think-ms", "20", "--no-progress",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=170)
+    assert out.exists(), done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert done.returncode == 0 and set(runs) == {"kv_aware", "kv_aware@vllm"}, done.stderr[-3000:]
+    assert runs["kv_aware"]["worker_mode"] == "grpc" and runs["kv_aware@vllm"]["worker_mode"] == "vllm"
+    for name, run in runs.items():
+        assert run["errors"] == {} and run["completed"] == 5, name
+        assert sorted(run["per_worker_requests"]) == ["w0", "w1"]  # the workers' own counters, by their ids
+        assert sum(run["per_worker_requests"].values()) == 5
+        # One session kept on one worker: the index built from ZMQ events routes as the one read over gRPC.
+        prediction = run["replay_prediction"]
+        assert run["prefill_tokens"] == prediction["prefill_tokens"] == prediction["ideal_prefill_tokens"], name
+    assert runs["kv_aware@vllm"]["prompt_tokens"] == runs["kv_aware"]["prompt_tokens"]
+    assert "kv_aware@vllm / kv_aware: prefill x1.000, TTFT p50 x" in done.stdout
 
 
 def test_the_prediction_uses_the_sim_workers_cost_model():
