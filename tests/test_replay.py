@@ -133,7 +133,7 @@ def test_replicas_take_the_live_fleets_names_and_model_id():
 
 def test_shared_view_matches_one_gateway_and_own_views_lose(real_trace):
     trace = Trace("head", "mooncake", 512, real_trace.requests[:3000])
-    base = dict(replicas=8, policies=("kv_aware",), capacity_blocks=10_000, gateways=8)
+    base = dict(replicas=8, policies=("kv_aware",), capacity_blocks=10_000, gateways=8, jobs=2)
     shared = replay(trace, ReplayConfig(**base, shared_view=True)).policies["kv_aware"]
     assert shared.vs_one_gateway == pytest.approx(0.0, abs=0.02)
     # Each gateway knows only its own eighth of the decisions and of the load. With a strict bound that
@@ -229,7 +229,7 @@ def test_cli_writes_the_issue_json_schema_and_a_plot(tmp_path, capsys):
 
 
 def test_real_trace_kv_aware_near_ideal_and_balanced(real_trace):
-    result = replay(real_trace, ReplayConfig(replicas=8, policies=("kv_aware",), capacity_blocks=10_000))
+    result = replay(real_trace, ReplayConfig(replicas=8, policies=("kv_aware",), capacity_blocks=10_000, jobs=2))
     assert result.ideal_prefill_tokens == 90_695_412  # the trace README's independent reference
     kv = result.policies["kv_aware"]
     assert kv.prefill_tokens <= 1.05 * result.ideal_prefill_tokens
