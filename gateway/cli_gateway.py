@@ -261,7 +261,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.routing.router import make_policy
     from gateway.worker_client import WorkerClients
-    from gateway.worker_spec import parse_worker_specs
+    from gateway.worker_spec import check_engine_ids, parse_worker_specs
     from kvroute.credentials import worker_token
     from kvroute.model_source import resolve_model
     from kvroute.tokenizer import Tokenizer
@@ -298,6 +298,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         if len(set(named)) < len(named):
             twice = next(key for key in named if named.count(key) > 1)
             raise ValueError(f"--routing-config: worker {twice[0]}://{twice[1]} is in two pools")
+        check_engine_ids([spec for pool_specs in specs for spec in pool_specs])
         tokenizers: dict[str, tuple[Any, Any]] = {}  # --model form -> (source, tokenizer), one per model
         for config in configs:
             if config.model not in tokenizers:

@@ -524,8 +524,11 @@ class RequestPath:
                 continue
             self._check_context(forward, member)
             attempts += 1
-            if choice == 0 and attempt == 0:
+            if choice == 0 and attempts == 1:
                 self.metrics.routing_latency.observe(time.perf_counter() - arrival)
+                # Once per request, when it is first sent (RoutingPolicy's contract): a burst of requests that
+                # arrive together must each see the ones before it, not wait for their first tokens.
+                self.policy.observe(route_request, decision)
             stream = self._send(forward, member, choice)
             try:
                 first = await self._receive(stream)
@@ -576,8 +579,6 @@ class RequestPath:
                 member.worker_id, member.address, self.policy.name, decision.reason, decision.matched_blocks,
                 skipped, attempts, self.fleet.flags(member.worker_id),
             )  # fmt: skip
-            if choice == 0:  # once per request, on the pick it was finally sent on (RoutingPolicy's contract)
-                self.policy.observe(route_request, decision)
             return stream, route
         if busy and busy == attempts:
             raise RateLimited(f"every worker tried is at capacity ({last_error})", retry_after=RETRY_AFTER_SECONDS)

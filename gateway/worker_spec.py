@@ -25,6 +25,10 @@ SGLang's `--port`). Query keys, each at most once:
     `replay` ports + r (where vLLM and SGLang publish rank r), its load from the metrics labelled with its
     rank, and its requests sent with `X-data-parallel-rank: r` (which vLLM and SGLang both honour). Not with
     `discover=dns` (yet).
+  - `id`: the worker's id (letters, digits and `._:-`, at most 128), in place of its address: what the hash
+    ring places sessions and prefixes by, and what `x-kvroute-worker` and the metrics' labels name. An engine
+    whose address changes (a pod rescheduled; a StatefulSet's pod keeps its name, not its IP) keeps its place
+    on the ring under a stable id. With `dp=N` its ranks are `<id>/dp<r>`. Not with `discover=dns`.
 Only `tcp://` endpoints are accepted for `events` and `replay`. `ValueError` names the spec and what is wrong
 (an unknown scheme, a bad port, an unknown or repeated query key, a query on a kvroute worker).
 """
@@ -32,6 +36,7 @@ Only `tcp://` endpoints are accepted for `events` and `replay`. `ValueError` nam
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -39,7 +44,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 Engine = Literal["kvroute", "vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("kvroute", "vllm", "sglang")
-_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover", "api_key_file", "dp")
+_QUERY_KEYS = ("events", "replay", "topic", "metrics", "discover", "api_key_file", "dp", "id")
+MAX_ID_CHARS = 128
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 MAX_DATA_PARALLEL = 256
 
 
@@ -68,11 +75,14 @@ class WorkerSpec:
     api_key_file: str | None = None  # the path only: the key is read by read_api_key
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None  # set on the specs `ranks()` gives, for a DP engine
+    name: str | None = None  # the spec's `id`; None: the worker is named by its address
 
     @property
     def worker_id(self) -> str:
-        """The routing target's id: its address, with `/dp<r>` for rank r of a data-parallel engine."""
-        return self.address if self.data_parallel_rank is None else f"{self.address}/dp{self.data_parallel_rank}"
+        """The routing target's id: its `id` or else its address, with `/dp<r>` for rank r of a data-parallel
+        engine."""
+        base = self.name or self.address
+        return base if self.data_parallel_rank is None else f"{base}/dp{self.data_parallel_rank}"
 
     def ranks(self) -> list[WorkerSpec]:
         """The routing targets of this engine: itself, or one spec per data-parallel rank (module docstring)."""
@@ -160,13 +170,21 @@ def parse_worker_spec(text: str) -> WorkerSpec:
         raise ValueError(f"worker {spec!r}: dp must be an integer in [1, {MAX_DATA_PARALLEL}], got {dp!r}")
     if int(dp) > 1 and discover:
         raise ValueError(f"worker {spec!r}: dp > 1 with discover=dns is not supported: name each engine")
+    name = query.get("id")
+    if name is not None:
+        if discover:
+            raise ValueError(f"worker {spec!r}: id names one engine; with discover=dns each address is its own")
+        if not name or len(name) > MAX_ID_CHARS or not set(name) <= _ID_CHARS:
+            raise ValueError(
+                f"worker {spec!r}: id must be 1 to {MAX_ID_CHARS} letters, digits or '._:-', got {name!r}"
+            )
     for key in ("events", "replay"):
         if key in query and int(query[key].rpartition(":")[2]) + int(dp) - 1 > 65535:
             raise ValueError(f"worker {spec!r}: rank {int(dp) - 1}'s {key} port (the port + its rank) is past 65535")
     return WorkerSpec(
         scheme, host, port, query.get("events"), query.get("replay"), query.get("topic", ""),
         metrics or (None if discover else f"http://{_bracketed(host)}:{port}/metrics"),
-        "dns" if discover else None, query.get("api_key_file"), int(dp),
+        "dns" if discover else None, query.get("api_key_file"), int(dp), name=name,
     )  # fmt: skip
 
 
@@ -187,7 +205,8 @@ def read_api_key(spec: WorkerSpec) -> str | None:
 
 
 def parse_worker_specs(text: str) -> list[WorkerSpec]:
-    """A comma-separated `--workers` list (empty items skipped); ValueError on a bad one or a repeated worker."""
+    """A comma-separated `--workers` list (empty items skipped); ValueError on a bad one, a repeated worker, or
+    two engines under one worker id (`check_engine_ids`)."""
     specs = [parse_worker_spec(item) for item in text.split(",") if item.strip()]
     seen: set[tuple[str, str]] = set()
     for spec in specs:
@@ -195,7 +214,24 @@ def parse_worker_specs(text: str) -> list[WorkerSpec]:
         if key in seen:
             raise ValueError(f"worker {spec.engine}://{spec.address} is named twice in --workers")
         seen.add(key)
+    check_engine_ids(specs)
     return specs
+
+
+def check_engine_ids(specs: Sequence[WorkerSpec]) -> None:
+    """ValueError naming two engines (vLLM / SGLang specs, each rank) whose worker ids are the same: an `id`
+    given twice, or one equal to another engine's address."""
+    ids: dict[str, WorkerSpec] = {}
+    for spec in specs:
+        if spec.engine == "kvroute":
+            continue  # named by its own --worker-id, which the gateway learns from it
+        for target in spec.ranks():
+            other = ids.setdefault(target.worker_id, spec)
+            if other is not spec:
+                raise ValueError(
+                    f"worker id {target.worker_id!r} is taken twice in --workers ({other.engine}://{other.address} "
+                    f"and {spec.engine}://{spec.address})"
+                )
 
 
 def _host_port(spec: str, netloc: str) -> tuple[str, int]:

@@ -145,12 +145,16 @@ class WorkerProcess:
         if self.event_ports is None:
             return f"127.0.0.1:{self.grpc_port}"
         events, replay = self.event_ports
-        return f"vllm://127.0.0.1:{self.http_port}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"
+        return (
+            f"vllm://127.0.0.1:{self.http_port}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"
+            f"&id={self.worker_id}"
+        )
 
     @property
     def routed_id(self) -> str:
-        """The id our gateway routes it by: its `--worker-id` over gRPC, its HTTP address in vLLM mode."""
-        return self.worker_id if self.event_ports is None else f"127.0.0.1:{self.http_port}"
+        """The id our gateway routes it by: its `--worker-id` over gRPC, the spec's `id` (the same) in vLLM mode,
+        so both modes place sessions on the ring alike, whatever ports the run drew."""
+        return self.worker_id
 
     @property
     def http_url(self) -> str:

@@ -370,8 +370,9 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
     runs.append((ORACLE, 1, True))
     with _progress(len(prepared) * len(runs), config.progress) as bar:
         if config.jobs > 1:
-            # Each run is independent: forked workers share the prepared trace; a run ticks the bar when done.
-            context = multiprocessing.get_context("fork")
+            # Each run is independent; a run ticks the bar when done. Spawned, not forked: a fork of a process
+            # that holds gRPC's or torch's threads can crash in the child (it did under pytest in CI).
+            context = multiprocessing.get_context("spawn")
             with concurrent.futures.ProcessPoolExecutor(min(config.jobs, len(runs)), mp_context=context) as pool:
                 futures = [pool.submit(_run, trace, prepared, *run, config, _NoBar()) for run in runs]
                 for _ in concurrent.futures.as_completed(futures):

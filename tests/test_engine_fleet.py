@@ -515,6 +515,22 @@ async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | N
     return runner, session
 
 
+def test_an_engine_named_by_id_joins_answers_and_is_labelled_by_that_id() -> None:
+    """`id=` names the engine (what the ring places by, what `x-kvroute-worker` and the metrics say), its
+    address still being where it is reached; with dp=2 its ranks are `<id>/dp<r>`."""
+    options = EngineStackOptions(
+        workers=1, api_keys=None, specs=lambda ports: [f"vllm://127.0.0.1:{ports[0]}?id=pod-a&dp=2"]
+    )
+    with EngineStack(options) as stack:
+        ranks = ["pod-a/dp0", "pod-a/dp1"]
+        _wait(lambda: sorted(m.worker_id for m in stack.fleet.members()) == ranks)
+        assert {m.address for m in stack.fleet.members()} == {f"127.0.0.1:{stack.http_ports[0]}"}
+        response = post(stack, "/v1/completions", {"prompt": f"named {LONG}", "max_tokens": 1})
+        assert response.status_code == 200 and response.headers["x-kvroute-worker"] in ranks, response.text
+        metrics = generate_latest(stack.request_path.metrics.registry).decode()
+        assert f'worker="{label_value(response.headers["x-kvroute-worker"])}"' in metrics
+
+
 def test_each_data_parallel_rank_is_a_routing_target_and_its_requests_carry_the_rank() -> None:
     """One engine (a kvroute worker behind a proxy that records what arrives) named with dp=2: two members,
     `host:port/dp0` and `/dp1`, each fed by its own rank's events (on the events port + rank, stamped with the

@@ -227,8 +227,8 @@ def test_a_killed_worker_is_retried_elsewhere_and_leaves_the_candidates() -> Non
 
 
 def test_a_retried_request_moves_the_policys_memory_once() -> None:
-    """The policy observes a request once, on the worker it was finally sent to: round robin's turn moves one
-    step for a request that was retried, so the requests after it keep the rotation."""
+    """The policy observes a request once, when it is first sent: round robin's turn moves one step for a
+    request that was retried, and the retry takes the next member's turn, so the rotation goes on."""
 
     async def body() -> None:
         async with fleet(3, policy="round_robin") as f:
@@ -239,14 +239,29 @@ def test_a_retried_request_moves_the_policys_memory_once() -> None:
                 generation = await f.path.generate(chat(question))
                 await complete(generation)
                 routes.append((generation.route.worker_id, generation.route.attempts))
-            assert routes == [("w0", 1), ("w2", 2)]  # turn 1 retried among (w0, w2): w2, and the turn moved once
+            assert routes == [("w0", 1), ("w2", 2)]  # turn 1 (w1) retried: w1 passes its turn on to w2
             await until(lambda: "w1" not in f.state.view().replicas, timeout=6.0)
             workers = []
-            for question in ("three", "four"):
+            for question in ("three", "four", "five"):
                 generation = await f.path.generate(chat(question))
                 await complete(generation)
                 workers.append(generation.route.worker_id)
-            assert workers == ["w0", "w2"]  # turns 2 and 3 over (w0, w2)
+            assert workers == ["w0", "w2", "w0"]  # turns 2, 3 and 4 over (w0, w2): the turn moved once a request
+
+    run(body)
+
+
+def test_requests_sent_together_each_take_their_own_turn() -> None:
+    """A burst of requests that are all in prefill at once spreads over the workers: the policy observes each
+    request when it is sent, not at its first token (round robin sent a burst of four to one worker)."""
+
+    async def body() -> None:
+        async with fleet(2, policy="round_robin") as f:
+            await until(lambda: f.state.view().replicas == ("w0", "w1"))
+            generations = await asyncio.gather(*(f.path.generate(chat(f"burst {i}")) for i in range(4)))
+            workers = [g.route.worker_id for g in generations]
+            await asyncio.gather(*(complete(g) for g in generations))
+            assert sorted(workers) == ["w0", "w0", "w1", "w1"], workers
 
     run(body)
 

@@ -76,12 +76,42 @@ def test_a_data_parallel_engine_is_one_target_per_rank_on_its_ports_plus_rank() 
         ("vllm://h:8000?dp=two", "dp must be an integer"),
         ("vllm://h:8000?events=tcp://*:1&dp=2&discover=dns", "dp > 1 with discover=dns is not supported"),
         ("vllm://h:8000?events=tcp://h:65535&dp=2", "rank 1's events port"),
+        ("vllm://h:8000?id=", "id must be 1 to 128 letters"),
+        ("vllm://h:8000?id=pod%20a", "id must be 1 to 128 letters"),
+        ("vllm://h:8000?id=a/dp0", "id must be 1 to 128 letters"),
+        ("vllm://h:8000?id=" + "x" * 129, "id must be 1 to 128"),
+        ("vllm://h.svc:8000?id=a&discover=dns", "id names one engine"),
+        ("kvroute://h:50051?id=w0", "takes no query"),
     ],
 )
 def test_bad_specs_are_refused_naming_the_fault(text: str, fault: str) -> None:
     with pytest.raises(ValueError, match="worker") as raised:
         parse_worker_spec(text)
     assert fault in str(raised.value)
+
+
+def test_an_engine_named_by_id_is_that_worker_and_its_ranks_are_under_it() -> None:
+    spec = parse_worker_spec("vllm://10.0.0.5:8000?id=vllm-0.vllm&dp=2")
+    assert spec.worker_id == "vllm-0.vllm" and spec.address == "10.0.0.5:8000"
+    assert [r.worker_id for r in spec.ranks()] == ["vllm-0.vllm/dp0", "vllm-0.vllm/dp1"]
+    assert len(parse_worker_specs("vllm://a:1?id=x,vllm://b:1?id=y,sglang://c:1")) == 3
+    for text, fault in (
+        ("vllm://a:1?id=x,sglang://b:1?id=x", "worker id 'x' is taken twice"),
+        ("vllm://a:1,vllm://b:1?id=a:1", "worker id 'a:1' is taken twice"),
+        ("vllm://a:1?id=x&dp=2,vllm://b:1?id=x/dp1", "id must be"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(fault)):
+            parse_worker_specs(text)
+
+
+def test_two_pools_cannot_name_two_engines_alike(tmp_path: Path) -> None:
+    config = tmp_path / "routing.json"
+    config.write_text(json.dumps({"pools": [
+        {"model": "sim", "workers": ["vllm://127.0.0.1:8000?id=pod-a"]},
+        {"model": "sim", "served_model_name": "other", "workers": ["vllm://127.0.0.1:8001?id=pod-a"]},
+    ]}))  # fmt: skip
+    with pytest.raises(UserError, match="worker id 'pod-a' is taken twice"):
+        gateway("--routing-config", str(config))
 
 
 def test_a_list_refuses_a_worker_named_twice() -> None:

@@ -357,11 +357,11 @@ class EnginePoller(PollLoop):
         self.silent = True
         counters = self.book.counters
         counters.no_kv_events[self.worker_id] = counters.no_kv_events.get(self.worker_id, 0) + 1
-        logger.warning(
-            "fleet: worker %s publishes no KV events (%s; was it started with --kv-events-config, and is %s "
-            "reachable?): routed by load only",
-            self.worker_id, why, self.spec.events,
-        )  # fmt: skip
+        if self.spec.events is None:
+            hint = "add its events= endpoint to the spec, and start it with --kv-events-config"
+        else:
+            hint = f"was it started with --kv-events-config, and is {self.spec.events} reachable?"
+        logger.warning("fleet: worker %s publishes no KV events (%s; %s): routed by load only", self.worker_id, why, hint)
 
     def _on_failure(self, why: str) -> None:
         now = time.monotonic()

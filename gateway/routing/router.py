@@ -104,7 +104,8 @@ class RoutingPolicy(ABC):
          it again with the workers already tried in `exclude`. It never returns a replica in `exclude`, and
          raises NoReplicaAvailable when no replica is left.
       2. `observe(request, decision)` records the request in the policy's memory: call it once per request,
-         with the decision the request was finally sent on (after any retries)."""
+         when the request is first sent, with that decision (before its answer: requests that arrive together
+         must each see the ones before them; a retry elsewhere is not observed again)."""
 
     name: ClassVar[str]
 
@@ -138,7 +139,12 @@ class RoundRobin(RoutingPolicy):
         self._turn = 0
 
     def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
-        return RouteDecision(fleet.replicas[self._turn % len(fleet.replicas)], "round_robin")
+        # The turn indexes every member, so an excluded one passes its turn to the next member after it (a
+        # retry, or the picker's list of fallbacks, walks on in the rotation instead of restarting it).
+        turn = self._turn % len(members)
+        live = fleet.index_of
+        replica = next(r for r in (*members[turn:], *members[:turn]) if r in live)
+        return RouteDecision(replica, "round_robin")
 
     def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
         self._turn += 1
