@@ -23,8 +23,8 @@ SGLang's `--port`). Query keys, each at most once:
     --data-parallel-size N`, SGLang's `--dp-size N` with `--enable-dp-attention`). Each rank is its own
     cache and its own routing target (`ranks()`), worker id `host:port/dp<r>`: its events on the `events` and
     `replay` ports + r (where vLLM and SGLang publish rank r), its load from the metrics labelled with its
-    rank, and its requests sent with `X-data-parallel-rank: r` (which vLLM and SGLang both honour). Not with
-    `discover=dns` (yet).
+    rank, and its requests sent with `X-data-parallel-rank: r` (which vLLM and SGLang both honour). With
+    `discover=dns`, every resolved address is such an engine: `address/dp<r>`.
   - `id`: the worker's id (letters, digits and `._:-`, at most 128), in place of its address: what the hash
     ring places sessions and prefixes by, and what `x-kvroute-worker` and the metrics' labels name. An engine
     whose address changes (a pod rescheduled; a StatefulSet's pod keeps its name, not its IP) keeps its place
@@ -168,8 +168,6 @@ def parse_worker_spec(text: str) -> WorkerSpec:
     dp = query.get("dp", "1")
     if not dp.isdigit() or not 1 <= int(dp) <= MAX_DATA_PARALLEL:
         raise ValueError(f"worker {spec!r}: dp must be an integer in [1, {MAX_DATA_PARALLEL}], got {dp!r}")
-    if int(dp) > 1 and discover:
-        raise ValueError(f"worker {spec!r}: dp > 1 with discover=dns is not supported: name each engine")
     name = query.get("id")
     if name is not None:
         if discover:
@@ -178,9 +176,15 @@ def parse_worker_spec(text: str) -> WorkerSpec:
             raise ValueError(
                 f"worker {spec!r}: id must be 1 to {MAX_ID_CHARS} letters, digits or '._:-', got {name!r}"
             )
-    for key in ("events", "replay"):
-        if key in query and int(query[key].rpartition(":")[2]) + int(dp) - 1 > 65535:
+    ports = {key: int(query[key].rpartition(":")[2]) for key in ("events", "replay") if key in query}
+    for key, first in ports.items():
+        if first + int(dp) - 1 > 65535:
             raise ValueError(f"worker {spec!r}: rank {int(dp) - 1}'s {key} port (the port + its rank) is past 65535")
+    if len(ports) == 2 and abs(ports["events"] - ports["replay"]) < int(dp):
+        raise ValueError(
+            f"worker {spec!r}: rank r publishes on the events port + r and replays on the replay port + r, so with "
+            f"dp={dp} the two ports must be at least {dp} apart"
+        )
     return WorkerSpec(
         scheme, host, port, query.get("events"), query.get("replay"), query.get("topic", ""),
         metrics or (None if discover else f"http://{_bracketed(host)}:{port}/metrics"),

@@ -345,7 +345,9 @@ def _ready(port: int) -> bool:
         return False
 
 
-def test_dns_discovery_joins_and_leaves_with_the_records() -> None:
+def test_dns_discovery_joins_and_leaves_with_the_records_each_rank_of_each_address() -> None:
+    """A `discover=dns` name with dp=2: every resolved address is an engine of two ranks, `address/dp<r>`,
+    which join when the record appears and leave when it goes."""
     records: list[str] = []
 
     async def resolve(host: str, port: int) -> list[str]:
@@ -354,22 +356,23 @@ def test_dns_discovery_joins_and_leaves_with_the_records() -> None:
 
     def specs(ports: list[int]) -> list[str]:
         records.append("127.0.0.1")
-        return [f"vllm://engines.test:{ports[0]}?events=tcp://*:1&discover=dns"]
+        return [f"vllm://engines.test:{ports[0]}?events=tcp://*:1&discover=dns&dp=2"]
 
     options = EngineStackOptions(
         workers=1, specs=specs, resolve=resolve,
         engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
     )  # fmt: skip
     with EngineStack(options) as stack:
-        worker_id = stack.worker_id(0)
-        assert [m.worker_id for m in stack.fleet.members()] == [worker_id]
-        assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+        ranks = [f"{stack.worker_id(0)}/dp{r}" for r in range(2)]
+        assert sorted(m.worker_id for m in stack.fleet.members()) == ranks
+        response = post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert response.status_code == 200 and response.headers["x-kvroute-worker"] in ranks
         records.clear()
         _wait(lambda: not stack.fleet.members())
         assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 503
         records.append("127.0.0.1")
-        _wait(lambda: bool(stack.fleet.members()))
-        assert stack.fleet.counters.joins == 2
+        _wait(lambda: len(stack.fleet.members()) == 2)
+        assert stack.fleet.counters.joins == 4
 
 
 def _wait(condition: object, timeout: float = 5.0) -> None:

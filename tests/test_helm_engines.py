@@ -62,6 +62,7 @@ ENGINE_VALUE_SETS: dict[str, dict[str, Any]] = {
         "networkPolicy": {"enabled": True},
     },
 }
+TOKEN_FILE = "/etc/kvroute/worker-token/worker-token"  # auth.workerToken, mounted where the chart mounts it
 KV_EVENTS_CONFIG_KEYS = {"publisher", "endpoint", "replay_endpoint", "topic"}  # vLLM's and SGLang's KVEventsConfig
 
 
@@ -73,6 +74,15 @@ def render(value_set: str) -> Release:
 def engine(release: Release) -> Container:
     kind = release.values["worker"]["kind"]
     return release.container(kind)
+
+
+def engine_command(container: Container) -> list[str]:
+    """The engine's own command, inside the shell line that reads its API key from the mounted token file."""
+    command = container.spec["command"]
+    if command[:2] != ["sh", "-c"]:
+        return command
+    script = command[2]
+    return script.split("exec ", 1)[1].split(' "$@"', 1)[0].split()
 
 
 def engine_flag(container: Container, flag: str) -> str | None:
@@ -112,7 +122,7 @@ def test_engine_pods_replace_kvroute_workers_and_the_gateways_discover_them(valu
     host = f"{service['metadata']['name']}.{NAMESPACE}.svc"
     assert spec == (
         f"{kind}://{host}:{ports['http']}?events=tcp://*:{ports['kv-events']}"
-        f"&replay=tcp://*:{ports['kv-replay']}&discover=dns"
+        f"&replay=tcp://*:{ports['kv-replay']}&discover=dns&api_key_file={TOKEN_FILE}"
     )
     service_ports = {p["name"]: container.resolve_port(p["targetPort"]) for p in service["spec"]["ports"]}
     assert service_ports == ports
@@ -141,11 +151,11 @@ def test_the_engine_publishes_kv_events_where_the_gateway_reads_them_with_its_bl
     block_size = release.values["worker"]["engine"]["blockSize"]
     assert gateway.block_size == block_size
     if vllm:
-        assert container.spec["command"] == ["vllm", "serve"] and config["enable_kv_cache_events"] is True
+        assert engine_command(container) == ["vllm", "serve"] and config["enable_kv_cache_events"] is True
         assert int(engine_flag(container, "--block-size") or 0) == block_size
         assert "--enable-prompt-tokens-details" in container.args, "cached_tokens in usage"
     else:
-        assert container.spec["command"] == ["python3", "-m", "sglang.launch_server"]
+        assert engine_command(container) == ["python3", "-m", "sglang.launch_server"]
         assert "--enable-metrics" in container.args and "enable_kv_cache_events" not in config
         assert engine_flag(container, "--page-size") == "16"
 
@@ -253,3 +263,91 @@ def render_defaults() -> Release:
     objects = [o for p, t in sorted(manifests.items()) if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
     notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
     return Release(chart().merge_values({}), objects, notes)
+
+
+def test_the_engines_require_the_worker_token_as_their_api_key_and_the_gateways_present_it() -> None:
+    """auth.workerToken.engineApiKey (on by default): each engine starts with the token as its API key, read from
+    its mounted file as it starts (vLLM: $VLLM_API_KEY, so on no command line; SGLang: --api-key), and the
+    gateways' and the picker's spec names the same file, mounted from the same Secret."""
+    for value_set in ("vllm", "sglang"):
+        values = copy.deepcopy(ENGINE_VALUE_SETS[value_set])
+        values["epp"] = {"enabled": True}
+        release = render_values(values)
+        container = engine(release)
+        script = container.spec["command"][2]
+        read = f'"$$(cat {TOKEN_FILE})"'  # the kubelet turns $$ into $: the shell reads the file
+        if value_set == "vllm":
+            assert script == f'VLLM_API_KEY={read} exec vllm serve "$@"'
+        else:
+            assert script.endswith(f"--api-key {read}")
+        for name in (value_set, "gateway", "epp"):
+            pod = release.container(name)
+            (mount,) = [m for m in pod.spec["volumeMounts"] if TOKEN_FILE.startswith(m["mountPath"] + "/")]
+            volume = next(v for v in pod.pod["spec"]["volumes"] if v["name"] == mount["name"])
+            assert volume["secret"]["secretName"] == f"{RELEASE}-worker-token", name
+            assert {i["path"] for i in volume["secret"]["items"]} == {TOKEN_FILE.rsplit("/", 1)[1]}
+        for name in ("gateway", "epp"):
+            (spec,) = release.parsed(name).workers if isinstance(release.parsed(name).workers, list) else [
+                release.parsed(name).workers]  # fmt: skip
+            assert f"api_key_file={TOKEN_FILE}" in spec, name
+    values = copy.deepcopy(ENGINE_VALUE_SETS["vllm"])
+    values["auth"] = {"workerToken": {"engineApiKey": False}}
+    release = render_values(values)
+    assert engine(release).spec["command"] == ["vllm", "serve"]
+    assert "api_key_file" not in release.parsed("gateway").workers
+
+
+def test_data_parallel_ranks_get_their_gpus_ports_and_the_gateways_spec() -> None:
+    """vllm.dataParallelSize / sglang.dpSize: the engine's flags, gpu.count x ranks GPUs, each rank's two ZMQ ports
+    (the ports + rank) on the pod, the Service and the NetworkPolicies (gateways and pickers), and `dp=N` in the
+    spec, whose ranks (the gateway's own parser) subscribe to exactly those ports."""
+    from gateway.worker_spec import parse_worker_spec
+
+    for kind, key, flags in (
+        ("vllm", "dataParallelSize", ["--data-parallel-size", "2"]),
+        ("sglang", "dpSize", ["--dp-size", "2", "--enable-dp-attention"]),
+    ):
+        values = {
+            "worker": {"kind": kind, "gpu": {"count": 2}, kind: {key: 2, "kvEventsPort": 5557, "replayPort": 5600}},
+            "model": HF_MODEL, "networkPolicy": {"enabled": True}, "epp": {"enabled": True},
+        }  # fmt: skip
+        release = render_values(values)
+        container = engine(release)
+        at = container.args.index(flags[0])
+        assert container.args[at : at + len(flags)] == flags
+        if kind == "sglang":
+            assert engine_flag(container, "--tp-size") == "4"  # dp attention: every GPU of the pod in --tp-size
+        else:
+            assert engine_flag(container, "--tensor-parallel-size") == "2"
+        assert container.spec["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        ports = container.ports
+        assert ports == {"http": ports["http"], "kv-events": 5557, "kv-events-1": 5558, "kv-replay": 5600,
+                         "kv-replay-1": 5601}  # fmt: skip
+        (service,) = [s for s in release.all("Service") if labels(s).get(COMPONENT) == "worker"]
+        assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+        spec = parse_worker_spec(release.parsed("gateway").workers)
+        assert spec.data_parallel_size == 2
+        ranks = [r.at("10.1.2.3") for r in spec.at("10.1.2.3").ranks()]
+        assert [(r.events, r.replay) for r in ranks] == [
+            (f"tcp://10.1.2.3:{5557 + r}", f"tcp://10.1.2.3:{5600 + r}") for r in range(2)
+        ]
+        for peer in ("gateway", "epp"):
+            source = Peer(peer, release.container(peer).pod["metadata"]["labels"])
+            for port in ports.values():
+                assert admitted(release, source, container, port), (kind, peer, port)
+    overlapping = {"worker": {"kind": "vllm", "vllm": {"dataParallelSize": 2}}, "model": HF_MODEL}
+    with pytest.raises(Exception, match="must be at least 2 apart"):
+        render_values(overlapping)
+
+
+def test_the_picker_reads_the_engines_itself_and_the_pool_targets_their_port() -> None:
+    """epp.enabled over stock engines: the picker gets the engines' spec (not the Redis that no engine writes),
+    and the InferencePool's targetPort is the engines' API port (SGLang's 30000, not a kvroute worker's)."""
+    values = copy.deepcopy(ENGINE_VALUE_SETS["sglang"])
+    values["epp"] = {"enabled": True}
+    release = render_values(values)
+    epp = release.parsed("epp")
+    assert epp.redis is None and epp.workers == release.parsed("gateway").workers
+    (pool,) = release.all("InferencePool")
+    assert pool["spec"]["targetPorts"] == [{"number": engine(release).ports["http"]}] == [{"number": 30000}]
+    assert epp.target_port == 30000

@@ -411,15 +411,16 @@ def _samples(text: str, names: tuple[str, ...]) -> list[Any]:
 
 
 class _DnsGroup:
-    """The workers behind one `discover=dns` name: one EnginePoller per resolved address."""
+    """The workers behind one `discover=dns` name: one EnginePoller per resolved address, or with `dp=N` one
+    per address and rank (`WorkerSpec.ranks` of that address's spec)."""
 
     def __init__(self, spec: WorkerSpec, make: Callable[[WorkerSpec], EnginePoller], resolve: Resolver) -> None:
         self.spec = spec
         self.make = make
         self.resolve = resolve
-        self.pollers: dict[str, EnginePoller] = {}  # by resolved address
+        self.pollers: dict[tuple[str, int | None], EnginePoller] = {}  # by resolved address and rank
         self.by_id: dict[str, EnginePoller] = {}  # the same, by worker id
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks: dict[tuple[str, int | None], asyncio.Task[None]] = {}
         self._failed = False
 
     async def refresh(self, start_tasks: bool) -> None:
@@ -432,24 +433,27 @@ class _DnsGroup:
                                len(self.pollers))  # fmt: skip
             return
         self._failed = False
-        for address in sorted(self.pollers.keys() - addresses):
-            poller = self.pollers.pop(address)
+        known = {address for address, _ in self.pollers}
+        for key in sorted(k for k in self.pollers if k[0] not in addresses):
+            poller = self.pollers.pop(key)
             self.by_id.pop(poller.worker_id, None)
-            task = self.tasks.pop(address, None)
+            task = self.tasks.pop(key, None)
             await stop_pollers([poller], [task] if task else [])
-            poller.leave(f"{address} is no longer an address of {self.spec.host}", lost=False)
+            poller.leave(f"{key[0]} is no longer an address of {self.spec.host}", lost=False)
             await poller.close()
-        for address in sorted(addresses - self.pollers.keys()):
-            poller = self.pollers[address] = self.make(self.spec.at(address))
-            self.by_id[poller.worker_id] = poller
-            await poller.poll_once()
-            if start_tasks:
-                self.tasks[address] = asyncio.create_task(poller.run(), name=f"poll {poller.worker_id}")
+        for address in sorted(addresses - known):
+            for target in self.spec.at(address).ranks():
+                key = (address, target.data_parallel_rank)
+                poller = self.pollers[key] = self.make(target)
+                self.by_id[poller.worker_id] = poller
+                await poller.poll_once()
+                if start_tasks:
+                    self.tasks[key] = asyncio.create_task(poller.run(), name=f"poll {poller.worker_id}")
 
     def start_tasks(self) -> None:
-        for address, poller in self.pollers.items():
-            if address not in self.tasks:
-                self.tasks[address] = asyncio.create_task(poller.run(), name=f"poll {poller.worker_id}")
+        for key, poller in self.pollers.items():
+            if key not in self.tasks:
+                self.tasks[key] = asyncio.create_task(poller.run(), name=f"poll {poller.worker_id}")
 
     async def stop(self) -> None:
         await stop_pollers(list(self.pollers.values()), list(self.tasks.values()))

@@ -280,8 +280,35 @@ prometheus.io/path: /metrics
 {{- end }}
 
 {{/* worker.kind vllm | sglang: the gateways' one --workers spec, the engines' headless Service resolved by DNS
-on an interval; `*` in the ZMQ endpoints stands for each pod's address (gateway/worker_spec.py). */}}
+on an interval; `*` in the ZMQ endpoints stands for each pod's address (gateway/worker_spec.py); the worker token
+as the engines' API key (auth.workerToken.engineApiKey), and each pod's data-parallel ranks. */}}
 {{- define "kvroute.engineWorkers" -}}
 {{- $e := index .Values.worker .Values.worker.kind }}
 {{- printf "%s://%s.%s.svc:%s?events=tcp://*:%s&replay=tcp://*:%s&discover=dns" .Values.worker.kind (include "kvroute.worker.fullname" .) .Release.Namespace (include "kvroute.int" $e.port) (include "kvroute.int" $e.kvEventsPort) (include "kvroute.int" $e.replayPort) }}
+{{- if .Values.auth.workerToken.engineApiKey }}&api_key_file={{ include "kvroute.secretFile.path" (include "kvroute.workerToken.secretFile" . | fromYaml) }}{{ end }}
+{{- $dp := include "kvroute.engineDataParallel" . | int }}
+{{- if gt $dp 1 }}&dp={{ $dp }}{{ end }}
+{{- end }}
+
+{{/* worker.kind vllm | sglang: the data-parallel ranks of one engine pod (vllm.dataParallelSize, sglang.dpSize). */}}
+{{- define "kvroute.engineDataParallel" -}}
+{{- $e := index .Values.worker .Values.worker.kind }}
+{{- if eq .Values.worker.kind "vllm" }}{{ include "kvroute.int" (default 1 $e.dataParallelSize) }}{{ else }}{{ include "kvroute.int" (default 1 $e.dpSize) }}{{ end }}
+{{- end }}
+
+{{/* An engine pod's ZMQ port name for rank r: `kv-events`, `kv-events-1`, ... (rank 0 keeps the plain name). */}}
+{{- define "kvroute.engineEventsPortName" -}}
+{{- if eq (int .rank) 0 }}{{ .name }}{{ else }}{{ printf "%s-%d" .name (int .rank) }}{{ end }}
+{{- end }}
+
+{{/* The engine pods' ports the gateways and the pickers reach: HTTP and every rank's two ZMQ ports. */}}
+{{- define "kvroute.enginePolicyPorts" -}}
+- port: http
+  protocol: TCP
+{{- range $r := until (include "kvroute.engineDataParallel" . | int) }}
+{{- range $name := list "kv-events" "kv-replay" }}
+- port: {{ include "kvroute.engineEventsPortName" (dict "name" $name "rank" $r) }}
+  protocol: TCP
+{{- end }}
+{{- end }}
 {{- end }}
