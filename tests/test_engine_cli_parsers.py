@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_helm_engines import engine, engine_flag, render
+from test_helm_engines import engine, engine_command, engine_flag, render
 
 ROOT = Path(__file__).resolve().parents[1]
 PARSER = ROOT / "tests" / "engine_cli_parser.py"
@@ -52,7 +52,7 @@ def test_sglang_parses_the_flags_of_our_docs_and_chart() -> None:
     if not (SGLANG_PATH[0] / "sglang" / "srt" / "server_args.py").exists():
         pytest.skip(f"the sglang wheel is not installed under {SGLANG_PATH[0]} (.ci/run installs it)")
     container = engine(render("sglang"))
-    assert container.spec["command"][-1] == "sglang.launch_server"
+    assert engine_command(container)[-1] == "sglang.launch_server"
     docs = doc_commands("python -m sglang.launch_server")
     assert docs, "docs/engines.md shows SGLang's command line"
     chart, *documented = parse("sglang", [container.args, *docs], SGLANG_PATH)
