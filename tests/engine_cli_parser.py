@@ -5,7 +5,7 @@
 ENGINE `sglang`: `sglang.srt.server_args.ServerArgs.add_cli_args` (what `python -m sglang.launch_server` parses
 with) from a `--no-deps` install of the sglang wheel, and its `KVEventsConfig.from_cli` on `--kv-events-config`
 (what the server does with that flag's JSON). ENGINE `vllm`: `vllm serve`'s parser
-(`vllm.entrypoints.openai.cli_args.make_arg_parser`) and `EngineArgs.from_cli_args`, from a vllm package on
+(`make_arg_parser` of `vllm.entrypoints.common.cli_args`, `vllm.entrypoints.openai.cli_args` before vLLM 0.33) and `EngineArgs.from_cli_args`, from a vllm package on
 PYTHONPATH. Prints, per argv, the parsed values the gateway depends on as one JSON line, or `{"error": ...}` for
 an argv the parser refuses. Exits 3, printing the import error, when the engine's parser does not import.
 """
@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 
 
@@ -42,9 +43,15 @@ def parse_sglang(argvs: list[list[str]]) -> list[dict]:
 
 
 def parse_vllm(argvs: list[list[str]]) -> list[dict]:
+    # vLLM picks a platform as its config imports; this machine has no GPU and the package no compiled build
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # vLLM 0.33 moved `vllm serve`'s parser out of the OpenAI entrypoint
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
 
     out = []
     for argv in argvs:

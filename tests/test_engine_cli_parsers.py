@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PARSER = ROOT / "tests" / "engine_cli_parser.py"
 WHEELS = Path(os.environ.get("KVROUTE_ENGINE_WHEELS", "/opt/engine-wheels"))
 SGLANG_PATH = [WHEELS / "sglang", WHEELS / "sglang-deps"]
-VLLM_PACKAGE = Path(os.environ.get("KVROUTE_VLLM_PACKAGE", WHEELS / "vllm-0.33.0"))
+VLLM_PATH = [Path(os.environ.get("KVROUTE_VLLM_PACKAGE", WHEELS / "vllm-0.33.0")), WHEELS / "vllm-deps"]
 GATEWAY_BLOCK = 16  # the gateway's --block-size in the docs and the chart's default engine.blockSize
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -76,7 +76,7 @@ def test_vllm_parses_the_flags_of_our_docs_and_chart() -> None:
     model, *flags = container.args  # `vllm serve MODEL ...`: the model positional, given to the parser as --model
     docs = [["--model", argv[0], *argv[1:]] for argv in doc_commands("vllm serve ")]
     assert docs, "docs/engines.md shows vLLM's command line"
-    chart, *documented = parse("vllm", [["--model", model, *flags], *docs], [VLLM_PACKAGE])
+    chart, *documented = parse("vllm", [["--model", model, *flags], *docs], VLLM_PATH)
     for parsed in [chart, *documented]:
         assert "error" not in parsed, parsed
         assert GATEWAY_BLOCK % parsed["block_size"] == 0 and parsed["enable_prompt_tokens_details"]
