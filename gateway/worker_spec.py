@@ -173,9 +173,7 @@ def parse_worker_spec(text: str) -> WorkerSpec:
         if discover:
             raise ValueError(f"worker {spec!r}: id names one engine; with discover=dns each address is its own")
         if not name or len(name) > MAX_ID_CHARS or not set(name) <= _ID_CHARS:
-            raise ValueError(
-                f"worker {spec!r}: id must be 1 to {MAX_ID_CHARS} letters, digits or '._:-', got {name!r}"
-            )
+            raise ValueError(f"worker {spec!r}: id must be 1 to {MAX_ID_CHARS} letters, digits or '._:-', got {name!r}")
     ports = {key: int(query[key].rpartition(":")[2]) for key in ("events", "replay") if key in query}
     for key, first in ports.items():
         if first + int(dp) - 1 > 65535:

@@ -4,10 +4,11 @@
 
 ENGINE `sglang`: `sglang.srt.server_args.ServerArgs.add_cli_args` (what `python -m sglang.launch_server` parses
 with) from a `--no-deps` install of the sglang wheel, and its `KVEventsConfig.from_cli` on `--kv-events-config`
-(what the server does with that flag's JSON). ENGINE `vllm`: `vllm serve`'s parser
-(`make_arg_parser` of `vllm.entrypoints.common.cli_args`, `vllm.entrypoints.openai.cli_args` before vLLM 0.33) and `EngineArgs.from_cli_args`, from a vllm package on
-PYTHONPATH. Prints, per argv, the parsed values the gateway depends on as one JSON line, or `{"error": ...}` for
-an argv the parser refuses. Exits 3, printing the import error, when the engine's parser does not import.
+(what the server does with that flag's JSON). ENGINE `vllm`: `vllm serve`'s parser (`make_arg_parser` of
+`vllm.entrypoints.common.cli_args`, `vllm.entrypoints.openai.cli_args` before vLLM 0.33) and
+`EngineArgs.from_cli_args`, from a vllm package on PYTHONPATH. Prints, per argv, the parsed values the gateway
+depends on as one JSON line, or `{"error": ...}` for an argv the parser refuses. Exits 3, printing the import
+error, when the engine's parser does not import.
 """
 
 from __future__ import annotations

@@ -361,7 +361,9 @@ class EnginePoller(PollLoop):
             hint = "add its events= endpoint to the spec, and start it with --kv-events-config"
         else:
             hint = f"was it started with --kv-events-config, and is {self.spec.events} reachable?"
-        logger.warning("fleet: worker %s publishes no KV events (%s; %s): routed by load only", self.worker_id, why, hint)
+        logger.warning(
+            "fleet: worker %s publishes no KV events (%s; %s): routed by load only", self.worker_id, why, hint
+        )
 
     def _on_failure(self, why: str) -> None:
         now = time.monotonic()
