@@ -1,8 +1,9 @@
 """The flags our docs and chart pass to `vllm serve` and SGLang's `launch_server`, parsed by the engines' own
 parsers (tests/engine_cli_parser.py, in a subprocess): SGLang 0.5.23's `ServerArgs.add_cli_args` and
-`KVEventsConfig.from_cli` from the `--no-deps` sglang wheel that .ci/run installs; vLLM's `make_arg_parser` and
-`EngineArgs` where a vllm package that imports is on $KVROUTE_VLLM_PACKAGE (a `--no-deps` install does not:
-the test skips, naming the import that failed). Each command must parse, publish its KV events over ZMQ where
+`KVEventsConfig.from_cli` from the `--no-deps` sglang wheel that .ci/run installs; vLLM 0.33.0's `make_arg_parser`
+and `EngineArgs` from the wheel's Python files and the light packages they import, which .ci/run unpacks and
+installs beside them ($KVROUTE_VLLM_PACKAGE names another vllm; a test skips, naming the import that failed,
+where the engine's parser does not import). Each command must parse, publish its KV events over ZMQ where
 the gateway's spec reads them, serve the metrics the gateway reads load from, and use a block (page) size that
 divides the gateway's."""
 
