@@ -28,11 +28,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1 import health_pb2
 
 from gateway import cli_gateway
 from gateway.frontdoors.ext_proc import EndpointMap, ExternalProcessor, Picker
+from gateway.frontdoors.grpc_health import ReadinessHealth
 from kvroute.errors import UserError
 from kvroute.grpc_options import grpc_address
 
@@ -80,20 +80,16 @@ class EndpointPicker:
 
     server: grpc.aio.Server
     port: int
-    health: health_aio.HealthServicer
+    health: ReadinessHealth  # readiness and ext_proc's service; liveness stays SERVING until the stop
     picker: Picker
-    _health_task: asyncio.Task[None]
 
-    def going_away(self) -> None:
-        """Stop following readiness: health stays as set from here (NOT_SERVING, for the drain)."""
-        self._health_task.cancel()
+    async def going_away(self) -> None:
+        """Readiness NOT_SERVING from here, whatever the fleet (the drain: Envoy leaves, decisions go on)."""
+        await self.health.hold(False)
 
     async def stop(self, grace: float) -> None:
-        """Readiness NOT_SERVING at once, then stop; streams in flight get `grace` seconds."""
-        self._health_task.cancel()
-        with suppress(asyncio.CancelledError):
-            await self._health_task
-        await self.health.enter_graceful_shutdown()
+        """Every service NOT_SERVING at once, then stop; streams in flight get `grace` seconds."""
+        await self.health.stop()
         await self.server.stop(grace)
 
 
@@ -132,33 +128,17 @@ async def start_picker(picker: Picker, host: str, port: int) -> EndpointPicker:
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health = ReadinessHealth(
+        server, ("", "readiness", EXT_PROC_SERVICE), ready=picker.ready, interval_s=HEALTH_INTERVAL_S,
+        label="epp readiness", not_ready="no worker with an endpoint",
+    )  # fmt: skip
     bound = server.add_insecure_port(grpc_address(host, port))
     if bound == 0:
         raise UserError(f"cannot listen on {grpc_address(host, port)}")
     await server.start()
-    await health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    await _set_ready(health, picker.ready())
-    task = asyncio.create_task(_watch_ready(health, picker))
-    return EndpointPicker(server, bound, health, picker, task)
-
-
-async def _set_ready(health: health_aio.HealthServicer, ready: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", "readiness", EXT_PROC_SERVICE):
-        await health.set(service, status)
-
-
-async def _watch_ready(health: health_aio.HealthServicer, picker: Picker) -> None:
-    ready = picker.ready()
-    while True:
-        await asyncio.sleep(HEALTH_INTERVAL_S)
-        now = picker.ready()
-        if now != ready:
-            ready = now
-            logger.info("epp readiness: %s", "SERVING" if ready else "NOT_SERVING (no worker with an endpoint)")
-            await _set_ready(health, ready)
+    await health.servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    await health.start()
+    return EndpointPicker(server, bound, health, picker)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,8 +178,7 @@ async def serve(picker: Picker, args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     await signals.get()
-    epp.going_away()
-    await _set_ready(epp.health, False)
+    await epp.going_away()
     print(f"kvroute epp: NOT_SERVING; deciding for {args.drain_delay:g} s more (a second signal skips it)", flush=True)
     with suppress(TimeoutError):
         async with asyncio.timeout(args.drain_delay):

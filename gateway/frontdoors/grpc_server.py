@@ -22,23 +22,20 @@ cancelled call closes the Generation, which cancels its worker requests.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 import grpc
 import pydantic_core
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from gateway.admission.auth import Authenticator
 from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
 from gateway.fleet.fleet_state import FleetIdentity, WorkerMember
+from gateway.frontdoors.grpc_health import ReadinessHealth
 from gateway.frontdoors.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     RequestHeaders,
@@ -454,15 +451,11 @@ def _refusing(handler: grpc.RpcMethodHandler, exc: GatewayError) -> grpc.RpcMeth
 class GatewayGrpcServer:
     server: grpc.aio.Server
     port: int
-    health: health_aio.HealthServicer
-    _health_task: asyncio.Task[None] = field(repr=False)
+    health: ReadinessHealth
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING at once, then stop; calls in flight get `grace` seconds to finish."""
-        self._health_task.cancel()
-        with suppress(asyncio.CancelledError):
-            await self._health_task
-        await self.health.enter_graceful_shutdown()
+        await self.health.stop()
         await self.server.stop(grace)
 
     async def wait_for_termination(self) -> None:
@@ -482,29 +475,13 @@ async def start_grpc_server(
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthenticateFirst(request_path)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(request_path, default_max_tokens), server)
     worker_pb2_grpc.add_WorkerServicer_to_server(FleetWorkerServicer(request_path), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health = ReadinessHealth(
+        server, ("", GATEWAY_SERVICE, WORKER_SERVICE), ready=request_path.ready, interval_s=health_interval_s,
+        label="gateway gRPC health", not_ready="no routable worker",
+    )  # fmt: skip
     bound = server.add_insecure_port(grpc_address(host, port))
     if bound == 0:
         raise OSError(f"cannot listen on {grpc_address(host, port)}")
     await server.start()
-    await _set_health(health, request_path.ready())
-    task = asyncio.create_task(_watch_health(health, request_path, health_interval_s))
-    return GatewayGrpcServer(server, bound, health, task)
-
-
-async def _set_health(health: health_aio.HealthServicer, ready: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", GATEWAY_SERVICE, WORKER_SERVICE):
-        await health.set(service, status)
-
-
-async def _watch_health(health: health_aio.HealthServicer, request_path: ServesFleet, interval_s: float) -> None:
-    ready = request_path.ready()
-    while True:
-        await asyncio.sleep(interval_s)
-        now = request_path.ready()
-        if now != ready:
-            ready = now
-            logger.info("gateway gRPC health: %s", "SERVING" if ready else "NOT_SERVING (no routable worker)")
-            await _set_health(health, ready)
+    await health.start()
+    return GatewayGrpcServer(server, bound, health)
