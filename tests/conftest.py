@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,18 @@ def model_smollm2_source() -> ModelSource:
 @pytest.fixture(scope="session")
 def tokenizer_smollm2(model_smollm2_source: ModelSource) -> Tokenizer:
     return Tokenizer.from_gguf(model_smollm2_source.path)
+
+
+@pytest.fixture(scope="session")
+def model_smollm2_reference(model_smollm2_source: ModelSource) -> Any:
+    """HF transformers' own SmolLM2 from the same GGUF, float32, in eval mode: the outside reference of
+    tests/test_model_reference.py and tests/test_engine_reference.py, loaded once (it takes ~10 s). Read-only."""
+    import torch
+    import transformers
+
+    path = model_smollm2_source.path
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
 
 
 @pytest.fixture

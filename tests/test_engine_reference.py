@@ -85,10 +85,10 @@ def tiny_reference(tokenizer_smollm2: Tokenizer) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def smollm2_reference(model_smollm2_source, tokenizer_smollm2: Tokenizer) -> Reference:
-    path = model_smollm2_source.path
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return Reference("smollm2", hf.eval(), tokenizer_smollm2, [tokenizer_smollm2.encode(t) for t in TEXTS])
+def smollm2_reference(model_smollm2_reference, tokenizer_smollm2: Tokenizer) -> Reference:
+    return Reference(
+        "smollm2", model_smollm2_reference, tokenizer_smollm2, [tokenizer_smollm2.encode(t) for t in TEXTS]
+    )
 
 
 @pytest.fixture(params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])

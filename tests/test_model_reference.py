@@ -4,7 +4,6 @@ whether a prompt runs in one step, in chunks over a cached prefix, or batched wi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -246,12 +245,6 @@ def test_model_ids_are_stable_and_distinct(model_tiny_dirs: dict[str, Path], mod
 @pytest.fixture(scope="module")
 def model_smollm2(model_smollm2_source: ModelSource) -> LlamaForCausalLM:
     return load_model(model_smollm2_source, torch.float32)[0]
-
-
-@pytest.fixture(scope="module")
-def model_smollm2_reference(model_smollm2_source: ModelSource) -> Iterator:
-    path = model_smollm2_source.path
-    yield transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
