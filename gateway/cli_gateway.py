@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -405,6 +406,14 @@ def _fleet_state(
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+def freeze_start_up_heap() -> None:
+    """Put what start-up built (modules, the tokenizer and its templates, the app, the fleet state) in the
+    collector's permanent generation (gc.freeze): its collections then walk only what serving allocated, where
+    each full one walked every object start-up had left (docs/gateway.md, "CPU efficiency")."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.processes < 1:
         raise UserError(f"--processes must be at least 1, got {args.processes}")
@@ -587,6 +596,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
         f"on http://{args.host}:{http.port}/v1{grpc_where}{metrics_where}; {len(request_path.members())} workers ready",
         flush=True,
     )
+    freeze_start_up_heap()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM,) if in_group else (signal.SIGINT, signal.SIGTERM):  # a group's parent sends SIGTERM
