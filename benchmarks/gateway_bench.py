@@ -471,7 +471,7 @@ STAGES = (
     ("web framework (Starlette)", ("starlette/",)),
     ("front door: parse, validate, render (pydantic, orjson)",
      ("gateway/frontdoors/http_server.py", "openai_protocol.py", "pydantic", "gateway/request.py")),
-    ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2",
+    ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2", "<template>",
                                                "stop_strings.py")),
     ("block hashes", ("kvroute/hashing.py",)),
     ("routing pick + fleet view", ("gateway/routing/router.py", "gateway/fleet", "kv_index.py", "common_prefix.py",
