@@ -445,12 +445,13 @@ def profiled_gateway(argv: list[str]) -> None:
 
     import uvloop
 
-    from gateway.cli_gateway import build_gateway, serve
+    from gateway.cli_gateway import build_gateway, freeze_start_up_heap, serve
     from launch.cli import build_parser
 
     out, gateway_args = argv[0], ["gateway", *argv[1:]]
     args = build_parser(gateway_args).parse_args(gateway_args)
     gateway = build_gateway(args)
+    freeze_start_up_heap()  # as `kvroute gateway` does, before serving
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:

@@ -407,9 +407,9 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def freeze_start_up_heap() -> None:
-    """Put what start-up built (modules, the tokenizer and its templates, the app, the fleet state) in the
-    collector's permanent generation (gc.freeze): its collections then walk only what serving allocated, where
-    each full one walked every object start-up had left (docs/gateway.md, "CPU efficiency")."""
+    """Put what start-up built (modules, the tokenizer and its templates, the pools) in the collector's
+    permanent generation (gc.freeze): its collections then walk only what serving allocated, where each full
+    one walked every object start-up had left (docs/gateway.md, "CPU efficiency")."""
     gc.collect()
     gc.freeze()
 
@@ -428,6 +428,7 @@ def run_one(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gateway = build_gateway(args)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    freeze_start_up_heap()
     return uvloop.run(serve(gateway, args))
 
 
@@ -596,7 +597,6 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
         f"on http://{args.host}:{http.port}/v1{grpc_where}{metrics_where}; {len(request_path.members())} workers ready",
         flush=True,
     )
-    freeze_start_up_heap()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM,) if in_group else (signal.SIGINT, signal.SIGTERM):  # a group's parent sends SIGTERM
