@@ -158,7 +158,8 @@ def start_fleet(
         ports["baseline_http"] = free_port()
         argv = kvroute_argv("gateway", *gateway_argv[4:])  # never under the profiler
         argv[argv.index("--http-port") + 1] = str(ports["baseline_http"])
-        env = {**os.environ, "PYTHONPATH": str(Path(baseline_tree).resolve())}
+        # PYTHONSAFEPATH: `-m` would put the working directory (this tree) on sys.path before PYTHONPATH.
+        env = {**os.environ, "PYTHONPATH": str(Path(baseline_tree).resolve()), "PYTHONSAFEPATH": "1"}
         fleet.spawn("baseline", argv, env=env)
     for port in (*http_ports, *(p for name, p in ports.items() if name in ("gateway_http", "baseline_http"))):
         wait_ok(f"http://127.0.0.1:{port}/ready", 300, fleet)
