@@ -439,6 +439,24 @@ def test_request_id_is_echoed_or_generated(client: httpx.Client) -> None:
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-request-7"
 
 
+def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(client: httpx.Client) -> None:
+    """The generation endpoints are served straight from ASGI (HotPaths), the rest through Starlette: a
+    chunked body and a repeated header (the first counts) read the same way, and a wrong method is a 405 in
+    OpenAI's error shape."""
+
+    def chunked(body: bytes) -> Iterator[bytes]:
+        yield from (body[:7], body[7:])
+
+    body = json.dumps({"messages": CHAT, "max_tokens": 2}).encode()
+    for path, payload in ((CHAT_URL, body), ("/tokenize", json.dumps({"prompt": "hi"}).encode())):
+        headers = [("x-request-id", "first-1"), ("x-request-id", "second-2"), ("content-type", "application/json")]
+        response = client.post(path, content=chunked(payload), headers=headers)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-request-id"] == "first-1"
+    wrong = client.get(CHAT_URL)
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_client_cache_salt_isolates_cached_prefixes(client: httpx.Client) -> None:
     prompt = "A salted prefix that nobody else sends, repeated until it fills blocks. " * 5
     salted = {"prompt": prompt, "max_tokens": 2, "cache_salt": "team-a"}
