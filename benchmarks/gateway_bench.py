@@ -158,7 +158,8 @@ def start_fleet(
         ports["baseline_http"] = free_port()
         argv = kvroute_argv("gateway", *gateway_argv[4:])  # never under the profiler
         argv[argv.index("--http-port") + 1] = str(ports["baseline_http"])
-        env = {**os.environ, "PYTHONPATH": str(Path(baseline_tree).resolve())}
+        # PYTHONSAFEPATH: `-m` would put the working directory (this tree) on sys.path before PYTHONPATH.
+        env = {**os.environ, "PYTHONPATH": str(Path(baseline_tree).resolve()), "PYTHONSAFEPATH": "1"}
         fleet.spawn("baseline", argv, env=env)
     for port in (*http_ports, *(p for name, p in ports.items() if name in ("gateway_http", "baseline_http"))):
         wait_ok(f"http://127.0.0.1:{port}/ready", 300, fleet)
@@ -445,12 +446,13 @@ def profiled_gateway(argv: list[str]) -> None:
 
     import uvloop
 
-    from gateway.cli_gateway import build_gateway, serve
+    from gateway.cli_gateway import build_gateway, freeze_start_up_heap, serve
     from launch.cli import build_parser
 
     out, gateway_args = argv[0], ["gateway", *argv[1:]]
     args = build_parser(gateway_args).parse_args(gateway_args)
     gateway = build_gateway(args)
+    freeze_start_up_heap()  # as `kvroute gateway` does, before serving
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     try:
@@ -471,7 +473,7 @@ STAGES = (
     ("web framework (Starlette)", ("starlette/",)),
     ("front door: parse, validate, render (pydantic, orjson)",
      ("gateway/frontdoors/http_server.py", "openai_protocol.py", "pydantic", "gateway/request.py")),
-    ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2",
+    ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2", "<template>",
                                                "stop_strings.py")),
     ("block hashes", ("kvroute/hashing.py",)),
     ("routing pick + fleet view", ("gateway/routing/router.py", "gateway/fleet", "kv_index.py", "common_prefix.py",

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -406,6 +407,14 @@ def _fleet_state(
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+def freeze_start_up_heap() -> None:
+    """Put what start-up built (modules, the tokenizer and its templates, the pools) in the collector's
+    permanent generation (gc.freeze): its collections then walk only what serving allocated, where each full
+    one walked every object start-up had left (docs/gateway.md, "CPU efficiency")."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.processes < 1:
         raise UserError(f"--processes must be at least 1, got {args.processes}")
@@ -420,6 +429,7 @@ def run_one(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gateway = build_gateway(args)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    freeze_start_up_heap()
     return uvloop.run(serve(gateway, args))
 
 

@@ -378,7 +378,7 @@ class RequestPath:
         field): given ids are checked here, text is templated and tokenized in the prompt pool. Raising, it
         releases the tenant's slot; if the caller is cancelled while the pool works on the prompt, only once that
         work ends (a client that leaves and sends again cannot pile up work its limit would refuse). `salt`
-        scopes the tokenizer's memory of long texts (one tenant never times another's)."""
+        scopes the tokenizer's memory of text runs (one tenant never times another's)."""
         job = None
         try:
             if request.prompt_token_ids is not None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import gguf
+import orjson
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -293,7 +294,7 @@ class Tokenizer:
         return max(by_bytes, -(-(_word_bytes(encoded) - marks) // self.max_token_word_bytes))
 
     def limit_run_cache(self, max_bytes: int) -> None:
-        """Bound `encode_chat`'s memory of long text runs to `max_bytes` (texts and ids; 0 turns it off)."""
+        """Bound `encode_chat`'s memory of text runs to `max_bytes` (texts and ids; 0 turns it off)."""
         if max_bytes < 0:
             raise ValueError(f"the tokenizer's run cache budget must be >= 0 bytes, got {max_bytes}")
         with self._run_cache_lock:
@@ -319,11 +320,14 @@ class Tokenizer:
         control tokens. Raises ChatTemplateError (a ValueError) on input the template rejects; with
         `max_tokens`, PromptTooLong past it.
 
-        With `cache_scope` (the gateway passes the tenant's cache salt), the ids of each long stretch of text
-        between two of the template's special tokens (a system prompt, an earlier turn) are remembered for
-        later prompts of the same scope (within `limit_run_cache`'s budget, least recently used out first): the
-        same text is not tokenized twice, and no scope can learn from the timing whether another scope sent a
-        text. Only a prompt within `max_tokens` is remembered."""
+        With `cache_scope` (the gateway passes the tenant's cache salt), the ids of each run of text between two
+        of the template's special tokens (a system prompt, tool schemas, each earlier turn, the template's own
+        short pieces) are remembered for later prompts of the same scope, within `limit_run_cache`'s budget, least
+        recently used out first. The tokenizer splits at special tokens itself (no merge crosses one), so a run's
+        ids do not depend on what precedes it: a prompt that starts with runs seen before (the conversation so
+        far) tokenizes only its new runs, and gets exactly the ids a whole encode gives. The memory maps text to
+        ids only, and only within one scope: no scope can learn from the timing whether another sent a text.
+        Only a prompt within `max_tokens` is remembered."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         with self._render_lock:
@@ -339,17 +343,32 @@ class Tokenizer:
             )
             if max_tokens is not None and (at_least := self.tokens_at_least(rendered, marks, max_tokens)) > max_tokens:
                 raise PromptTooLong(at_least, max_tokens, exact=False)
+        runs = [(text.replace(marks.inner, ""), special_id) for text, special_id in self._runs(rendered, marks)]
+        known = self._recall(cache_scope, runs)
         ids: list[int] = []
-        fresh: list[tuple[tuple[str, str], array]] = []  # runs to remember once the prompt is within the limit
-        for text, special_id in self._runs(rendered, marks):
+        fresh: dict[str, array] = {}  # runs to remember once the prompt is within the limit
+        for (text, special_id), run_ids in zip(runs, known, strict=True):
             room = None if max_tokens is None else max_tokens - len(ids) - (special_id is not None)
-            count = self._encode_run(text.replace(marks.inner, ""), cache_scope, room, ids, fresh)
-            if room is not None and count > room:  # the runs after this one are not tokenized
-                total = len(ids) + count + (special_id is not None)
-                raise PromptTooLong(total, max_tokens, exact=special_id is None)  # type: ignore[arg-type]
+            if run_ids is None:
+                run_ids = fresh.get(text)
+            if run_ids is None:
+                encoding = _encode_ids(self._text_backend, text, False)
+                if room is not None and len(encoding) > room:  # counted without building the list of ids
+                    raise PromptTooLong(
+                        len(ids) + len(encoding) + (special_id is not None), max_tokens, exact=special_id is None
+                    )
+                run_ids = encoding.ids
+                if cache_scope is not None:
+                    fresh[text] = array("I", run_ids)
+            elif room is not None and len(run_ids) > room:
+                raise PromptTooLong(
+                    len(ids) + len(run_ids) + (special_id is not None), max_tokens, exact=special_id is None
+                )
+            ids.extend(run_ids)
             if special_id is not None:
                 ids.append(special_id)
-        self._remember(fresh)
+        if cache_scope is not None:
+            self._remember(cache_scope, fresh)
         return ids
 
     def _wrapper(self, marks: _Sentinels) -> Callable[[Any], Any]:
@@ -410,42 +429,31 @@ class Tokenizer:
                 self._piece_splits[piece] = split
         return split
 
-    def _encode_run(
-        self,
-        text: str,
-        cache_scope: str | None,
-        room: int | None,
-        ids: list[int],
-        fresh: list[tuple[tuple[str, str], array]],
-    ) -> int:
-        """How many tokens `encode_text(text)` has; they are appended to `ids` unless they are more than
-        `room`. From the scope's memory for a long text it holds; a long text it does not goes to `fresh`, for
-        `_remember` once the whole prompt is accepted."""
-        key = (cache_scope, text) if cache_scope is not None and len(text) >= _RUN_CACHE_MIN_CHARS else None
-        if key is not None:
-            with self._run_cache_lock:
-                known = self._run_cache.get(key)
-                if known is not None:
-                    self._run_cache.move_to_end(key)
-            if known is not None:
-                if room is None or len(known) <= room:
-                    ids.extend(known)
-                return len(known)
-        encoding = _encode_ids(self._text_backend, text, False)
-        if room is not None and len(encoding) > room:  # counted without building the list of ids
-            return len(encoding)
-        run_ids = encoding.ids
-        ids.extend(run_ids)
-        if key is not None:
-            fresh.append((key, array("I", run_ids)))
-        return len(run_ids)
+    def _recall(self, scope: str | None, runs: list[tuple[str, int | None]]) -> list[Sequence[int] | None]:
+        """Each run's ids from `scope`'s memory, None where it holds none (an empty run's are empty)."""
+        if scope is None or not self._run_cache_budget:
+            return [None if text else () for text, _ in runs]
+        found: list[Sequence[int] | None] = []
+        with self._run_cache_lock:
+            cache = self._run_cache
+            for text, _ in runs:
+                if not text:
+                    found.append(())
+                    continue
+                key = (scope, text)
+                run_ids = cache.get(key)
+                if run_ids is not None:
+                    cache.move_to_end(key)
+                found.append(run_ids)
+        return found
 
-    def _remember(self, fresh: list[tuple[tuple[str, str], array]]) -> None:
-        if not fresh:
+    def _remember(self, scope: str, fresh: dict[str, array]) -> None:
+        if not fresh or not self._run_cache_budget:
             return
         with self._run_cache_lock:
             cache = self._run_cache
-            for key, run_ids in fresh:
+            for text, run_ids in fresh.items():
+                key = (scope, text)
                 if key in cache:  # another thread encoded it meanwhile
                     continue
                 cache[key] = run_ids
@@ -578,11 +586,11 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
-# encode_chat's memory of long text runs: tokenizing 16 KB of text costs ~20 ms here, a lookup ~10 µs. Its
-# budget is in bytes held (a run's text and its ids at 4 bytes each): 64 MiB fills the 1,024 entries with runs
-# of ~8,000 tokens of English (32 KB of text, 32 KB of ids).
-_RUN_CACHE_MIN_CHARS = 256
-_RUN_CACHE_ENTRIES = 1024
+# encode_chat's memory of text runs: a 4,096-token run costs ~6 ms to tokenize here, a short one ~5 µs (the
+# library call), a lookup ~0.3 µs. Its budget is in bytes held: each run's text, its ids at 4 bytes each, and
+# the entry's own key and links (_ENTRY_BYTES).
+_RUN_CACHE_ENTRIES = 65536
+_ENTRY_BYTES = 100
 DEFAULT_RUN_CACHE_BYTES = 64 * 2**20
 # _break_special_tokens scans a long string in pieces of this many characters: each regex call holds the GIL.
 _SCAN_CHARS = 65536
@@ -636,7 +644,10 @@ def _all_strings(value: Any) -> Iterator[str]:
 def _pick_sentinels(messages: Any, extra: Any, template: str) -> _Sentinels:
     """Three sentinel characters that appear in none of the request's strings nor in the template: the first
     three of SENTINELS that do not."""
-    seen = "".join(_all_strings([messages, extra]))
+    try:  # orjson escapes none of SENTINELS (JSON escapes only controls below U+0020, quotes and backslashes)
+        seen = orjson.dumps([messages, extra]).decode()
+    except TypeError:  # a non-string key, a lone surrogate, a value orjson does not serialise
+        seen = "".join(_all_strings([messages, extra]))
     free = list(itertools.islice((c for c in _free_of(template) if c not in seen), 3))  # each test scans the text
     if len(free) < 3:
         raise ChatTemplateError("messages: too many C1 controls and Unicode noncharacters (U+FDD0..U+FDEF) in the text")
@@ -676,7 +687,7 @@ def _special_starts_pattern(spellings: list[str]) -> re.Pattern[str] | None:
 
 def _break_special_tokens(text: str, starts: re.Pattern[str] | None, longest: int, mark: str) -> str:
     """`text` with `mark` after the first character of every special token spelled in it."""
-    if starts is None or len(text) < 2:
+    if starts is None or len(text) < 2 or (len(text) <= _SCAN_CHARS and starts.search(text) is None):
         return text
     cuts = []
     for begin in range(0, len(text), _SCAN_CHARS):
@@ -733,7 +744,7 @@ def _spelled_bytes(token: str, added: bool) -> bytes:
 
 
 def _entry_bytes(key: tuple[str, str], run_ids: array) -> int:
-    return sys.getsizeof(key[1]) + sys.getsizeof(run_ids)
+    return sys.getsizeof(key) + sys.getsizeof(key[1]) + sys.getsizeof(run_ids) + _ENTRY_BYTES
 
 
 def _split_marked(rendered: str, open_mark: str, close_mark: str) -> Iterator[tuple[str, bool]]:

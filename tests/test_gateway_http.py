@@ -281,6 +281,8 @@ def test_tenant_over_its_concurrency_gets_429_with_retry_after(client: httpx.Cli
 
 def test_completion_shape_usage_and_cached_tokens(client: httpx.Client, stack: GatewayStack) -> None:
     body = {"prompt": LONG_PROMPT, "max_tokens": 5, "model": SERVED_MODEL}
+    index = stack.request_path.fleet.view().kv_index
+    held_before = {w.worker_id: index.num_blocks(w.worker_id) for w in stack.workers}
     first = client.post(C, json=body)
     assert first.status_code == 200, first.text
     assert_routed(first, stack)
@@ -291,6 +293,13 @@ def test_completion_shape_usage_and_cached_tokens(client: httpx.Client, stack: G
     prompt_tokens = usage["prompt_tokens"]
     assert prompt_tokens > 64 and usage["completion_tokens"] == 5 and usage["total_tokens"] == prompt_tokens + 5
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}, "present, and 0 for a prompt never seen"
+    # The second request follows the first's blocks once the gateway has read them (a poll, 50 ms here); sent
+    # before, it would be routed by the ring alone, on a routing key the first request has moved.
+    holder, blocks = first.headers["x-kvroute-worker"], (prompt_tokens - 1) // 16
+    deadline = time.monotonic() + 5
+    while stack.request_path.fleet.view().kv_index.num_blocks(holder) < held_before[holder] + blocks:
+        assert time.monotonic() < deadline, "the first request's blocks never reached the gateway's index"
+        time.sleep(0.01)
     second = client.post(C, json=body)
     assert second.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
     cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -428,6 +437,24 @@ def test_request_id_is_echoed_or_generated(client: httpx.Client) -> None:
     assert generated.json()["id"] == f"cmpl-{generated.headers['x-request-id']}"
     refused = client.post(C, json={"prompt": ""}, headers={"x-request-id": "bad-request-7"})
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-request-7"
+
+
+def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(client: httpx.Client) -> None:
+    """The generation endpoints are served straight from ASGI (HotPaths), the rest through Starlette: a
+    chunked body and a repeated header (the first counts) read the same way, and a wrong method is a 405 in
+    OpenAI's error shape."""
+
+    def chunked(body: bytes) -> Iterator[bytes]:
+        yield from (body[:7], body[7:])
+
+    body = json.dumps({"messages": CHAT, "max_tokens": 2}).encode()
+    for path, payload in ((CHAT_URL, body), ("/tokenize", json.dumps({"prompt": "hi"}).encode())):
+        headers = [("x-request-id", "first-1"), ("x-request-id", "second-2"), ("content-type", "application/json")]
+        response = client.post(path, content=chunked(payload), headers=headers)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-request-id"] == "first-1"
+    wrong = client.get(CHAT_URL)
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_client_cache_salt_isolates_cached_prefixes(client: httpx.Client) -> None:

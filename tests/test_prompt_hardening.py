@@ -108,7 +108,7 @@ def test_a_refused_prompt_leaves_nothing_in_the_run_cache(tokenizer_smollm2: Tok
         t.encode_chat(messages, cache_scope="tenant-a", max_tokens=tokens - 1)
     assert t.run_cache_usage.entries == 0  # not even the system prompt, which was tokenized before the refusal
     assert len(t.encode_chat(messages, cache_scope="tenant-a", max_tokens=tokens)) == tokens
-    assert t.run_cache_usage.entries == 2
+    assert t.run_cache_usage.entries == 4  # its distinct runs: system, user, the "\n" between turns, "assistant\n"
 
 
 def test_the_run_cache_holds_at_most_its_byte_budget(tokenizer_smollm2: Tokenizer) -> None:
@@ -122,9 +122,13 @@ def test_the_run_cache_holds_at_most_its_byte_budget(tokenizer_smollm2: Tokenize
         assert usage.bytes <= budget and usage.budget == budget
     # ~2,000 characters (4 KB as a str) and ~3,000 ids (12 KB) per run: the budget, not the entry count, binds.
     assert 5 <= t.run_cache_usage.entries < 60
-    # A run larger than the whole budget is not kept; a budget of 0 keeps nothing.
+    # A run larger than the whole budget is not kept (the template's short runs around it are); a budget of 0
+    # keeps nothing.
     t.limit_run_cache(4096)
     assert t.run_cache_usage.entries == 0
+    t.encode_chat([{"role": "system", "content": big_text(6_000)}], cache_scope="a")
+    assert t.run_cache_usage.entries == 2 and t.run_cache_usage.bytes <= 4096  # "\n" and "assistant\n"
+    t.limit_run_cache(0)
     t.encode_chat([{"role": "system", "content": big_text(6_000)}], cache_scope="a")
     assert t.run_cache_usage.entries == 0
     with pytest.raises(ValueError, match=">= 0 bytes"):

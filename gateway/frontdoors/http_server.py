@@ -1,4 +1,5 @@
-"""The gateway's OpenAI-compatible HTTP front door: a Starlette app (served by uvicorn with uvloop and httptools).
+"""The gateway's OpenAI-compatible HTTP front door: an ASGI app (served by uvicorn with uvloop and httptools)
+whose generation endpoints are called straight from ASGI (`HotPaths`), the rest through Starlette.
 
     POST /v1/completions, /v1/chat/completions ─► parse (openai_protocol) ─► GatewayRequest
         ─► RequestPath.generate ─► Generation ─► JSON body, or server-sent events ending in `data: [DONE]`
@@ -33,14 +34,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import orjson
 from pydantic.json_schema import models_json_schema
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -120,16 +120,22 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = None,
     extra_routes: Sequence[BaseRoute] = (),
-) -> Starlette:
+) -> ASGIApp:
     """The HTTP app over one request path. `max_body_bytes` bounds a request body (413 past it);
     `default_max_tokens` is a chat request's max_tokens when the client sets none (completions default to
     OpenAI's 16); `extra_routes` are matched first (a worker's front door serves its engine's /metrics and
-    its own /health)."""
+    its own /health).
+
+    The app is AuthenticateFirst over HotPaths over a Starlette app: a POST to a generation endpoint goes
+    from HotPaths straight to its GenerationEndpoint, everything else through Starlette's routing (the same
+    endpoints are routes there too, so a wrong method is Starlette's 405)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
+    completions = GenerationEndpoint(server, CompletionRequest, CompletionRenderer)
+    chat_completions = GenerationEndpoint(server, ChatCompletionRequest, ChatRenderer)
     routes = [
         *extra_routes,
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.list_models, methods=["GET"]),
@@ -138,11 +144,30 @@ def build_app(
         Route("/ready", server.ready, methods=["GET"]),
         Route("/openapi.json", server.openapi, methods=["GET"]),
     ]
-    return Starlette(
-        routes=routes,
-        middleware=[Middleware(AuthenticateFirst, request_path=request_path)],
-        exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception},
+    app = Starlette(
+        routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception}
     )
+    taken = {path for route in extra_routes if (path := getattr(route, "path", None))}
+    hot: dict[str, ASGIApp] = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    return AuthenticateFirst(HotPaths(app, {p: e for p, e in hot.items() if p not in taken}), request_path=request_path)
+
+
+class HotPaths:
+    """A POST to one of `endpoints`' paths goes to its endpoint directly, before Starlette's middleware,
+    routing and Request objects (their cost per request is what the generation endpoints pay most often);
+    every other request goes to `app`. The endpoints keep every contract of the module docstring themselves."""
+
+    def __init__(self, app: ASGIApp, endpoints: dict[str, ASGIApp]) -> None:
+        self.app = app
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class AuthenticateFirst:
@@ -177,6 +202,24 @@ class AuthenticateFirst:
         await self.app(scope, receive, send)
 
 
+class GenerationEndpoint:
+    """POST /v1/completions or /v1/chat/completions as a plain ASGI app (HotPaths calls it directly, Starlette
+    as a route). An exception that escapes the request path is logged and answered 500 in OpenAI's shape."""
+
+    def __init__(self, server: OpenAIServer, wire_type: type[SamplingFields], renderer_type: type[Renderer]) -> None:
+        self.server = server
+        self.wire_type = wire_type
+        self.renderer_type = renderer_type
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            response = await self.server.generate(scope, receive, self.wire_type, self.renderer_type)
+        except Exception:
+            logger.exception("POST %s failed", quoted(scope["path"]))
+            response = error_response(_internal_error())
+        await response(scope, receive, send)
+
+
 class OpenAIServer:
     """The endpoints' handlers over one request path (routes in `build_app`)."""
 
@@ -192,22 +235,18 @@ class OpenAIServer:
         self.started = int(time.time())
         self._openapi = orjson.dumps(openapi_document())
 
-    # -- generation endpoints ---------------------------------------------------------------------------
+    # -- generation endpoints (GenerationEndpoint) -------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionRequest, CompletionRenderer)
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatCompletionRequest, ChatRenderer)
-
-    async def _generate(
-        self, request: Request, wire_type: type[SamplingFields], renderer_type: type[Renderer]
+    async def generate(
+        self, scope: Scope, receive: Receive, wire_type: type[SamplingFields], renderer_type: type[Renderer]
     ) -> Response:
-        client_request_id = client_request_id_of(request.headers.get("x-request-id"))
+        """The response to one generation request (`scope`, `receive`: its ASGI connection)."""
+        headers = hot_headers(scope)
+        client_request_id = client_request_id_of(headers.get("x-request-id"))
         try:
-            body = await read_body(request, self.max_body_bytes)
+            body = await read_body(receive, headers.get("content-length"), self.max_body_bytes)
             wire = parse_request(wire_type, body)
-            gateway_request = wire.to_gateway_request(request_headers(request), self.default_max_tokens)
+            gateway_request = wire.to_gateway_request(request_headers(headers), self.default_max_tokens)
             gateway_request.api_json = body
         except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
             return Response(status_code=499)
@@ -217,7 +256,7 @@ class OpenAIServer:
         # generate() returns at the first token, a whole response at the last: a client that leaves before
         # either (a long prefill, a long answer) cancels the work, which cancels the worker requests.
         work = self._answer(gateway_request, wire, renderer_type, client_request_id)
-        response = await until_disconnected(request.receive, work)
+        response = await until_disconnected(receive, work)
         return Response(status_code=499) if response is None else response  # 499: nobody is listening any more
 
     async def _answer(
@@ -257,7 +296,7 @@ class OpenAIServer:
 
         async def answer(wire: TokenizeRequest) -> dict[str, Any]:
             pool = self.request_path.pool(wire.model)
-            result = await pool.tokenize(wire.to_gateway_request(request_headers(request)))
+            result = await pool.tokenize(wire.to_gateway_request(request_headers(request.headers)))
             ids = result.token_ids
             token_strs = [pool.tokenizer.token_text(i) or "" for i in ids] if wire.return_token_strs else None
             return {"count": len(ids), "max_model_len": result.max_model_len, "tokens": ids, "token_strs": token_strs}
@@ -279,7 +318,8 @@ class OpenAIServer:
         """Read and parse the body as `wire_type` (the body limit, OpenAI's error shape), then `answer` it."""
         headers = {"x-request-id": client_request_id_of(request.headers.get("x-request-id")) or uuid.uuid4().hex}
         try:
-            body = await answer(parse_request(wire_type, await read_body(request, self.max_body_bytes)))
+            body_bytes = await read_body(request.receive, request.headers.get("content-length"), self.max_body_bytes)
+            body = await answer(parse_request(wire_type, body_bytes))
         except ClientDisconnect:
             return Response(status_code=499)
         except GatewayError as exc:
@@ -325,31 +365,64 @@ class OpenAIServer:
 # -- reading a request -------------------------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to pass `limit` bytes: at once from Content-Length,
-    else while it streams in (chunked), so an oversize body is never held whole."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise InvalidRequestError(f"Content-Length header {quoted(declared)} is not a number")
-        if int(declared) > limit:
-            raise _too_large(int(declared), limit)
+async def read_body(receive: Receive, content_length: str | None, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass `limit` bytes: at once from the
+    Content-Length header's value, else while it streams in (chunked), so an oversize body is never held
+    whole. ClientDisconnect if the client leaves before its end."""
+    if content_length is not None:
+        if not content_length.isdigit():
+            raise InvalidRequestError(f"Content-Length header {quoted(content_length)} is not a number")
+        if int(content_length) > limit:
+            raise _too_large(int(content_length), limit)
     parts = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise _too_large(size, limit)
-        parts.append(part)
-    return b"".join(parts)
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise _too_large(size, limit)
+            if not message.get("more_body", False):
+                if not parts:
+                    return part
+                parts.append(part)
+                return b"".join(parts)
+            parts.append(part)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
 
 
 def _too_large(size: int, limit: int) -> BodyTooLarge:
     return BodyTooLarge(f"request body has {size} bytes or more; this server accepts at most {limit}")
 
 
-def request_headers(request: Request) -> RequestHeaders:
-    headers = request.headers
+# The request headers the generation endpoints read (hot_headers).
+_HOT_HEADERS = frozenset(
+    (
+        b"content-length",
+        b"x-request-id",
+        b"authorization",
+        b"x-session-id",
+        b"x-kvroute-app",
+        b"traceparent",
+        b"tracestate",
+    )
+)
+
+
+def hot_headers(scope: Scope) -> dict[str, str]:
+    """The generation endpoints' request headers by (lower-case) name, latin-1 text; of a repeated header
+    the first, as Starlette's `Headers.get`."""
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        if name in _HOT_HEADERS:
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return headers
+
+
+def request_headers(headers: Mapping[str, str]) -> RequestHeaders:
+    """What the request path reads of the request's headers (`headers` by lower-case name)."""
     trace = {name: headers[name] for name in ("traceparent", "tracestate") if name in headers}
     return RequestHeaders(
         api_key=bearer_token(headers.get("authorization")),
