@@ -446,7 +446,8 @@ def profiled_gateway(argv: list[str]) -> None:
 
     import uvloop
 
-    from gateway.cli_gateway import build_gateway, freeze_start_up_heap, serve
+    from gateway.cli_gateway import build_gateway, serve
+    from kvroute.heap import freeze_start_up_heap
     from launch.cli import build_parser
 
     out, gateway_args = argv[0], ["gateway", *argv[1:]]

@@ -35,6 +35,7 @@ from gateway.frontdoors.ext_proc import EndpointMap, ExternalProcessor, Picker
 from gateway.frontdoors.grpc_health import ReadinessHealth
 from kvroute.errors import UserError
 from kvroute.grpc_options import grpc_address
+from kvroute.heap import freeze_start_up_heap
 
 logger = logging.getLogger("kvroute.epp")
 
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     picker = build_picker(args)
-    sys.setswitchinterval(cli_gateway.GIL_SWITCH_INTERVAL_S)  # as the gateway does, for the same reason
+    sys.setswitchinterval(cli_gateway.GIL_SWITCH_INTERVAL_S)  # as the gateway does, for the same reasons
+    freeze_start_up_heap()
     return uvloop.run(serve(picker, args))
 
 

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import signal
@@ -48,6 +47,7 @@ import uvicorn
 from gateway.frontdoors.http_protocol import HttpLimits, raise_open_files_limit
 from gateway.routing.router import POLICY_NAMES
 from kvroute.errors import UserError
+from kvroute.heap import freeze_start_up_heap
 
 logger = logging.getLogger("kvroute.gateway")
 
@@ -405,14 +405,6 @@ def _fleet_state(
 # few hand-overs of 5 ms to every other client's request; 0.5 ms keeps /health's p99 under 20 ms while clients
 # send multi-megabyte prompts (docs/gateway.md, "Big prompts"), at no cost while nothing contends.
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-def freeze_start_up_heap() -> None:
-    """Put what start-up built (modules, the tokenizer and its templates, the pools) in the collector's
-    permanent generation (gc.freeze): its collections then walk only what serving allocated, where each full
-    one walked every object start-up had left (docs/gateway.md, "CPU efficiency")."""
-    gc.collect()
-    gc.freeze()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvroute.errors import UserError
+from kvroute.heap import freeze_start_up_heap
 from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 if TYPE_CHECKING:
@@ -293,6 +294,7 @@ async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callab
         except ValueError as exc:
             await server.stop(drain_timeout=0)
             raise UserError(str(exc)) from exc
+    freeze_start_up_heap()
     try:
         return await run_until_exit(server, args)
     finally:
