@@ -694,26 +694,32 @@ def predict(
 
 def outside_engine_ms(run: RunResult) -> float:
     """The run's time to first token outside the workers' engines (the client, the router, the gateway's
-    tokenizing and routing, gRPC both ways, the first SSE event), under the run's own load: how far the
-    client's TTFT distribution lies after the workers' own (`vllm:time_to_first_token_seconds`, from the
-    Generate call to the first token sent), in the middle of it. The workers' figure is a histogram, exact at
-    its bucket bounds only: at a bound b below which a share f of the workers' TTFTs lie, the shift is the
-    client's f-quantile less b (the client's TTFTs are exact). It is the median of those shifts over the bounds
-    with f between 0.1 and 0.9, or, where no bound falls there, the difference of the two means; 0 without
-    figures."""
-    client_s = np.asarray([r.ttft_s for r in run.records if r.ok and r.ttft_s is not None])
+    tokenizing and routing, gRPC both ways, the first SSE event), at the median, under the run's own load: the
+    client's TTFT median less the workers' own (`vllm:time_to_first_token_seconds`, from the Generate call to
+    the first token sent), read from their histogram as Prometheus's `histogram_quantile` reads it (linear
+    within the bucket that holds it, so it is as exact as that bucket is narrow); 0 without figures. A median,
+    not a mean: under load a share of requests waits much longer outside the engines (event loops behind on a
+    busy CPU), which moves the mean far more than the median it is added to."""
+    client_s = [r.ttft_s for r in run.records if r.ok and r.ttft_s is not None]
     buckets = [(float(le), count) for le, count in run.workers["ttft_buckets"].items()]
-    total = buckets[-1][1] if buckets else 0
-    if not len(client_s) or not total:
+    if not client_s or not buckets or not buckets[-1][1]:
         return 0.0
-    shifts = [
-        float(np.quantile(client_s, count / total)) - bound
-        for bound, count in buckets
-        if 0.1 <= count / total <= 0.9 and bound != float("inf")
-    ]
-    if shifts:
-        return float(np.median(shifts)) * 1e3
-    return float(client_s.mean()) * 1e3 - run.workers["ttft_ms_mean"]
+    return (float(np.median(client_s)) - histogram_quantile(0.5, buckets)) * 1e3
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """The q-quantile of a cumulative histogram [(upper bound, count), ...] ascending and ending at +Inf, as
+    Prometheus's `histogram_quantile` reads it: linear within the bucket that holds it, from 0 below the first
+    bound, the last finite bound when it falls in the +Inf bucket."""
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below) if count > below else bound
+        lower, below = bound, count
+    return lower
 
 
 def decoded_ids(
