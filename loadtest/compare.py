@@ -697,14 +697,17 @@ def outside_engine_ms(run: RunResult) -> float:
     tokenizing and routing, gRPC both ways, the first SSE event), at the median, under the run's own load: the
     client's TTFT median less the workers' own (`vllm:time_to_first_token_seconds`, from the Generate call to
     the first token sent), read from their histogram as Prometheus's `histogram_quantile` reads it (linear
-    within the bucket that holds it, so it is as exact as that bucket is narrow); 0 without figures. A median,
-    not a mean: under load a share of requests waits much longer outside the engines (event loops behind on a
-    busy CPU), which moves the mean far more than the median it is added to."""
+    within the bucket that holds it, so only as exact as that bucket is narrow), kept between 0 (no request's
+    client TTFT is below its worker's) and the difference of the two means (exact, from the histogram's sum);
+    0 without figures. A median, not a mean: under load a share of requests waits much longer outside the
+    engines (event loops behind on a busy CPU), which moves the mean far more than the median it is added to."""
     client_s = [r.ttft_s for r in run.records if r.ok and r.ttft_s is not None]
     buckets = [(float(le), count) for le, count in run.workers["ttft_buckets"].items()]
     if not client_s or not buckets or not buckets[-1][1]:
         return 0.0
-    return (float(np.median(client_s)) - histogram_quantile(0.5, buckets)) * 1e3
+    median = (float(np.median(client_s)) - histogram_quantile(0.5, buckets)) * 1e3
+    mean = float(np.mean(client_s)) * 1e3 - run.workers["ttft_ms_mean"]
+    return min(max(median, 0.0), max(mean, 0.0))
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:

@@ -22,7 +22,10 @@ def run_of(engine_s: list[float], outside_s: list[float]) -> RunResult:
         for i, (e, o) in enumerate(zip(engine_s, outside_s, strict=True))
     ]
     ordered = np.sort(engine_s)
-    workers = {"ttft_buckets": {str(b): int(np.searchsorted(ordered, b, side="right")) for b in BOUNDS}}
+    workers = {
+        "ttft_buckets": {str(b): int(np.searchsorted(ordered, b, side="right")) for b in BOUNDS},
+        "ttft_ms_mean": float(np.mean(engine_s)) * 1e3 if engine_s else 0.0,
+    }
     return RunResult(Entry("kvroute", "kv_aware"), records, summarize(records, 30.0, SLO()), workers, {}, 64)
 
 
@@ -51,3 +54,15 @@ def test_a_tail_outside_the_engines_moves_the_median_less_than_the_mean():
     client_ms = np.asarray([r.ttft_s for r in run.records]) * 1e3
     assert client_ms.mean() - np.mean(engine_s) * 1e3 == pytest.approx(38.0, abs=0.5)
     assert 8.0 <= outside_engine_ms(run) <= 16.0
+
+
+def test_a_median_read_from_a_wide_bucket_stays_between_zero_and_the_mean_shift():
+    """Engine TTFTs of 2.6-4.4 s, the client's 20 ms later. In vLLM's (2.5, 5] bucket the histogram's median
+    is 3.75 s, 0.25 s above the exact one, so the reading would be negative: kept at 0 or above. With the
+    median in the +Inf bucket above 3 s, it is read as 3 s, 0.5 s too low: kept at the exact mean shift."""
+    engine_s = [2.6 + 0.0045 * i for i in range(400)]
+    run = run_of(engine_s, [0.02] * 400)
+    run.workers["ttft_buckets"] = {"2.5": 0, "5.0": 400, "+Inf": 400}
+    assert outside_engine_ms(run) == 0.0
+    run.workers["ttft_buckets"] = {"2.0": 0, "3.0": 89, "+Inf": 400}
+    assert outside_engine_ms(run) == pytest.approx(20.0)
