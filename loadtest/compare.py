@@ -267,19 +267,36 @@ def kv_events_config(events_port: int, replay_port: int) -> str:
 
 
 def scrape_counters(metrics_url: str) -> dict[str, float]:
-    """`prompt_tokens`, `prefix_hits` and `requests` from a worker's Prometheus text (vLLM's names)."""
+    """A worker's cumulative figures from its Prometheus text (vLLM's names): `prompt_tokens`, `prefix_hits`,
+    `requests`, `preemptions`, `steps` (engine steps that computed tokens), the seconds its finished requests
+    spent queued (`queue_s`: arrival at the engine to first scheduled) and in prefill (`prefill_s`), and its
+    own time to first token (`ttft_s` over `first_tokens`: from the Generate call to the first token sent) with
+    its cumulative histogram buckets (`ttft_le:BOUND`, seconds)."""
     text = httpx.get(metrics_url, timeout=10.0).text
     wanted = {
         "vllm:prompt_tokens_total": "prompt_tokens",
         "vllm:prefix_cache_hits_total": "prefix_hits",
         "vllm:e2e_request_latency_seconds_count": "requests",
+        "vllm:num_preemptions_total": "preemptions",
+        "vllm:iteration_tokens_total_count": "steps",
+        "vllm:request_queue_time_seconds_sum": "queue_s",
+        "vllm:request_prefill_time_seconds_sum": "prefill_s",
+        "vllm:time_to_first_token_seconds_sum": "ttft_s",
+        "vllm:time_to_first_token_seconds_count": "first_tokens",
     }
     out = dict.fromkeys(wanted.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 out[wanted[sample.name]] += sample.value
+            elif sample.name == "vllm:time_to_first_token_seconds_bucket":
+                key = f"ttft_le:{sample.labels['le']}"
+                out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+# counter_delta's figures of the engines, shown per run
+ENGINE_FIGURES = ("preemptions", "steps", "queue_ms_mean", "prefill_ms_mean", "ttft_ms_mean", "ttft_buckets")
 
 
 def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -287,11 +304,26 @@ def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
     delta = {w: {k: after[w][k] - before[w][k] for k in after[w]} for w in after}
     prompt = sum(d["prompt_tokens"] for d in delta.values())
     hits = sum(d["prefix_hits"] for d in delta.values())
+    requests = sum(d["requests"] for d in delta.values())
+    first = sum(d["first_tokens"] for d in delta.values())
     return {
         "prompt_tokens": int(prompt),
         "prefill_tokens": int(prompt - hits),
         "cached_token_share": hits / prompt if prompt else 0.0,
         "per_worker_requests": {w: int(d["requests"]) for w, d in delta.items()},
+        "preemptions": int(sum(d["preemptions"] for d in delta.values())),
+        "steps": int(sum(d["steps"] for d in delta.values())),
+        "queue_ms_mean": round(sum(d["queue_s"] for d in delta.values()) * 1e3 / requests, 3) if requests else 0.0,
+        "prefill_ms_mean": round(sum(d["prefill_s"] for d in delta.values()) * 1e3 / requests, 3) if requests else 0.0,
+        "ttft_ms_mean": round(sum(d["ttft_s"] for d in delta.values()) * 1e3 / first, 3) if first else 0.0,
+        # The workers' TTFT histogram, merged: {upper bound ("le", seconds): requests at or below it}, ascending.
+        "ttft_buckets": {
+            k.partition(":")[2]: int(sum(d.get(k, 0.0) for d in delta.values()))
+            for k in sorted(
+                {k for d in delta.values() for k in d if k.startswith("ttft_le:")},
+                key=lambda k: float(k.partition(":")[2]),
+            )
+        },
     }
 
 
@@ -312,9 +344,7 @@ async def probe_overhead(fleet: RouterFleet, model: str, probes: int = PROBES) -
     if not via_router:
         return {"p50": float("nan"), "p99": float("nan")}
     routed_ms, direct_ms = np.asarray(via_router) * 1e3, np.asarray(direct) * 1e3
-    return {f"p{p}": float(np.percentile(routed_ms, p) - np.percentile(direct_ms, p)) for p in (50, 99)} | {
-        "direct_p50": float(np.percentile(direct_ms, 50))
-    }
+    return {f"p{p}": float(np.percentile(routed_ms, p) - np.percentile(direct_ms, p)) for p in (50, 99)}
 
 
 @dataclass
@@ -345,6 +375,7 @@ class RunResult:
             "completed": self.summary.completed,
             "requests": self.summary.requests,
             "per_worker_requests": self.workers["per_worker_requests"],
+            "engine": {k: self.workers[k] for k in ENGINE_FIGURES},
             "router_overhead_ms": {k: round(v, 3) for k, v in self.overhead_ms.items()},
             "request_throughput": round(self.summary.request_throughput, 4),
             **({"replay_prediction": self.prediction} if self.prediction else {}),
@@ -570,9 +601,10 @@ def predict(
     carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
     model's text does not, the replay over-predicts that turn's reuse. Each simulated step also takes the
-    workers' measured time per step beyond the cost model (their TPOT p50 less `decode_ms_per_step`). TTFT:
-    the simulated engine's (`ttft_ms`), and with the fleet's fixed latency outside the engine added
-    (`ttft_ms_with_fixed_latency`: the overhead probes' TTFT through the router less a probe's one step)."""
+    workers' measured time per step beyond the cost model (`step_overhead_ms`: their TPOT median less the
+    median the cost model alone gives the same requests, simulated first). TTFT: the simulated engine's
+    (`ttft_ms`), and with the run's measured time outside the engines added (`ttft_ms_with_outside_engine`,
+    `outside_engine_ms`)."""
     from dataclasses import replace
 
     from gateway.admission.auth import OPEN_TENANT, cache_salt
@@ -580,7 +612,7 @@ def predict(
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary
-    from sim.replay import ReplayConfig, replay
+    from sim.replay import ReplayConfig, replay, simulate
     from sim.traces import Trace, TraceRequest
 
     tokenizer = vocabulary(tokenizer_spec).tokenizer
@@ -613,33 +645,84 @@ def predict(
         view_poll_s=PollOptions().poll_interval,
         **sim_costs(config.worker_args),
     )
-    # The workers' own work per step, beyond the cost model: their measured step period (TPOT p50) less it.
-    tpot_ms = run.summary.tpot_ms["p50"] if run.summary.tpot_ms else None
-    if tpot_ms is not None and tpot_ms == tpot_ms:
-        overhead = max(tpot_ms - replay_config.decode_ms_per_step, 0.0)
-        replay_config = replace(replay_config, step_overhead_ms=overhead)
+    # The workers' own work per step, beyond the cost model: their TPOT median less the one the cost model alone
+    # gives the same requests (a decode step's cost and the prefill chunks that share it), simulated first.
+    live_tpot_ms = run.summary.tpot_ms["p50"] if run.summary.tpot_ms else None
+    if live_tpot_ms is not None and live_tpot_ms == live_tpot_ms:
+        _, costed = simulate(trace, run.entry.policy, replay_config)
+        model_tpot_ms = float(np.median([t for t in costed.tpot_samples_ms if t is not None]))
+        replay_config = replace(replay_config, step_overhead_ms=max(live_tpot_ms - model_tpot_ms, 0.0))
     replayed = replay(trace, replay_config)
     result = replayed.policies[run.entry.policy]
-    # The fleet's fixed latency outside the engine (HTTP, router, gRPC, the stream back): the overhead probes'
-    # TTFT through the router less the engine time of a probe's one step on an idle, warm worker.
-    probe = token_ids(BenchRequest(0, 0.0, 1, prompt=" probe" * PROBE_TOKENS), tokenizer)
-    uncached = len(probe) - (len(probe) - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
-    latency = (
-        run.overhead_ms.get("direct_p50", float("nan"))
-        + run.overhead_ms["p50"]
-        - uncached * replay_config.prefill_us_per_token / 1e3
-    )
+    outside = outside_engine_ms(run)
     return {
         "prefill_tokens": result.prefill_tokens,
         "ideal_prefill_tokens": replayed.ideal_prefill_tokens,
         "hit_rate": round(result.hit_rate, 6),
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
-        "fixed_latency_ms": round(latency, 3),
+        "outside_engine_ms": round(outside, 3),
         "step_overhead_ms": round(replay_config.step_overhead_ms, 3),
-        "ttft_ms_with_fixed_latency": {k: round(v + latency, 3) for k, v in result.ttft_ms.items()},
+        "ttft_ms_with_outside_engine": {k: round(v + outside, 3) for k, v in result.ttft_ms.items()},
         "per_worker_requests": dict(zip(names, result.per_replica_requests, strict=False)),
         "reasons": result.reasons,
+        "engine": {
+            "preemptions": result.preemptions,
+            "steps": result.steps,
+            "queue_ms_mean": round(float(np.mean(result.queue_samples_ms)), 3),
+            "prefill_ms_mean": round(float(np.mean(result.prefill_samples_ms)), 3),
+        },
+        # In the order sent, as `requests` above: the replay's worker, cached tokens and TTFT for each request.
+        "per_request": [
+            {
+                "index": record.index,
+                "worker": names[r],
+                "cached_tokens": c,
+                "ttft_ms": round(t, 3),
+                "queue_ms": round(q, 3),
+            }
+            for record, r, c, t, q in zip(
+                sorted(run.records, key=lambda r: r.sent_s),
+                result.replica_of,
+                result.cached_tokens,
+                result.ttft_samples_ms,
+                result.queue_samples_ms,
+                strict=True,
+            )
+        ],
     }
+
+
+def outside_engine_ms(run: RunResult) -> float:
+    """The run's time to first token outside the workers' engines (the client, the router, the gateway's
+    tokenizing and routing, gRPC both ways, the first SSE event), at the median, under the run's own load: the
+    client's TTFT median less the workers' own (`vllm:time_to_first_token_seconds`, from the Generate call to
+    the first token sent), read from their histogram as Prometheus's `histogram_quantile` reads it (linear
+    within the bucket that holds it, so only as exact as that bucket is narrow), kept between 0 (no request's
+    client TTFT is below its worker's) and the difference of the two means (exact, from the histogram's sum);
+    0 without figures. A median, not a mean: under load a share of requests waits much longer outside the
+    engines (event loops behind on a busy CPU), which moves the mean far more than the median it is added to."""
+    client_s = [r.ttft_s for r in run.records if r.ok and r.ttft_s is not None]
+    buckets = [(float(le), count) for le, count in run.workers["ttft_buckets"].items()]
+    if not client_s or not buckets or not buckets[-1][1]:
+        return 0.0
+    median = (float(np.median(client_s)) - histogram_quantile(0.5, buckets)) * 1e3
+    mean = float(np.mean(client_s)) * 1e3 - run.workers["ttft_ms_mean"]
+    return min(max(median, 0.0), max(mean, 0.0))
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """The q-quantile of a cumulative histogram [(upper bound, count), ...] ascending and ending at +Inf, as
+    Prometheus's `histogram_quantile` reads it: linear within the bucket that holds it, from 0 below the first
+    bound, the last finite bound when it falls in the +Inf bucket."""
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below) if count > below else bound
+        lower, below = bound, count
+    return lower
 
 
 def decoded_ids(

@@ -10,9 +10,11 @@ Events, in time order (at equal times: step ends, then publishes, then polls, th
 With `publish_s` = `poll_s` = 0 every gateway reads a replica's events and load at the end of each of its steps.
 
 Per request it records the replica, the policy's reason, the cached prompt tokens the engine reported (its
-first admission's), the time to first token (the end of the step that sampled it, less the arrival) and the
-finish; per replica its busy time (the sum of its steps' costs) and its requests; per arrival the in-flight
-imbalance (max / mean of the replicas' requests routed and not finished, this one counted).
+first admission's), the time to first token (the end of the step that sampled it, less the arrival), the time
+queued (from its arrival at the engine, which is after the step in progress as on a live worker, to its first
+schedule) and in prefill (first schedule to first token), and the finish; per replica its busy time (the sum
+of its steps' costs), its requests, steps and preemptions; per arrival the in-flight imbalance (max / mean of
+the replicas' requests routed and not finished, this one counted).
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class FleetRun:
     requests_per_replica: list[int]
     imbalance: list[float] = field(repr=False)
     peak_in_flight: int = 0  # the most requests in flight on one replica at an arrival
+    queue_s: list[float] = field(default_factory=list, repr=False)  # per request: at the engine to first scheduled
+    prefill_s: list[float] = field(default_factory=list, repr=False)  # per request: first scheduled to first token
+    steps: list[int] = field(default_factory=list)  # per replica: engine steps that computed tokens
+    preemptions: list[int] = field(default_factory=list)  # per replica
 
     @property
     def reason_counts(self) -> dict[str, int]:
@@ -124,6 +130,7 @@ class FleetSim:
         total = len(requests)
         replica_of, reasons = [0] * total, [""] * total
         cached, ttft, finish = [0] * total, [0.0] * total, [0.0] * total
+        queue, prefill = [0.0] * total, [0.0] * total
         started = [False] * total
         in_flight = [0] * n
         imbalance: list[float] = []
@@ -164,6 +171,11 @@ class FleetSim:
                                 ttft[i] = done.at - requests[i].arrival_s
                             if out.finished:
                                 finish[i] = done.at
+                                timings = out.timings
+                                if timings is not None and timings.first_scheduled is not None:
+                                    queue[i] = timings.first_scheduled - timings.arrival
+                                    first_token = timings.first_token or timings.first_scheduled
+                                    prefill[i] = first_token - timings.first_scheduled
                                 in_flight[payload] -= 1
                                 self.gateways[i % g_count].finished(replica.name)
                         self._unpublished[payload].extend(done.events)
@@ -211,6 +223,8 @@ class FleetSim:
         return FleetRun(
             self.names, replica_of, reasons, cached, ttft, finish,
             [r.busy_s for r in self.replicas], [r.requests for r in self.replicas], imbalance, peak_in_flight,
+            queue, prefill, [r.steps for r in self.replicas],
+            [r.engine.scheduler.num_preemptions for r in self.replicas],
         )  # fmt: skip
 
     def _publish(self, r: int) -> None:

@@ -121,6 +121,12 @@ class PolicyResult:
     cached_tokens: list[int] = field(repr=False)  # per request, in trace order
     replica_of: list[int] = field(repr=False)  # per request: the replica's index
     ttft_samples_ms: list[float] = field(repr=False)
+    queue_samples_ms: list[float] = field(repr=False)  # per request: at the engine to first scheduled
+    prefill_samples_ms: list[float] = field(repr=False)  # per request: first scheduled to first token
+    # per request of 2 or more output tokens (None for the others): the time per output token after the first
+    tpot_samples_ms: list[float | None] = field(repr=False)
+    steps: int = 0  # engine steps, all replicas
+    preemptions: int = 0  # all replicas
     vs_one_gateway: float | None = None  # relative hit-rate loss against one gateway (G > 1 only)
 
     def to_json(self) -> dict:
@@ -351,6 +357,14 @@ def _result(policy: str, prepared: list[_Prepared], sim: Simulation, config: Rep
         cached_tokens=run.cached_tokens,
         replica_of=[position[r] for r in run.replica_of],
         ttft_samples_ms=ttft_ms,
+        queue_samples_ms=[t * 1e3 for t in run.queue_s],
+        prefill_samples_ms=[t * 1e3 for t in run.prefill_s],
+        tpot_samples_ms=[
+            (finish - p.arrival_ms / 1e3 - ttft) * 1e3 / (p.output_length - 1) if p.output_length > 1 else None
+            for p, ttft, finish in zip(prepared, run.ttft_s, run.finish_s, strict=True)
+        ],
+        steps=sum(run.steps),
+        preemptions=sum(run.preemptions),
     )
 
 

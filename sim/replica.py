@@ -71,6 +71,7 @@ class SimReplica:
         )
         self.runner = SimRunner(config, cost, clock=self.clock, outputs=self._next_token, outputs_run=self._next_tokens)
         self.engine = LLMEngine(config, clock=self.clock, sim_runner=self.runner, model_id=model_id)
+        self.engine.on_step = self._count_step
         self._answers: dict[str, tuple[Sequence[int], int]] = {}  # request id -> (known answer, filler token)
         self._pending: StepDone | None = None  # the step computed last, delivered at its end
         self._overhead_s = step_overhead_s
@@ -78,6 +79,7 @@ class SimReplica:
         self._run = 0  # plain decode steps from `_run_start` not yet taken (0: none in progress)
         self._run_start = 0.0
         self.busy_s = 0.0  # time spent in steps
+        self.steps = 0  # engine steps that computed tokens, as a live worker counts them (on_step)
         self.requests = 0
 
     @property
@@ -154,6 +156,9 @@ class SimReplica:
         self.busy_s += self.clock.now() - start
         self._forget_finished(outputs)
         return outputs
+
+    def _count_step(self, num_tokens: int) -> None:
+        self.steps += 1
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -95,3 +95,20 @@ def test_a_measured_step_overhead_lengthens_every_step_runs_included():
 
     assert timings(0.0) == (pytest.approx(0.010), pytest.approx(0.010 + 19 * 0.010))
     assert timings(0.001) == (pytest.approx(0.011), pytest.approx(0.011 + 19 * 0.011))
+
+
+def test_a_run_records_each_requests_queue_and_prefill_and_each_replicas_steps_as_a_live_worker_counts_them():
+    """Two requests on one replica whose cache holds one at a time: the second reaches the engine at the end of
+    the step in progress (as on a live worker, whose engine stamps its arrival then) and queues until the first
+    finishes, then prefills in one step; steps are counted as the live worker's `vllm:iteration_tokens_total`
+    counts them, runs of plain decodes included."""
+    requests = [request(0.0, list(range(100)), 20), request(0.001, list(range(500, 600)), 20)]
+    config = FleetConfig(("a",), 8, 16, cost=SimCostModel(100.0, 10.0))  # 8 blocks: one request of 120 tokens
+    fleet = FleetSim(config, [make_policy("round_robin")])
+    run = fleet.run(requests)
+    first_life = 0.010 + 19 * 0.010
+    assert run.queue_s == [0.0, pytest.approx(first_life - 0.010)]
+    assert run.prefill_s == [pytest.approx(0.010), pytest.approx(0.010)]
+    assert run.ttft_s[1] == pytest.approx(first_life - 0.001 + 0.010)
+    assert run.steps == [2 * 20] and run.preemptions == [0]
+    assert run.steps == [fleet.replicas[0].steps]
