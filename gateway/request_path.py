@@ -126,7 +126,9 @@ def fleet_identity(model_id: str, tokenizer: Tokenizer, block_size: int = DEFAUL
 
 
 class RequestPath:
-    """What both front doors call: `generate(request) -> Generation`, `ready()`, and the drain at shutdown."""
+    """What both front doors call: `generate(request) -> Generation`, `ready()`, and the drain at shutdown.
+    `kvroute_backend`: what kvroute workers are forwarded over (default: gRPC, `GrpcBackend`; a worker's own
+    front door passes one that calls its engine in process)."""
 
     def __init__(
         self,
@@ -144,6 +146,7 @@ class RequestPath:
         breakers: CircuitBreakers | None = None,
         clients: WorkerClients | None = None,
         http_backend: HttpBackend | None = None,
+        kvroute_backend: Backend | None = None,
         deadlines: StreamDeadlines | None = None,
         log_prompts: bool = False,
         concurrency: TenantConcurrency | None = None,
@@ -164,7 +167,9 @@ class RequestPath:
         self.clients = clients or WorkerClients()
         http = http_backend or HttpBackend()
         # by WorkerMember.engine: what each worker is forwarded over
-        self.backends: dict[str, Backend] = {"kvroute": GrpcBackend(self.clients), "vllm": http, "sglang": http}
+        self.backends: dict[str, Backend] = {
+            "kvroute": kvroute_backend or GrpcBackend(self.clients), "vllm": http, "sglang": http,
+        }  # fmt: skip
         self.deadlines = deadlines or StreamDeadlines()
         self.log_prompts = log_prompts
         self.concurrency = concurrency or TenantConcurrency(limits)  # shared by the pools of one gateway

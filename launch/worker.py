@@ -1,21 +1,22 @@
-"""`kvroute worker`: a worker (worker.cli_worker, every flag of it) and, with `--http-port`, the OpenAI HTTP
-API for this one worker in the same process, like `vllm serve`.
+"""`kvroute worker`: a worker (worker.cli_worker, every flag of it) and, with `--http-port`, the OpenAI HTTP API for
+this one worker in the same process, like `vllm serve`.
 
     kvroute worker --model smollm2 --port 50051 --http-port 8001
 
-The HTTP side is the gateway's own front door and request path (auth, chat template, tokenizer, stop
-strings, usage with cached tokens) over a fleet of one: this worker, dialled over loopback gRPC. So a worker
-answers HTTP exactly as a gateway does, and other routers (smg, vllm-router) can route over kvroute workers'
-HTTP ports for a side-by-side comparison. It lives here, not in worker/, because worker/ and gateway/ never
-import each other. API keys apply as in the gateway ($KVROUTE_API_KEYS, with $KVROUTE_CACHE_SALT_SECRET_FILE
-or `--allow-derived-salt`), and the front door presents the worker's own token (`--auth-token-file`) to it.
+The HTTP side is the gateway's own front door and request path (auth, chat template, tokenizer, stop strings, usage
+with cached tokens) over a fleet of one: this worker, its membership and load read over loopback gRPC as a gateway
+reads them, its requests handed to its gRPC servicer's `generate` in this process (launch/in_process_backend.py:
+the same admission, metrics and spans as a Generate call, without the loopback hop per request and per token). So a
+worker answers HTTP exactly as a gateway does, and other routers (smg, vllm-router) can route over kvroute workers'
+HTTP ports for a side-by-side comparison. It lives here, not in worker/, because worker/ and gateway/ never import
+each other. API keys apply as in the gateway ($KVROUTE_API_KEYS, with $KVROUTE_CACHE_SALT_SECRET_FILE or
+`--allow-derived-salt`), and the front door presents the worker's own token (`--auth-token-file`) to it.
 
-So that the worker can stand in a vLLM pool (routed by kvroute's `vllm://` workers, llm-d, Dynamo or a
-Gateway API Inference Extension picker), the HTTP port also serves vLLM's `POST /tokenize` and
-`POST /detokenize` (the gateway's own, gateway.frontdoors.http_server), and `GET /metrics` and `GET /health` of its own
-engine (`EngineRoutes`): the engine metrics under vLLM's names (worker.metrics, the same registry as
-`--metrics-port`) where vLLM serves them, on its API port, and a /health that turns 503 when the engine
-stops serving.
+So that the worker can stand in a vLLM pool (routed by kvroute's `vllm://` workers, llm-d, Dynamo or a Gateway API
+Inference Extension picker), the HTTP port also serves vLLM's `POST /tokenize` and `POST /detokenize` (the
+gateway's own, gateway.frontdoors.http_server), and `GET /metrics` and `GET /health` of its own engine
+(`EngineRoutes`): the engine metrics under vLLM's names (worker.metrics, the same registry as `--metrics-port`)
+where vLLM serves them, on its API port, and a /health that turns 503 when the engine stops serving.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
     from gateway.cli_gateway import HttpServer
     from gateway.request_path import RequestPath
+    from launch.in_process_backend import InProcessBackend
     from worker.engine import LLMEngine
     from worker.service import WorkerServer
 
@@ -65,7 +67,7 @@ async def serve(engine: LLMEngine, args: argparse.Namespace) -> int:
     """The worker's own serve (signals, drain, exit codes), with the HTTP front door beside it."""
     front_door = await start_http_front_door(engine, args)
     try:
-        return await cli_worker.serve(engine, args, on_serving=front_door.engine_routes.serve_from)
+        return await cli_worker.serve(engine, args, on_serving=front_door.serve_from)
     finally:
         await front_door.stop()
 
@@ -116,6 +118,12 @@ class FrontDoor:
     http: HttpServer
     request_path: RequestPath
     engine_routes: EngineRoutes
+    backend: InProcessBackend
+
+    def serve_from(self, server: WorkerServer) -> None:
+        """The worker serves: its /metrics, /health and requests from here on."""
+        self.engine_routes.serve_from(server)
+        self.backend.serve_from(server)
 
     async def stop(self) -> None:
         await self.http.stop()
@@ -133,6 +141,7 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.routing.router import make_policy
     from gateway.worker_client import WorkerClients
+    from launch.in_process_backend import InProcessBackend
 
     block_size = engine.config.block_size
     identity = fleet_identity(engine.model_id, engine.tokenizer, block_size)
@@ -143,9 +152,10 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
         auth = Authenticator.from_config(None, allow_derived_salt=args.allow_derived_salt)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    backend = InProcessBackend()
     request_path = RequestPath(
         fleet, make_policy("round_robin"), engine.tokenizer, engine.model_id, args.model, auth, limits,
-        GatewayMetrics(args.model), block_size=block_size, clients=WorkerClients(token),
+        GatewayMetrics(args.model), block_size=block_size, clients=WorkerClients(token), kvroute_backend=backend,
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
     engine_routes = EngineRoutes()
@@ -153,7 +163,7 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     host = args.http_host or args.host
     http = HttpServer.start(app, host, args.http_port)
     print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)
-    return FrontDoor(http, request_path, engine_routes)
+    return FrontDoor(http, request_path, engine_routes, backend)
 
 
 def dial_host(host: str) -> str:

@@ -420,10 +420,12 @@ def _run(
 
 
 def simulate(trace: Trace, policy: str, config: ReplayConfig) -> tuple[Simulation, PolicyResult]:
-    """Run one policy through one gateway (the shared view): the finished simulation and its result."""
+    """Run one policy through `config.gateways` gateways, each seeing the shared view or only its own decisions
+    as `config.shared_view` says (one gateway: always the shared view): the finished simulation and its result.
+    Unlike `replay`, no other run (one gateway, the oracle) is added."""
     prepared = _prepare(trace, config.model_id)
     _check_fits(trace, prepared, config)
-    sim = _simulate(trace, prepared, policy, 1, True, config, lambda: None)
+    sim = _simulate(trace, prepared, policy, config.gateways, config.shared_view, config, lambda: None)
     return sim, _result(policy, prepared, sim, config)
 
 

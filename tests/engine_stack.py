@@ -136,7 +136,7 @@ class EngineStack(LoopThreadStack):
             model="sim", allow_derived_salt=False, auth_token_file=None,
         )  # fmt: skip
         front_door = await start_http_front_door(engine, args)
-        front_door.engine_routes.serve_from(server)  # its /metrics and /health: the engine's own
+        front_door.serve_from(server)  # its /metrics, /health and requests: the engine's own, in this process
         if index == len(self.workers):
             self.engines.append(engine)
             self.workers.append(server)

@@ -291,6 +291,9 @@ class SnapshotLimiter:
 # -- the servicer ------------------------------------------------------------------------------------
 
 
+GENERATE_ERRORS = (InvalidRequest, EngineOverloaded, EngineStopped, EngineError)  # what `generate` raises
+
+
 def status_code(exc: Exception) -> grpc.StatusCode:
     """The gRPC status of an error raised by AsyncEngine before or while it streams a request."""
     if isinstance(exc, RequestIdInUse):
@@ -338,8 +341,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        try:
+            async with aclosing(self.generate(request)) as responses:
+                async for response in responses:
+                    yield response
+        except GENERATE_ERRORS as exc:
+            await context.abort(status_code(exc), str(exc))
+
+    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """Generate's stream without its transport, for a front door in this process (launch.worker): the same
+        admission, metrics, spans and block-hash check. Raises one of GENERATE_ERRORS (`status_code` names its
+        gRPC status) before or while it streams; closing it (or cancelling its task) aborts the request, which
+        frees its blocks."""
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
+            raise EngineStopped("worker is draining; send the request elsewhere")
         request_id = request.request_id or uuid.uuid4().hex
         span = tracing.start_generate_span(
             request_id, dict(request.trace_context), self.info.model_id, len(request.prompt_token_ids)
@@ -354,11 +369,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async with aclosing(self._stream(request_id, request, params, timer, span)) as responses:
                 async for response in responses:
                     yield response
-        except (InvalidRequest, EngineOverloaded, EngineStopped, EngineError) as exc:
+        except GENERATE_ERRORS as exc:
             if isinstance(exc, EngineOverloaded):
                 self.metrics.requests_refused.labels(self.metrics.model_name, exc.limit).inc()
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-            await context.abort(status_code(exc), str(exc))
+            raise
         finally:
             span.end()
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -115,6 +115,60 @@ class Backend(Protocol):
     def release(self, address: str) -> None: ...
 
 
+def generate_request(job: ForwardJob, choice: int) -> worker_pb2.GenerateRequest:
+    """One choice of `job` as a kvroute worker's `Generate` takes it."""
+    return worker_pb2.GenerateRequest(
+        request_id=job.choice_id(choice),
+        prompt_token_ids=job.prompt_ids,
+        sampling=sampling_to_proto(dataclasses.replace(job.params, seed=job.seed(choice))),
+        cache_salt=job.salt,
+        block_hashes=job.hashes,
+        trace_context=job.trace_context,
+    )
+
+
+class QueuedCall:
+    """A BackendCall whose messages a producer task puts in a small queue (`_QUEUE_DEPTH`: a slow reader slows
+    the producer, nothing piles up): `read` takes the next one (raising an exception put there), `cancel` cancels
+    the producer and wakes a pending read. A subclass starts its producer with `_start(coroutine, name)`; the
+    producer ends by putting `grpc.aio.EOF` or an exception."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(_QUEUE_DEPTH)
+        self._cancelled = False
+        self._task: asyncio.Task[None] | None = None
+
+    def _start(self, producer: Coroutine[Any, Any, None], name: str) -> None:
+        self._task = asyncio.get_running_loop().create_task(producer, name=name)
+
+    async def read(self) -> Any:
+        if self._cancelled:
+            raise asyncio.CancelledError
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        if self._cancelled:
+            return False
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()
+        with contextlib.suppress(asyncio.QueueFull):  # wake a pending read; a full queue has no reader waiting
+            self._queue.put_nowait(asyncio.CancelledError())
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """End the call from the backend's side (its worker went away): the producer is cancelled, what it had
+        queued is dropped, and the next read raises `error`."""
+        if self._task is not None:
+            self._task.cancel()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(error)
+
+
 class GrpcBackend:
     """kvroute workers: `kvroute.v1.Worker.Generate` over kept channels (gateway.worker_client)."""
 
@@ -122,15 +176,7 @@ class GrpcBackend:
         self.clients = clients
 
     def open(self, member: WorkerMember, job: ForwardJob, choice: int) -> BackendCall:
-        message = worker_pb2.GenerateRequest(
-            request_id=job.choice_id(choice),
-            prompt_token_ids=job.prompt_ids,
-            sampling=sampling_to_proto(dataclasses.replace(job.params, seed=job.seed(choice))),
-            cache_salt=job.salt,
-            block_hashes=job.hashes,
-            trace_context=job.trace_context,
-        )
-        return self.clients.stub(member.address).Generate(message)
+        return self.clients.stub(member.address).Generate(generate_request(job, choice))
 
     def release(self, address: str) -> None:
         self.clients.release(address)
@@ -236,7 +282,7 @@ def _sampling_body(params: SamplingParams, request: GatewayRequest) -> dict[str,
     return body
 
 
-class HttpCall:
+class HttpCall(QueuedCall):
     """One choice's request to an HTTP engine, read as `EngineDelta`s (the BackendCall contract). The request
     is sent at once, by a task that reads the engine's server-sent events as they arrive (no buffering past
     `_QUEUE_DEPTH` events) and closes the connection when cancelled. The choice's finish is held back until
@@ -245,27 +291,9 @@ class HttpCall:
     def __init__(
         self, client: aiohttp.ClientSession, path: str, body: dict[str, Any], chat: bool, headers: dict[str, str]
     ) -> None:
+        super().__init__()
         self._chat = chat
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(_QUEUE_DEPTH)
-        self._cancelled = False
-        self._task = asyncio.get_running_loop().create_task(self._run(client, path, body, headers), name=f"http {path}")
-
-    async def read(self) -> Any:
-        if self._cancelled:
-            raise asyncio.CancelledError
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> bool:
-        if self._cancelled:
-            return False
-        self._cancelled = True
-        self._task.cancel()
-        with contextlib.suppress(asyncio.QueueFull):  # wake a pending read; a full queue has no reader waiting
-            self._queue.put_nowait(asyncio.CancelledError())
-        return True
+        self._start(self._run(client, path, body, headers), f"http {path}")
 
     async def _run(
         self, client: aiohttp.ClientSession, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -296,9 +324,9 @@ class HttpCall:
         except grpc.aio.AioRpcError as exc:
             await self._queue.put(exc)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            await self._queue.put(_rpc_error(grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}"))
+            await self._queue.put(rpc_error(grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}"))
         except (ValueError, TypeError, KeyError) as exc:
-            await self._queue.put(_rpc_error(grpc.StatusCode.INTERNAL, f"the engine sent a malformed event: {exc}"))
+            await self._queue.put(rpc_error(grpc.StatusCode.INTERNAL, f"the engine sent a malformed event: {exc}"))
 
     def _delta(self, event: dict[str, Any]) -> EngineDelta | None:
         """The event's choice as an EngineDelta; None for an event without one (the usage event)."""
@@ -344,7 +372,7 @@ def _event(data: bytes) -> dict[str, Any]:
     error = event.get("error")
     if error:  # vLLM and SGLang end a failing stream with an error event
         message = error.get("message") if isinstance(error, dict) else str(error)
-        raise _rpc_error(grpc.StatusCode.INTERNAL, f"the engine failed the stream: {message}")
+        raise rpc_error(grpc.StatusCode.INTERNAL, f"the engine failed the stream: {message}")
     return event
 
 
@@ -403,11 +431,12 @@ async def _http_error(response: aiohttp.ClientResponse) -> grpc.aio.AioRpcError:
     code = _STATUS_CODES.get(response.status)
     if code is None:
         code = grpc.StatusCode.INVALID_ARGUMENT if response.status < 500 else grpc.StatusCode.INTERNAL
-    return _rpc_error(code, f"HTTP {response.status}: {message}" if code not in _CLIENT_CODES else message)
+    return rpc_error(code, f"HTTP {response.status}: {message}" if code not in _CLIENT_CODES else message)
 
 
 _CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A failure as a gRPC call raises it, for a backend that is not gRPC (the request path books them alike)."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
