@@ -518,38 +518,23 @@ async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | N
     return runner, session
 
 
-def test_an_engine_named_by_id_joins_answers_and_is_labelled_by_that_id() -> None:
-    """`id=` names the engine (what the ring places by, what `x-kvroute-worker` and the metrics say), its
-    address still being where it is reached; with dp=2 its ranks are `<id>/dp<r>`."""
-    options = EngineStackOptions(
-        workers=1, api_keys=None, specs=lambda ports: [f"vllm://127.0.0.1:{ports[0]}?id=pod-a&dp=2"]
-    )
-    with EngineStack(options) as stack:
-        ranks = ["pod-a/dp0", "pod-a/dp1"]
-        _wait(lambda: sorted(m.worker_id for m in stack.fleet.members()) == ranks)
-        assert {m.address for m in stack.fleet.members()} == {f"127.0.0.1:{stack.http_ports[0]}"}
-        response = post(stack, "/v1/completions", {"prompt": f"named {LONG}", "max_tokens": 1})
-        assert response.status_code == 200 and response.headers["x-kvroute-worker"] in ranks, response.text
-        metrics = generate_latest(stack.request_path.metrics.registry).decode()
-        assert f'worker="{label_value(response.headers["x-kvroute-worker"])}"' in metrics
-
-
 def test_each_data_parallel_rank_is_a_routing_target_and_its_requests_carry_the_rank() -> None:
-    """One engine (a kvroute worker behind a proxy that records what arrives) named with dp=2: two members,
-    `host:port/dp0` and `/dp1`, each fed by its own rank's events (on the events port + rank, stamped with the
-    rank); a prompt whose blocks only rank 1 holds goes to rank 1, sent with `X-data-parallel-rank: 1`."""
+    """One engine (a kvroute worker behind a proxy that records what arrives) named with dp=2 and id=pod-a: two
+    members, `pod-a/dp0` and `/dp1` (the id in place of the address: what the ring places by, the header and the
+    metrics say), each fed by its own rank's events (on the events port + rank, stamped with the rank); a prompt
+    whose blocks only rank 1 holds goes to rank 1, sent with `X-data-parallel-rank: 1`."""
     ctx = zmq.Context()
     sockets, events = _consecutive_pub_sockets(ctx, 2)
     proxy_port, seen = free_port(), []
     options = EngineStackOptions(
         workers=1, api_keys=None,
-        specs=lambda _: [f"vllm://127.0.0.1:{proxy_port}?events=tcp://127.0.0.1:{events}&dp=2"],
+        specs=lambda _: [f"vllm://127.0.0.1:{proxy_port}?events=tcp://127.0.0.1:{events}&dp=2&id=pod-a"],
     )  # fmt: skip
     try:
         with EngineStack(options) as stack:
             runner, session = stack.call(_recording_proxy(proxy_port, stack.http_ports[0], seen))
             try:
-                ranks = [f"127.0.0.1:{proxy_port}/dp{r}" for r in range(2)]
+                ranks = ["pod-a/dp0", "pod-a/dp1"]
                 _wait(lambda: sorted(m.worker_id for m in stack.fleet.members()) == ranks)
                 assert {m.address for m in stack.fleet.members()} == {f"127.0.0.1:{proxy_port}"}
                 prompt = "ranks " + LONG
@@ -574,6 +559,8 @@ def test_each_data_parallel_rank_is_a_routing_target_and_its_requests_carry_the_
                 assert response.headers["x-kvroute-worker"] == ranks[1]
                 assert "reason=hit; matched_blocks=4" in response.headers["x-kvroute-route"]
                 assert ("/v1/completions", "1") in seen
+                metrics = generate_latest(stack.request_path.metrics.registry).decode()
+                assert f'worker="{label_value(ranks[1])}"' in metrics
                 drops = stack.fleet.counters.kv_event_drops
                 assert drops.get((ranks[0], "foreign_rank"), 0) > 0 and (ranks[1], "foreign_rank") not in drops
             finally:

@@ -32,15 +32,17 @@ def two_free_ports() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
-def wait_ready(port: int, fleet: Fleet, timeout: float = 120) -> None:
-    """Until 20 connections in a row find /ready (the kernel deals each to a process: all of them are)."""
+def wait_ready(port: int, fleet: Fleet, timeout: float = 120, workers: int = 2) -> None:
+    """Until 20 connections in a row find /ready with `workers` routable workers (the kernel deals each to a
+    process: all of them see the whole fleet; a worker still starting would take no prompt)."""
     deadline = time.monotonic() + timeout
     in_a_row = 0
     while time.monotonic() < deadline:
         assert fleet.exited() is None, fleet.exited()
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-                in_a_row = in_a_row + 1 if response.status == 200 else 0
+                seen = json.loads(response.read()).get("workers", 0) if response.status == 200 else 0
+                in_a_row = in_a_row + 1 if seen == workers else 0
         except OSError:
             in_a_row = 0
         if in_a_row == 20:
