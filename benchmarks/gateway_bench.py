@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cpu_time import median_cpu_us
 from launch.fleet import Fleet, free_port, kvroute_argv
 
 SYSTEM = "You are a concise assistant for a bicycle shop. Answer in one short sentence. " * 6
@@ -396,14 +397,7 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
     policy = make_policy("kv_aware")
 
     def median_us(fn: Callable[[], object]) -> float:
-        """The median CPU time of this process (its threads and the tokenizer's alike; nothing else runs in
-        it yet), so that other jobs on a shared machine do not count."""
-        times = []
-        for _ in range(repeats):
-            start = time.process_time()
-            fn()
-            times.append(time.process_time() - start)
-        return statistics.median(times) * 1e6
+        return median_cpu_us(fn, repeats)
 
     template_tokenize = median_us(lambda: tokenizer.encode_chat(messages))
     # The floor: the `tokenizers` library's own encode of the same rendered text (special tokens parsed from

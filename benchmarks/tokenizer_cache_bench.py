@@ -42,6 +42,8 @@ def measure(repeats: int) -> dict[str, float]:
     counter = iter(range(10**9))
 
     def median_us(fn: Callable[[], object]) -> float:
+        # Not benchmarks.cpu_time's: this function also runs under another tree's sys.path (`measure_tree`),
+        # so it imports nothing of this checkout's but kvroute.
         times = []
         for _ in range(repeats):
             start = time.process_time()
