@@ -53,23 +53,17 @@ class InProcessCall(QueuedCall):
         on_end: Callable[[InProcessCall], None],
     ) -> None:
         super().__init__()
-        self._start(self._run(servicer, request, on_end), f"generate {request.request_id}")
+        task = self._start(self._run(servicer, request), f"generate {request.request_id}")
+        task.add_done_callback(lambda _: on_end(self))  # however it ends, cancelled before its first step too
 
-    async def _run(
-        self,
-        servicer: WorkerServicer | None,
-        request: worker_pb2.GenerateRequest,
-        on_end: Callable[[InProcessCall], None],
-    ) -> None:
+    async def _run(self, servicer: WorkerServicer | None, request: worker_pb2.GenerateRequest) -> None:
+        if servicer is None:
+            await self._queue.put(rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker is not serving yet"))
+            return
         try:
-            if servicer is None:
-                await self._queue.put(rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker is not serving yet"))
-                return
             async with aclosing(servicer.generate(request)) as responses:
                 async for response in responses:
                     await self._queue.put(response)
             await self._queue.put(grpc.aio.EOF)
         except GENERATE_ERRORS as exc:
             await self._queue.put(rpc_error(status_code(exc), str(exc)))
-        finally:
-            on_end(self)

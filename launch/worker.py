@@ -140,7 +140,6 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.routing.router import make_policy
-    from gateway.worker_client import WorkerClients
     from launch.in_process_backend import InProcessBackend
 
     block_size = engine.config.block_size
@@ -155,7 +154,7 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     backend = InProcessBackend()
     request_path = RequestPath(
         fleet, make_policy("round_robin"), engine.tokenizer, engine.model_id, args.model, auth, limits,
-        GatewayMetrics(args.model), block_size=block_size, clients=WorkerClients(token), kvroute_backend=backend,
+        GatewayMetrics(args.model), block_size=block_size, kvroute_backend=backend,
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
     engine_routes = EngineRoutes()

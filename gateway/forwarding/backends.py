@@ -138,8 +138,9 @@ class QueuedCall:
         self._cancelled = False
         self._task: asyncio.Task[None] | None = None
 
-    def _start(self, producer: Coroutine[Any, Any, None], name: str) -> None:
+    def _start(self, producer: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         self._task = asyncio.get_running_loop().create_task(producer, name=name)
+        return self._task
 
     async def read(self) -> Any:
         if self._cancelled:

@@ -141,10 +141,9 @@ class RoundRobin(RoutingPolicy):
     def _pick(self, request: RouteRequest, fleet: FleetView, members: tuple[str, ...]) -> RouteDecision:
         # The turn indexes every member, so an excluded one passes its turn to the next member after it (a
         # retry, or the picker's list of fallbacks, walks on in the rotation instead of restarting it).
-        turn = self._turn % len(members)
-        live = fleet.index_of
-        replica = next(r for r in (*members[turn:], *members[:turn]) if r in live)
-        return RouteDecision(replica, "round_robin")
+        n, live = len(members), fleet.index_of
+        rotation = (members[(self._turn + k) % n] for k in range(n))  # lazily: the first is live but on a retry
+        return RouteDecision(next(r for r in rotation if r in live), "round_robin")
 
     def observe(self, request: RouteRequest, decision: RouteDecision) -> None:
         self._turn += 1
