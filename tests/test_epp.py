@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -18,12 +19,14 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
-from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions, stack_fixture
+from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, LoopThreadStack, StackOptions, stack_fixture
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.cli_epp import EndpointPicker, start_picker
 from gateway.frontdoors.ext_proc import DESTINATION, SERVED, EndpointMap, Picker
+from gateway.pools import Pools
+from gateway.request_path import RequestPath
 
 ROOT = Path(__file__).resolve().parents[1]
 stack = stack_fixture(StackOptions(model="sim", workers=2))
@@ -31,14 +34,24 @@ ENDPOINTS = {"w0": "10.0.0.1:8000", "w1": "10.0.0.2:8000"}  # nothing dials them
 LONG = "Answer as the hardware shop's assistant would, in one sentence. " * 12
 
 
+@contextmanager
+def serving_picker(stack: LoopThreadStack, path: Pools | RequestPath, mapping: EndpointMap) -> Iterator[EndpointPicker]:
+    """A picker over `path` (a request path, or several models' pools) serving in `stack`'s loop, stopped after."""
+    picker = Picker(path, mapping, max_body_bytes=64 * 1024, default_max_tokens=16)
+    running = stack.call(start_picker(picker, "127.0.0.1", 0))
+    try:
+        yield running
+    finally:
+        stack.call(running.stop(0))
+
+
 @pytest.fixture(scope="module")
 def epp(stack: GatewayStack) -> Iterator[EndpointPicker]:
     workers = sorted(m.worker_id for m in stack.request_path.fleet.members())
-    mapping = EndpointMap(dict(zip(workers, ENDPOINTS.values(), strict=True)))
-    picker = Picker(stack.request_path, mapping, max_body_bytes=64 * 1024, default_max_tokens=16)
-    running = stack.call(start_picker(picker, "127.0.0.1", 0))
-    yield running
-    stack.call(running.stop(0))
+    with serving_picker(
+        stack, stack.request_path, EndpointMap(dict(zip(workers, ENDPOINTS.values(), strict=True)))
+    ) as running:
+        yield running
 
 
 @pytest.fixture()

@@ -20,15 +20,15 @@ import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_epp import Exchange, _bodies, _destination, _request_headers
+from test_epp import Exchange, _bodies, _destination, _request_headers, serving_picker
 from test_epp_envoy import _spawn, _wait
 
 from gateway.admission.auth import Authenticator, cache_salt, key_sha256
 from gateway.admission.limits import TenantConcurrency
-from gateway.cli_epp import EndpointPicker, start_picker
+from gateway.cli_epp import EndpointPicker
 from gateway.cli_gateway import HttpServer
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
-from gateway.frontdoors.ext_proc import EndpointMap, Picker
+from gateway.frontdoors.ext_proc import EndpointMap
 from gateway.frontdoors.grpc_server import start_grpc_server
 from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
@@ -350,10 +350,8 @@ def endpoints(stack: PoolsStack) -> dict[str, set[str]]:
 def epp(stack: PoolsStack, endpoints: dict[str, set[str]]) -> Iterator[EndpointPicker]:
     members = sorted(stack.pools.members(), key=lambda m: m.worker_id)
     mapping = EndpointMap({m.worker_id: f"10.0.1.{i + 1}:8000" for i, m in enumerate(members)})
-    picker = Picker(stack.pools, mapping, max_body_bytes=64 * 1024, default_max_tokens=16)
-    running = stack.call(start_picker(picker, "127.0.0.1", 0))
-    yield running
-    stack.call(running.stop(0))
+    with serving_picker(stack, stack.pools, mapping) as running:
+        yield running
 
 
 @pytest.fixture()
