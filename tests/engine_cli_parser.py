@@ -21,6 +21,15 @@ import os
 import sys
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | dict:
+    """The parsed flags, or `{"error": the parser's last line}` for an argv it refuses."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            return parser.parse_args(argv)
+    except SystemExit:
+        return {"error": err.getvalue().strip().splitlines()[-1]}
+
+
 def parse_sglang(argvs: list[list[str]]) -> list[dict]:
     from sglang.srt.disaggregation.kv_events import KVEventsConfig
     from sglang.srt.server_args import ServerArgs
@@ -29,11 +38,9 @@ def parse_sglang(argvs: list[list[str]]) -> list[dict]:
     for argv in argvs:
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
-        try:
-            with contextlib.redirect_stderr(io.StringIO()) as err:
-                args = parser.parse_args(argv)
-        except SystemExit:
-            out.append({"error": err.getvalue().strip().splitlines()[-1]})
+        args = _parse(parser, argv)
+        if isinstance(args, dict):
+            out.append(args)
             continue
         events = KVEventsConfig.from_cli(args.kv_events_config).model_dump() if args.kv_events_config else None
         out.append({
@@ -57,11 +64,9 @@ def parse_vllm(argvs: list[list[str]]) -> list[dict]:
     out = []
     for argv in argvs:
         parser = make_arg_parser(FlexibleArgumentParser())
-        try:
-            with contextlib.redirect_stderr(io.StringIO()) as err:
-                args = parser.parse_args(argv)
-        except SystemExit:
-            out.append({"error": err.getvalue().strip().splitlines()[-1]})
+        args = _parse(parser, argv)
+        if isinstance(args, dict):
+            out.append(args)
             continue
         engine = EngineArgs.from_cli_args(args)
         events = engine.kv_events_config
