@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvroute.gguf_file import gguf_field, read_gguf
+from kvroute.gguf_file import GGUFFile, gguf_field, read_gguf
 from worker.model.config import LlamaConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -34,7 +34,7 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def read_gguf_config(reader: gguf.GGUFReader) -> LlamaConfig:
+def read_gguf_config(reader: GGUFFile) -> LlamaConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -84,11 +84,11 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFFile, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor, dequantised one at a time."""
     permuted = gguf_field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
-        shape = tuple(reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+        shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
         if permuted and ".attn_q." in tensor.name:
             w = unpermute_qk(w, config.num_attention_heads)
@@ -97,6 +97,6 @@ def iter_gguf_weights(reader: gguf.GGUFReader, config: LlamaConfig) -> Iterator[
         yield hf_name(tensor.name), torch.from_numpy(np.require(w, requirements=["C", "W"]))
 
 
-def open_gguf(path: Path) -> tuple[gguf.GGUFReader, LlamaConfig]:
+def open_gguf(path: Path) -> tuple[GGUFFile, LlamaConfig]:
     reader = read_gguf(path)
     return reader, read_gguf_config(reader)
