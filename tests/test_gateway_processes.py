@@ -52,10 +52,14 @@ def wait_ready(port: int, fleet: Fleet, timeout: float = 120, workers: int = 2) 
 
 
 def chat(port: int, text: str) -> str:
-    """One request on a connection of its own (so the kernel deals it to either process): its worker."""
+    """One request on a connection of its own (so the kernel deals it to either process): its worker. The
+    text is the system message, so that no two prompts share a block (under the template's default system
+    prompt they would share one, and kv_aware sends a new prompt to that block's holder once its KV events
+    are in the view: rule 4 of gateway/routing/router.py)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        body = {"model": "sim", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Open today?"}]
+        body = {"model": "sim", "messages": messages, "max_tokens": 2}
         connection.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
         response = connection.getresponse()
         assert response.status == 200, response.read()
