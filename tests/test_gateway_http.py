@@ -440,7 +440,7 @@ def test_request_id_is_echoed_or_generated(client: httpx.Client) -> None:
 
 
 def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(client: httpx.Client) -> None:
-    """The generation endpoints are served straight from ASGI (HotPaths), the rest through Starlette: a
+    """The generation endpoints are served by the HTTP protocol itself (HotCycle), the rest through Starlette: a
     chunked body and a repeated header (the first counts) read the same way, and a wrong method is a 405 in
     OpenAI's error shape."""
 
