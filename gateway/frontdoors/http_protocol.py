@@ -374,6 +374,7 @@ class HotCycle:
     ) -> None:
         self.protocol = protocol
         self.endpoint = endpoint
+        self.target = protocol.url  # the request line's, for the log
         self.headers = headers
         self.keep_alive = keep_alive  # uvicorn's shutdown clears it
         self.waiting_for_100_continue = expect_100_continue
@@ -428,11 +429,11 @@ class HotCycle:
             if not self.disconnected:
                 raise
         except Exception:
-            logger.exception("POST %r failed", self.protocol.url[:40])
+            logger.exception("POST %r failed", self.target[:40])
             self.protocol.transport.close()
         else:
             if not self.response_complete and not self.disconnected:
-                logger.error("POST %r: the endpoint returned without completing its response", self.protocol.url[:40])
+                logger.error("POST %r: the endpoint returned without completing its response", self.target[:40])
                 self.protocol.transport.close()
 
     # -- the endpoint's side (Exchange) --------------------------------------------------------------------
@@ -459,6 +460,8 @@ class HotCycle:
             return None
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        if self.protocol.flow.write_paused and not self.disconnected:
+            await self.protocol.flow.drain()  # a pipelined request's answer waits for the one before it to drain
         if self.disconnected:
             return
         head = self._head(status, headers, b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
