@@ -124,6 +124,11 @@ class HotEndpoint(Protocol):
         ...
 
 
+def internal_error() -> GatewayError:
+    """The 500 of a request whose handling failed (and was logged)."""
+    return GatewayError("the server failed to answer this request; it has been logged")
+
+
 def body_too_large(size: int, limit: int) -> BodyTooLarge:
     return BodyTooLarge(f"request body has {size} bytes or more; this server accepts at most {limit}")
 
@@ -430,6 +435,10 @@ class HotCycle:
                 raise
         except Exception:
             logger.exception("POST %r failed", self.target[:40])
+            if not self.response_started and not self.disconnected:  # as uvicorn's cycle answers, in OpenAI's body
+                error = internal_error()
+                self.keep_alive = False
+                await self.respond(error.http_status, {}, orjson.dumps(error.to_openai()))
             self.protocol.transport.close()
         else:
             if not self.response_complete and not self.disconnected:
@@ -499,11 +508,11 @@ class HotCycle:
     def _head(self, status: int, headers: Mapping[str, str], fixed: bytes) -> bytes:
         """The status line and headers; `headers`' values are checked as uvicorn checks them (no CR, LF or
         other controls), the rest are this module's."""
-        self.response_started = True
-        self.waiting_for_100_continue = False
         values = [value.encode("latin-1") for value in headers.values()]
         if HEADER_VALUE_RE.search(b"".join(values)):
             raise RuntimeError("Invalid HTTP header value.")
+        self.response_started = True
+        self.waiting_for_100_continue = False
         parts = [STATUS_LINE[status]]
         for name, value in self.protocol.server_state.default_headers:
             parts += [name, b": ", value, b"\r\n"]

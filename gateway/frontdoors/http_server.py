@@ -50,7 +50,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.admission.auth import Authenticator
 from gateway.admission.limits import Limits
 from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
-from gateway.frontdoors.http_protocol import Exchange, body_too_large
+from gateway.frontdoors.http_protocol import Exchange, body_too_large, internal_error
 from gateway.frontdoors.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -238,7 +238,7 @@ class GenerationEndpoint:
             )
         except Exception:
             logger.exception("POST %s failed", self.path)
-            reply = error_reply(_internal_error())
+            reply = error_reply(internal_error())
         if isinstance(reply, StreamReply):
             try:
                 await exchange.stream(reply.headers, reply.events)
@@ -582,7 +582,7 @@ class Renderer:
             yield sse(exc.to_openai())
         except Exception:  # a bug, not the client's: the stream still ends in OpenAI's shape
             logger.exception("stream %s failed", self.generation.request_id)
-            yield sse(_internal_error().to_openai())
+            yield sse(internal_error().to_openai())
         finally:
             await self.generation.aclose()
         yield SSE_DONE
@@ -767,10 +767,6 @@ def error_response(exc: GatewayError, headers: dict[str, str] | None = None) -> 
     return reply_response(error_reply(exc, headers))
 
 
-def _internal_error() -> GatewayError:
-    return GatewayError("the server failed to answer this request; it has been logged")
-
-
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (no such route, wrong method) in OpenAI's error shape."""
     assert isinstance(exc, HTTPException)
@@ -781,7 +777,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 async def _unexpected_exception(request: Request, exc: Exception) -> Response:
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(_internal_error())
+    return error_response(internal_error())
 
 
 # -- the OpenAPI document ----------------------------------------------------------------------------------------
