@@ -133,12 +133,13 @@ def build_app(
     everything else through Starlette's routing (the same endpoints are routes there too: a wrong method is
     Starlette's 405, and any other ASGI server reaches them there)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
-    completions = GenerationEndpoint(server, CompletionRequest, CompletionRenderer)
-    chat_completions = GenerationEndpoint(server, ChatCompletionRequest, ChatRenderer)
+    generation = (
+        GenerationEndpoint(server, "/v1/completions", CompletionRequest, CompletionRenderer),
+        GenerationEndpoint(server, "/v1/chat/completions", ChatCompletionRequest, ChatRenderer),
+    )
     routes = [
         *extra_routes,
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *(Route(endpoint.path, endpoint, methods=["POST"]) for endpoint in generation),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.list_models, methods=["GET"]),
@@ -151,10 +152,8 @@ def build_app(
         routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception}
     )
     taken = {path for route in extra_routes if (path := getattr(route, "path", None))}
-    hot = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
-    return AuthenticateFirst(
-        app, request_path=request_path, hot_endpoints={p.encode(): e for p, e in hot.items() if p not in taken}
-    )
+    hot = {endpoint.path.encode(): endpoint for endpoint in generation if endpoint.path not in taken}
+    return AuthenticateFirst(app, request_path=request_path, hot_endpoints=hot)
 
 
 class AuthenticateFirst:
@@ -221,12 +220,14 @@ class GenerationEndpoint:
     (gateway.frontdoors.http_protocol.HotCycle, `serve`), or ASGI's (`__call__`, Starlette's route). An
     exception that escapes the request path is logged and answered 500 in OpenAI's shape."""
 
-    def __init__(self, server: OpenAIServer, wire_type: type[SamplingFields], renderer_type: type[Renderer]) -> None:
+    def __init__(
+        self, server: OpenAIServer, path: str, wire_type: type[SamplingFields], renderer_type: type[Renderer]
+    ) -> None:
         self.server = server
+        self.path = path
         self.wire_type = wire_type
         self.renderer_type = renderer_type
         self.max_body_bytes = server.max_body_bytes
-        self.path = "/v1/completions" if wire_type is CompletionRequest else "/v1/chat/completions"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.serve(AsgiExchange(scope, receive, send, self.max_body_bytes))
