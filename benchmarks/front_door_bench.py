@@ -1,10 +1,11 @@
 """The HTTP front door's own cost per request: gateway.frontdoors.http_server.build_app served by uvicorn (uvloop,
-httptools) over a request path that answers at once (16 chunks of one token, no worker), against a bare
-Starlette JSON endpoint on the same server setup, measured in the same run.
+httptools, the gateway's protocol: gateway.frontdoors.http_protocol) over a request path that answers at once
+(16 chunks of one token, no worker), against a bare Starlette JSON endpoint on the same server setup, measured
+in the same run.
 
 Run: python -m benchmarks.front_door_bench
 What it isolates: body read + strict pydantic validation + GatewayRequest + response/SSE rendering + the
-disconnect listener. The request path (tokenize, hash, route, gRPC) is measured by benchmarks/gateway_bench.py.
+disconnect handling. The request path (tokenize, hash, route, gRPC) is measured by benchmarks/gateway_bench.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def serve(kind: str, port: int) -> None:
     from starlette.routing import Route
 
     from gateway.admission.auth import Authenticator
+    from gateway.frontdoors.http_protocol import HttpLimits
     from gateway.frontdoors.http_server import build_app
     from gateway.metrics import GatewayMetrics
     from gateway.request import Chunk, Generation, RouteInfo, Usage
@@ -78,7 +80,8 @@ def serve(kind: str, port: int) -> None:
         app = Starlette(routes=[Route("/v1/chat/completions", ok, methods=["POST"])])
     else:
         app = build_app(InstantPath(), default_max_tokens=256)
-    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="error", access_log=False)
+    http = HttpLimits().protocol_factory()  # the gateway's own protocol: both sides pay its limits alike
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=http, log_level="error", access_log=False)
 
 
 BODY = json.dumps(

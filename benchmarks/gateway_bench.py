@@ -464,7 +464,8 @@ def profiled_gateway(argv: list[str]) -> None:
 # (file "~") goes where its caller goes.
 STAGES = (
     ("event loop (uvloop: sockets, callbacks)", ("asyncio/", "uvloop/")),
-    ("HTTP server (uvicorn, httptools, our limits)", ("uvicorn/", "gateway/frontdoors/http_protocol.py", "h11")),
+    ("HTTP server (uvicorn, httptools, our protocol: limits, HotCycle)",
+     ("uvicorn/", "gateway/frontdoors/http_protocol.py", "h11")),
     ("web framework (Starlette)", ("starlette/",)),
     ("front door: parse, validate, render (pydantic, orjson)",
      ("gateway/frontdoors/http_server.py", "openai_protocol.py", "pydantic", "gateway/request.py")),

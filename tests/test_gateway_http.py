@@ -440,7 +440,7 @@ def test_request_id_is_echoed_or_generated(client: httpx.Client) -> None:
 
 
 def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(client: httpx.Client) -> None:
-    """The generation endpoints are served straight from ASGI (HotPaths), the rest through Starlette: a
+    """The generation endpoints are served by the HTTP protocol itself (HotCycle), the rest through Starlette: a
     chunked body and a repeated header (the first counts) read the same way, and a wrong method is a 405 in
     OpenAI's error shape."""
 
@@ -455,6 +455,24 @@ def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(cli
         assert response.headers["x-request-id"] == "first-1"
     wrong = client.get(CHAT_URL)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_generation_request_that_misses_the_hot_path_is_served_alike_through_asgi(
+    client: httpx.Client, stack: GatewayStack
+) -> None:
+    """A target with a query string is not one of the protocol's hot endpoints: Starlette's route serves it
+    (GenerationEndpoint over ASGI), with the same bodies, headers and refusals, whole and streamed."""
+    body = {"prompt": "hi", "max_tokens": 3}
+    for path in (C, C + "?via=asgi"):
+        whole = client.post(path, json=body, headers={"x-request-id": "asgi-or-not"})
+        assert whole.status_code == 200 and whole.headers["x-request-id"] == "asgi-or-not"
+        assert_routed(whole, stack)
+        assert whole.json()["usage"]["completion_tokens"] == 3
+        streamed = client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = sse_events(streamed)
+        assert events[-1]["usage"]["completion_tokens"] == 3 and streamed.headers["cache-control"] == "no-cache"
+        assert_openai_error(client.post(path, json={"prompt": ""}), 400, param="prompt")
+        assert_openai_error(client.post(path, json=body, headers={"authorization": "Bearer nope"}), 401)
 
 
 def test_client_cache_salt_isolates_cached_prefixes(client: httpx.Client) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import h11
 import httpx
 import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions, stack_fixture
@@ -283,3 +284,64 @@ def test_an_upgrade_request_is_plain_http_and_never_hides_a_second_request(
     error = assert_openai_error(raw, 400)
     assert "Upgrade" in error["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def post(path: bytes, body: dict[str, Any], *headers: bytes) -> bytes:
+    data = json.dumps(body).encode()
+    head = [b"POST " + path + b" HTTP/1.1", b"host: 127.0.0.1", b"authorization: Bearer " + KEY.encode(), *headers]
+    return b"\r\n".join([*head, b"content-length: %d" % len(data), b"", data])
+
+
+def responses(raw: bytes, methods: list[bytes]) -> list[tuple[h11.Response, bytes]]:
+    """The responses in `raw`, one per request of `methods`, in order."""
+    client = h11.Connection(h11.CLIENT)
+    client.receive_data(raw)
+    out: list[tuple[h11.Response, bytes]] = []
+    for method in methods:
+        client.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        head, body = client.next_event(), b""
+        while not isinstance(event := client.next_event(), h11.EndOfMessage):
+            body += event.data
+        out.append((head, body))
+        if client.our_state is h11.DONE and client.their_state is h11.DONE:
+            client.start_next_cycle()
+    return out
+
+
+def test_generation_requests_pipelined_on_one_connection_are_answered_in_order(idle_server: HttpServer) -> None:
+    """The generation endpoints are served by the protocol itself (HotCycle), not uvicorn's request cycle: a
+    whole answer, a stream and a GET written in one go come back in order on the one connection, each
+    whole, and the last one's `connection: close` closes it."""
+    with connect(idle_server) as sock:
+        sock.sendall(
+            post(b"/v1/completions", {"prompt": "hi", "max_tokens": 2}, b"x-request-id: first-1")
+            + post(b"/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True}, b"x-request-id: second-2")
+            + HEALTH
+            + b"connection: close\r\n\r\n"
+        )
+        raw = read_until_closed(sock)
+    (whole, whole_body), (stream, stream_body), (health, _) = responses(raw, [b"POST", b"POST", b"GET"])
+    assert whole.status_code == 200 and dict(whole.headers)[b"x-request-id"] == b"first-1"
+    assert json.loads(whole_body)["usage"]["completion_tokens"] == 2
+    assert stream.status_code == 200 and dict(stream.headers)[b"x-request-id"] == b"second-2"
+    assert dict(stream.headers)[b"content-type"].startswith(b"text/event-stream")
+    assert stream_body.endswith(b"data: [DONE]\n\n") and stream_body.count(b"data: ") >= 2
+    assert health.status_code == 200 and dict(health.headers)[b"connection"] == b"close"
+
+
+def test_a_generation_request_that_expects_100_continue_gets_it(idle_server: HttpServer) -> None:
+    """A client that waits for 100 Continue before its body (curl does, past 1 KiB) is told to go on, then
+    answered; HTTP/1.0 gets its answer and the connection closed."""
+    request = post(b"/v1/completions", {"prompt": "hi", "max_tokens": 2}, b"expect: 100-continue")
+    head, _, body = request.partition(b"\r\n\r\n")
+    with connect(idle_server) as sock:
+        sock.sendall(head + b"\r\n\r\n")
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body + post(b"/v1/completions", {"prompt": "hi", "max_tokens": 2}, b"connection: close"))
+        raw = read_until_closed(sock)
+    assert [response.status_code for response, _ in responses(raw, [b"POST", b"POST"])] == [200, 200]
+    with connect(idle_server) as sock:
+        sock.sendall(post(b"/v1/completions", {"prompt": "hi", "max_tokens": 2}).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+        status, headers, _ = parse_response(read_until_closed(sock))
+    assert status == 200 and headers["connection"] == "close"

@@ -23,6 +23,10 @@ exposed to untrusted clients needs and that uvicorn has no option for with httpt
   gets 400; one without is served as plain HTTP/1.1 and its connection closed after the response, nothing
   after it parsed. Neither is logged (uvicorn warns twice per request, which any client could repeat).
 
+A POST to one of the app's `hot_endpoints` (the generation endpoints: gateway.frontdoors.http_server) is served
+by a `HotCycle` instead of uvicorn's request cycle and ASGI: the endpoint reads the body and writes its response
+through the cycle (`Exchange`), with the same limits, keep-alive, pipelining, flow control and disconnects.
+
 Every refusal ends its connection with a lingering close: the answer is written, the write side shut, and
 whatever the client still sends is read and dropped for up to `LINGER_S`, so that the client reads the answer
 instead of a reset. A refusal while a response is still being sent on the connection (a pipelined head)
@@ -36,20 +40,29 @@ import functools
 import logging
 import math
 import resource
+from collections.abc import AsyncGenerator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httptools
 import orjson
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
-from gateway.errors import GatewayError, HeadersTooLarge, InvalidRequestError, RequestTimeout, TooManyConnections
+from gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    HeadersTooLarge,
+    InvalidRequestError,
+    RequestTimeout,
+    TooManyConnections,
+)
 
 logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
 REFUSAL_LOG_S = 10.0
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,51 @@ class HttpLimits:
         return functools.partial(LimitedHttpToolsProtocol, limits=self)
 
 
+class Exchange(Protocol):
+    """One request as a hot endpoint sees it: its headers, its body, its response. Served by `HotCycle` on
+    this protocol, and by an ASGI adapter (gateway.frontdoors.http_server.AsgiExchange) anywhere else."""
+
+    headers: list[tuple[bytes, bytes]]  # as received, names lower-case
+
+    async def body(self) -> bytes:
+        """The whole body; BodyTooLarge once it passes the endpoint's `max_body_bytes`; ClientDisconnect (or
+        the task cancelled) if the client leaves first."""
+        ...
+
+    async def until_disconnected(self, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None once the client has left (then `work` was cancelled where it waited)."""
+        ...
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        """A whole JSON response (Content-Type application/json); nothing when the client has left."""
+        ...
+
+    async def stream(self, headers: Mapping[str, str], events: AsyncGenerator[bytes, None]) -> None:
+        """A 200 of server-sent events from `events` until they end or the client leaves; `events` is closed
+        however it ends."""
+        ...
+
+
+class HotEndpoint(Protocol):
+    """What an app lists in `hot_endpoints` (by path): served by `HotCycle`, without ASGI."""
+
+    max_body_bytes: int
+
+    async def serve(self, exchange: Exchange) -> None:
+        """Answer the request; an exception that escapes closes the connection (the endpoint answers its own
+        errors)."""
+        ...
+
+
+def internal_error() -> GatewayError:
+    """The 500 of a request whose handling failed (and was logged)."""
+    return GatewayError("the server failed to answer this request; it has been logged")
+
+
+def body_too_large(size: int, limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"request body has {size} bytes or more; this server accepts at most {limit}")
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; the refusal itself is in `_refusal`."""
 
@@ -98,6 +156,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal: GatewayError | None = None
         self._lingering = False
         self._after_upgrade = False  # an upgrade request was served: nothing after it is parsed
+        # The app's endpoints served without ASGI, by raw path (`HotEndpoint`); none for any other app.
+        self.hot_endpoints: Mapping[bytes, HotEndpoint] = getattr(self.config.app, "hot_endpoints", None) or {}
+        self._serving: HotCycle | None = None  # the hot request whose response is being written
 
     # -- the connection ------------------------------------------------------------------------------------
 
@@ -120,6 +181,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self._head_timer = self._body_timer = self._linger_timer = None
+        for cycle in (self._serving, self.cycle):
+            if isinstance(cycle, HotCycle):
+                cycle.lost()
+        if isinstance(self.cycle, HotCycle):
+            self.cycle = None  # type: ignore[assignment]  # uvicorn's own cleanup is for its own cycles
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:
@@ -183,12 +249,39 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             )
             raise _Refused
         self._awaiting_head = False
-        super().on_headers_complete()
-        if upgrade:
-            self.cycle.keep_alive = False
+        endpoint = self.hot_endpoints.get(self.url) if not upgrade and self.parser.get_method() == b"POST" else None
+        if endpoint is None:
+            super().on_headers_complete()
+            if upgrade:
+                self.cycle.keep_alive = False
+            return
+        existing = self.cycle
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        self.cycle = HotCycle(self, endpoint, self.headers, keep_alive, self.expect_100_continue)  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(self.cycle, None)  # type: ignore[arg-type]
+        else:  # pipelined: it waits for the response before it, as uvicorn's own cycles do
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, None))  # type: ignore[arg-type]
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if isinstance(cycle, HotCycle):
+            self._serving = cycle
+            cycle.start()
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        if isinstance(self.cycle, HotCycle):
+            self.cycle.feed(body)
+        else:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        if isinstance(self.cycle, HotCycle):
+            self.cycle.complete()
+        else:
+            super().on_message_complete()
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -266,6 +359,177 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
         else:
             self.transport.close()
+
+
+class HotCycle:
+    """One request to a hot endpoint on its connection: the body as the parser hands it over, the endpoint's
+    task, its response written straight to the transport (an `Exchange`). It keeps what uvicorn's
+    RequestResponseCycle keeps: the body limit while the body streams in, 100 Continue when the client waits
+    for it, write flow control, keep-alive (`connection: close` when the request or a shutdown asks for it), the
+    next pipelined request started once the response ends, and a client that leaves cancels the task where
+    it waits (`until_disconnected`, `stream` and `body` end there)."""
+
+    def __init__(
+        self,
+        protocol: LimitedHttpToolsProtocol,
+        endpoint: HotEndpoint,
+        headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+        expect_100_continue: bool,
+    ) -> None:
+        self.protocol = protocol
+        self.endpoint = endpoint
+        self.target = protocol.url  # the request line's, for the log
+        self.headers = headers
+        self.keep_alive = keep_alive  # uvicorn's shutdown clears it
+        self.waiting_for_100_continue = expect_100_continue
+        self.more_body = True  # the parser has not seen the body's end
+        self.response_started = False
+        self.response_complete = False
+        self.disconnected = False
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._too_large = False
+        self._body_ready: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- the protocol's side -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        tasks = self.protocol.tasks
+        self._task = task = self.protocol.loop.create_task(self._run())
+        task.add_done_callback(tasks.discard)
+        tasks.add(task)
+
+    def feed(self, body: bytes) -> None:
+        if self.response_complete or self._too_large:
+            return  # answered already (413, 401, ...): the rest of the body is read and dropped
+        self._size += len(body)
+        if self._size > self.endpoint.max_body_bytes:
+            self._too_large = True
+            self._parts.clear()
+            self._wake()
+        else:
+            self._parts.append(body)
+
+    def complete(self) -> None:
+        self.more_body = False
+        self._wake()
+
+    def lost(self) -> None:
+        if self.response_complete:
+            return
+        self.disconnected = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def _wake(self) -> None:
+        if self._body_ready is not None and not self._body_ready.done():
+            self._body_ready.set_result(None)
+
+    async def _run(self) -> None:
+        try:
+            await self.endpoint.serve(self)
+        except asyncio.CancelledError:
+            if not self.disconnected:
+                raise
+        except Exception:
+            logger.exception("POST %r failed", self.target[:40])
+            if not self.response_started and not self.disconnected:  # as uvicorn's cycle answers, in OpenAI's body
+                error = internal_error()
+                self.keep_alive = False
+                await self.respond(error.http_status, {}, orjson.dumps(error.to_openai()))
+            self.protocol.transport.close()
+        else:
+            if not self.response_complete and not self.disconnected:
+                logger.error("POST %r: the endpoint returned without completing its response", self.target[:40])
+                self.protocol.transport.close()
+
+    # -- the endpoint's side (Exchange) --------------------------------------------------------------------
+
+    async def body(self) -> bytes:
+        while self.more_body and not self._too_large:
+            if self.waiting_for_100_continue and not self.protocol.transport.is_closing():
+                self.protocol.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.waiting_for_100_continue = False
+            self._body_ready = self.protocol.loop.create_future()
+            await self._body_ready
+        if self._too_large:
+            raise body_too_large(self._size, self.endpoint.max_body_bytes)
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def until_disconnected(self, work: Awaitable[T]) -> T | None:
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if not self.disconnected:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return None
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        if self.protocol.flow.write_paused and not self.disconnected:
+            await self.protocol.flow.drain()  # a pipelined request's answer waits for the one before it to drain
+        if self.disconnected:
+            return
+        head = self._head(status, headers, b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        self.protocol.transport.write(head + body)
+        self._completed()
+
+    async def stream(self, headers: Mapping[str, str], events: AsyncGenerator[bytes, None]) -> None:
+        transport, flow = self.protocol.transport, self.protocol.flow
+        try:
+            if self.disconnected:
+                return
+            transport.write(
+                self._head(
+                    200,
+                    headers,
+                    b"cache-control: no-cache\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                    b"transfer-encoding: chunked\r\n",
+                )
+            )
+            async for event in events:
+                if flow.write_paused:
+                    await flow.drain()
+                if self.disconnected:
+                    return
+                transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+            transport.write(b"0\r\n\r\n")
+            self._completed()
+        except asyncio.CancelledError:
+            if not self.disconnected:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        finally:
+            await events.aclose()
+
+    def _head(self, status: int, headers: Mapping[str, str], fixed: bytes) -> bytes:
+        """The status line and headers; `headers`' values are checked as uvicorn checks them (no CR, LF or
+        other controls), the rest are this module's."""
+        values = [value.encode("latin-1") for value in headers.values()]
+        if HEADER_VALUE_RE.search(b"".join(values)):
+            raise RuntimeError("Invalid HTTP header value.")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        parts = [STATUS_LINE[status]]
+        for name, value in self.protocol.server_state.default_headers:
+            parts += [name, b": ", value, b"\r\n"]
+        for name, value in zip(headers, values, strict=True):
+            parts += [name.encode("latin-1"), b": ", value, b"\r\n"]
+        parts.append(fixed)
+        parts.append(b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n")
+        return b"".join(parts)
+
+    def _completed(self) -> None:
+        self.response_complete = True
+        protocol = self.protocol
+        if protocol._serving is self:
+            protocol._serving = None
+        if not self.keep_alive:
+            protocol.transport.close()
+        protocol.on_response_complete()
 
 
 def raise_open_files_limit(connections: int) -> None:

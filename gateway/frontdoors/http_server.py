@@ -1,5 +1,6 @@
 """The gateway's OpenAI-compatible HTTP front door: an ASGI app (served by uvicorn with uvloop and httptools)
-whose generation endpoints are called straight from ASGI (`HotPaths`), the rest through Starlette.
+whose generation endpoints the connection's protocol calls without ASGI (`hot_endpoints`, served by
+gateway.frontdoors.http_protocol.HotCycle), the rest through Starlette.
 
     POST /v1/completions, /v1/chat/completions ─► parse (openai_protocol) ─► GatewayRequest
         ─► RequestPath.generate ─► Generation ─► JSON body, or server-sent events ending in `data: [DONE]`
@@ -34,8 +35,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import orjson
 from pydantic.json_schema import models_json_schema
@@ -48,7 +49,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission.auth import Authenticator
 from gateway.admission.limits import Limits
-from gateway.errors import AuthenticationError, BodyTooLarge, GatewayError, InvalidRequestError, quoted
+from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
+from gateway.frontdoors.http_protocol import Exchange, body_too_large, internal_error
 from gateway.frontdoors.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -126,16 +128,18 @@ def build_app(
     OpenAI's 16); `extra_routes` are matched first (a worker's front door serves its engine's /metrics and
     its own /health).
 
-    The app is AuthenticateFirst over HotPaths over a Starlette app: a POST to a generation endpoint goes
-    from HotPaths straight to its GenerationEndpoint, everything else through Starlette's routing (the same
-    endpoints are routes there too, so a wrong method is Starlette's 405)."""
+    The app is AuthenticateFirst over a Starlette app, and names the generation endpoints in `hot_endpoints`:
+    the HTTP protocol (gateway.frontdoors.http_protocol) serves a POST to one of those paths without ASGI,
+    everything else through Starlette's routing (the same endpoints are routes there too: a wrong method is
+    Starlette's 405, and any other ASGI server reaches them there)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
-    completions = GenerationEndpoint(server, CompletionRequest, CompletionRenderer)
-    chat_completions = GenerationEndpoint(server, ChatCompletionRequest, ChatRenderer)
+    generation = (
+        GenerationEndpoint(server, "/v1/completions", CompletionRequest, CompletionRenderer),
+        GenerationEndpoint(server, "/v1/chat/completions", ChatCompletionRequest, ChatRenderer),
+    )
     routes = [
         *extra_routes,
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *(Route(endpoint.path, endpoint, methods=["POST"]) for endpoint in generation),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/v1/models", server.list_models, methods=["GET"]),
@@ -148,26 +152,8 @@ def build_app(
         routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception}
     )
     taken = {path for route in extra_routes if (path := getattr(route, "path", None))}
-    hot: dict[str, ASGIApp] = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
-    return AuthenticateFirst(HotPaths(app, {p: e for p, e in hot.items() if p not in taken}), request_path=request_path)
-
-
-class HotPaths:
-    """A POST to one of `endpoints`' paths goes to its endpoint directly, before Starlette's middleware,
-    routing and Request objects (their cost per request is what the generation endpoints pay most often);
-    every other request goes to `app`. The endpoints keep every contract of the module docstring themselves."""
-
-    def __init__(self, app: ASGIApp, endpoints: dict[str, ASGIApp]) -> None:
-        self.app = app
-        self.endpoints = endpoints
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self.endpoints.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    hot = {endpoint.path.encode(): endpoint for endpoint in generation if endpoint.path not in taken}
+    return AuthenticateFirst(app, request_path=request_path, hot_endpoints=hot)
 
 
 class AuthenticateFirst:
@@ -175,49 +161,114 @@ class AuthenticateFirst:
     is read, parsed or routed: a client without a valid key gets 401 and learns nothing else (not the body
     limit, not which fields are wrong, not the served model's name). /health, /ready, /metrics and
     /openapi.json stay open. The request path authenticates again (it is the contract of every caller); a key
-    is one SHA-256. The keys are the request path's at each request, so a SIGHUP reload applies here too."""
+    is one SHA-256. The keys are the request path's at each request, so a SIGHUP reload applies here too.
+    `hot_endpoints` (raw path: endpoint) are what the HTTP protocol serves without ASGI; they call `refusal`
+    themselves first."""
 
-    def __init__(self, app: ASGIApp, request_path: ServesRequests) -> None:
+    def __init__(
+        self, app: ASGIApp, request_path: ServesRequests, hot_endpoints: Mapping[bytes, GenerationEndpoint]
+    ) -> None:
         self.app = app
         self.request_path = request_path
         self.metrics = request_path.metrics
-
-    @property
-    def auth(self) -> Authenticator:
-        return self.request_path.auth
+        self.hot_endpoints = hot_endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         authenticated = path.startswith(AUTHENTICATED_PREFIX) or path in AUTHENTICATED_PATHS
-        if scope["type"] == "http" and not self.auth.open and authenticated:
-            headers = {k: v for k, v in scope["headers"] if k in (b"authorization", b"x-request-id")}
-            authorization = headers.get(b"authorization")
-            try:
-                self.auth.authenticate(bearer_token(None if authorization is None else authorization.decode("latin-1")))
-            except AuthenticationError as exc:
-                self.metrics.errors.labels(type(exc).__name__).inc()
-                request_id = client_request_id_of(headers.get(b"x-request-id", b"").decode("latin-1"))
-                await error_response(exc, {"x-request-id": request_id or uuid.uuid4().hex})(scope, receive, send)
-                return
+        if scope["type"] == "http" and authenticated and (refused := refusal(self.request_path, scope["headers"])):
+            await reply_response(refused)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
-class GenerationEndpoint:
-    """POST /v1/completions or /v1/chat/completions as a plain ASGI app (HotPaths calls it directly, Starlette
-    as a route). An exception that escapes the request path is logged and answered 500 in OpenAI's shape."""
+def refusal(request_path: ServesRequests, headers: list[tuple[bytes, bytes]]) -> Reply | None:
+    """The 401 for a request without a valid API key (AuthenticateFirst), counted; None when the key is
+    valid or the gateway is open."""
+    auth = request_path.auth
+    if auth.open:
+        return None
+    found = {k: v for k, v in headers if k in (b"authorization", b"x-request-id")}
+    authorization = found.get(b"authorization")
+    try:
+        auth.authenticate(bearer_token(None if authorization is None else authorization.decode("latin-1")))
+    except AuthenticationError as exc:
+        request_path.metrics.errors.labels(type(exc).__name__).inc()
+        request_id = client_request_id_of(found.get(b"x-request-id", b"").decode("latin-1"))
+        return error_reply(exc, {"x-request-id": request_id or uuid.uuid4().hex})
+    return None
 
-    def __init__(self, server: OpenAIServer, wire_type: type[SamplingFields], renderer_type: type[Renderer]) -> None:
+
+class Reply(NamedTuple):
+    """A whole JSON response."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class StreamReply(NamedTuple):
+    """A 200 of server-sent events; `close` runs however the stream ends, also when it never started."""
+
+    headers: dict[str, str]
+    events: AsyncGenerator[bytes, None]
+    close: Callable[[], Awaitable[None]]
+
+
+class GenerationEndpoint:
+    """POST /v1/completions or /v1/chat/completions over an `Exchange`: the HTTP protocol's own
+    (gateway.frontdoors.http_protocol.HotCycle, `serve`), or ASGI's (`__call__`, Starlette's route). An
+    exception that escapes the request path is logged and answered 500 in OpenAI's shape."""
+
+    def __init__(
+        self, server: OpenAIServer, path: str, wire_type: type[SamplingFields], renderer_type: type[Renderer]
+    ) -> None:
         self.server = server
+        self.path = path
         self.wire_type = wire_type
         self.renderer_type = renderer_type
+        self.max_body_bytes = server.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.serve(AsgiExchange(scope, receive, send, self.max_body_bytes))
+
+    async def serve(self, exchange: Exchange) -> None:
         try:
-            response = await self.server.generate(scope, receive, self.wire_type, self.renderer_type)
+            reply = refusal(self.server.request_path, exchange.headers) or await self.server.generate(
+                exchange, self.wire_type, self.renderer_type
+            )
         except Exception:
-            logger.exception("POST %s failed", quoted(scope["path"]))
-            response = error_response(_internal_error())
-        await response(scope, receive, send)
+            logger.exception("POST %s failed", self.path)
+            reply = error_reply(internal_error())
+        if isinstance(reply, StreamReply):
+            try:
+                await exchange.stream(reply.headers, reply.events)
+            finally:
+                await reply.close()
+        else:
+            await exchange.respond(*reply)
+
+
+class AsgiExchange:
+    """An `Exchange` over ASGI: what GenerationEndpoint reads and writes when a server other than
+    gateway.frontdoors.http_protocol's calls it."""
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, max_body_bytes: int) -> None:
+        self.headers: list[tuple[bytes, bytes]] = scope["headers"]
+        self.scope, self.receive, self.send = scope, receive, send
+        self.max_body_bytes = max_body_bytes
+
+    async def body(self) -> bytes:
+        return await read_body(self.receive, None, self.max_body_bytes)
+
+    async def until_disconnected(self, work: Awaitable[T]) -> T | None:
+        return await until_disconnected(self.receive, work)
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        await reply_response(Reply(status, dict(headers), body))(self.scope, self.receive, self.send)
+
+    async def stream(self, headers: Mapping[str, str], events: AsyncGenerator[bytes, None]) -> None:
+        await EventStreamResponse(events, dict(headers))(self.scope, self.receive, self.send)
 
 
 class OpenAIServer:
@@ -238,26 +289,27 @@ class OpenAIServer:
     # -- generation endpoints (GenerationEndpoint) -------------------------------------------------------
 
     async def generate(
-        self, scope: Scope, receive: Receive, wire_type: type[SamplingFields], renderer_type: type[Renderer]
-    ) -> Response:
-        """The response to one generation request (`scope`, `receive`: its ASGI connection)."""
-        headers = hot_headers(scope)
+        self, exchange: Exchange, wire_type: type[SamplingFields], renderer_type: type[Renderer]
+    ) -> Reply | StreamReply:
+        """The response to one generation request."""
+        headers = hot_headers(exchange.headers)
         client_request_id = client_request_id_of(headers.get("x-request-id"))
         try:
-            body = await read_body(receive, headers.get("content-length"), self.max_body_bytes)
+            check_content_length(headers.get("content-length"), self.max_body_bytes)
+            body = await exchange.body()
             wire = parse_request(wire_type, body)
             gateway_request = wire.to_gateway_request(request_headers(headers), self.default_max_tokens)
             gateway_request.api_json = body
         except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
-            return Response(status_code=499)
+            return NOBODY_LISTENS
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
-            return error_response(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
+            return error_reply(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
         # generate() returns at the first token, a whole response at the last: a client that leaves before
         # either (a long prefill, a long answer) cancels the work, which cancels the worker requests.
         work = self._answer(gateway_request, wire, renderer_type, client_request_id)
-        response = await until_disconnected(receive, work)
-        return Response(status_code=499) if response is None else response  # 499: nobody is listening any more
+        reply = await exchange.until_disconnected(work)
+        return NOBODY_LISTENS if reply is None else reply
 
     async def _answer(
         self,
@@ -265,7 +317,7 @@ class OpenAIServer:
         wire: SamplingFields,
         renderer_type: type[Renderer],
         client_request_id: str | None,
-    ) -> Response:
+    ) -> Reply | StreamReply:
         pool: ServesModel | None = None
         try:
             pool = self.request_path.pool(gateway_request.model)
@@ -273,7 +325,7 @@ class OpenAIServer:
         except GatewayError as exc:
             if pool is None:  # the pool counts its own refusals
                 self.request_path.metrics.errors.labels(type(exc).__name__).inc()
-            return error_response(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
+            return error_reply(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
         headers = {
             "x-request-id": client_request_id or generation.request_id,
             "x-kvroute-worker": generation.route.worker_id,
@@ -281,12 +333,12 @@ class OpenAIServer:
         }
         renderer = renderer_type(generation, wire, pool.served_model_name)
         if wire.stream:
-            return EventStreamResponse(renderer.events(), headers, close=generation.aclose)
+            return StreamReply(headers, renderer.events(), generation.aclose)
         try:
             body = await renderer.whole()
         except GatewayError as exc:
-            return error_response(exc, headers)
-        return Response(orjson.dumps(body), media_type=JSON, headers=headers)
+            return error_reply(exc, headers)
+        return Reply(200, headers, orjson.dumps(body))
 
     # -- vLLM's tokenizer endpoints -----------------------------------------------------------------------
 
@@ -369,11 +421,7 @@ async def read_body(receive: Receive, content_length: str | None, limit: int) ->
     """The body, refused with 413 as soon as it is known to pass `limit` bytes: at once from the
     Content-Length header's value, else while it streams in (chunked), so an oversize body is never held
     whole. ClientDisconnect if the client leaves before its end."""
-    if content_length is not None:
-        if not content_length.isdigit():
-            raise InvalidRequestError(f"Content-Length header {quoted(content_length)} is not a number")
-        if int(content_length) > limit:
-            raise _too_large(int(content_length), limit)
+    check_content_length(content_length, limit)
     parts = []
     size = 0
     while True:
@@ -382,7 +430,7 @@ async def read_body(receive: Receive, content_length: str | None, limit: int) ->
             part = message.get("body", b"")
             size += len(part)
             if size > limit:
-                raise _too_large(size, limit)
+                raise body_too_large(size, limit)
             if not message.get("more_body", False):
                 if not parts:
                     return part
@@ -393,8 +441,13 @@ async def read_body(receive: Receive, content_length: str | None, limit: int) ->
             raise ClientDisconnect()
 
 
-def _too_large(size: int, limit: int) -> BodyTooLarge:
-    return BodyTooLarge(f"request body has {size} bytes or more; this server accepts at most {limit}")
+def check_content_length(content_length: str | None, limit: int) -> None:
+    """413 for a Content-Length header past `limit`, 400 for one that is not a number."""
+    if content_length is not None:
+        if not content_length.isdigit():
+            raise InvalidRequestError(f"Content-Length header {quoted(content_length)} is not a number")
+        if int(content_length) > limit:
+            raise body_too_large(int(content_length), limit)
 
 
 # The request headers the generation endpoints read (hot_headers).
@@ -411,11 +464,11 @@ _HOT_HEADERS = frozenset(
 )
 
 
-def hot_headers(scope: Scope) -> dict[str, str]:
+def hot_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     """The generation endpoints' request headers by (lower-case) name, latin-1 text; of a repeated header
     the first, as Starlette's `Headers.get`."""
     headers: dict[str, str] = {}
-    for name, value in scope["headers"]:
+    for name, value in raw:
         if name in _HOT_HEADERS:
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
     return headers
@@ -516,7 +569,7 @@ class Renderer:
             choices[index].get("message", {}).update(extra)
         return {**self.head, "choices": choices, "usage": usage_body(self.generation.usage)}
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncGenerator[bytes, None]:
         try:
             for event in self.opening():
                 yield sse(event)
@@ -530,7 +583,7 @@ class Renderer:
             yield sse(exc.to_openai())
         except Exception:  # a bug, not the client's: the stream still ends in OpenAI's shape
             logger.exception("stream %s failed", self.generation.request_id)
-            yield sse(_internal_error().to_openai())
+            yield sse(internal_error().to_openai())
         finally:
             await self.generation.aclose()
         yield SSE_DONE
@@ -649,19 +702,16 @@ class ChatRenderer(Renderer):
 
 class EventStreamResponse(Response):
     """Server-sent events from `events`, while listening for the client's disconnect: when the client goes,
-    the events' iterator is cancelled and closed, even while no event is due (a long prefill). `close` runs
-    however the response ends (the Generation's aclose), also when the events were never started."""
+    the events' iterator is cancelled and closed, even while no event is due (a long prefill); it is closed
+    however the response ends."""
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self, events: AsyncIterator[bytes], headers: dict[str, str], close: Callable[[], Awaitable[None]]
-    ) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({**headers, "cache-control": "no-cache"})  # no body set: no Content-Length
         self.events = events
-        self.close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_all() -> None:
@@ -674,7 +724,6 @@ class EventStreamResponse(Response):
             await until_disconnected(receive, send_all())
         finally:
             await self.events.aclose()
-            await self.close()
 
 
 async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
@@ -704,17 +753,19 @@ async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
         listener.cancel()
 
 
+NOBODY_LISTENS = Reply(499, {}, b"")  # the client left: written nowhere
+
+
+def error_reply(exc: GatewayError, headers: dict[str, str] | None = None) -> Reply:
+    return Reply(exc.http_status, {**(headers or {}), **exc.http_headers()}, orjson.dumps(exc.to_openai()))
+
+
+def reply_response(reply: Reply) -> Response:
+    return Response(reply.body, status_code=reply.status, media_type=JSON, headers=reply.headers)
+
+
 def error_response(exc: GatewayError, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        orjson.dumps(exc.to_openai()),
-        status_code=exc.http_status,
-        media_type=JSON,
-        headers={**(headers or {}), **exc.http_headers()},
-    )
-
-
-def _internal_error() -> GatewayError:
-    return GatewayError("the server failed to answer this request; it has been logged")
+    return reply_response(error_reply(exc, headers))
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -727,7 +778,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 async def _unexpected_exception(request: Request, exc: Exception) -> Response:
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(_internal_error())
+    return error_response(internal_error())
 
 
 # -- the OpenAPI document ----------------------------------------------------------------------------------------
