@@ -30,6 +30,7 @@ queue on a lock instead of contending with an event loop's thread for the GIL, w
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import itertools
@@ -130,6 +131,7 @@ class Tokenizer:
         self._text_backend = HFTokenizer.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
         self._token_bytes: dict[int, bytes] = {}
+        self._bytes_of_ids: dict[bool, list[bytes]] = {}  # ByteLevelDetokenizer's tables, by skip_special_tokens
         self._run_cache: OrderedDict[tuple[str, str], array] = OrderedDict()
         self._run_cache_bytes = 0
         self._run_cache_budget = DEFAULT_RUN_CACHE_BYTES
@@ -520,8 +522,17 @@ class Tokenizer:
             **extra,
         )
 
-    def incremental_detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def incremental_detokenizer(
+        self, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer | ByteLevelDetokenizer:
+        """A stream's detokenizer: table lookups where the decoder is plain byte-level (`ByteLevelDetokenizer`),
+        else the library's `decode` over a window (`IncrementalDetokenizer`); the two give the same deltas."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return IncrementalDetokenizer(self, skip_special_tokens)
+        table = self._bytes_of_ids.get(skip_special_tokens)
+        if table is None:
+            table = self._bytes_of_ids[skip_special_tokens] = _bytes_of_ids(self.backend, skip_special_tokens)
+        return ByteLevelDetokenizer(table)
 
     def _compute_fingerprint(self) -> str:
         state = json.loads(self.backend.to_str())
@@ -538,7 +549,8 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas.
+    """Turns a stream of token ids into text deltas, for any decoder (`ByteLevelDetokenizer` is the same for a
+    byte-level one, without the library calls).
 
     A character that spans several byte-level tokens is held back until its last byte arrives, so no delta
     ever contains a broken UTF-8 sequence. Only a short window of recent tokens is decoded per call.
@@ -573,6 +585,61 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
 
 
+class ByteLevelDetokenizer:
+    """IncrementalDetokenizer's deltas, for a tokenizer whose decoder is plain byte-level, by table lookups.
+
+    The library's byte-level `decode` maps each token to fixed bytes (its spelling in the byte-level alphabet, or
+    its UTF-8 where it is spelled outside it, added tokens alike; nothing for a special token it skips), joins
+    them and decodes the whole as UTF-8 with U+FFFD for each invalid part. So a stream is its tokens' bytes fed to
+    an incremental UTF-8 decoder (`errors="replace"`), and a delta is held back while the decoder holds an
+    incomplete character or the text not yet given out ends in U+FFFD, as IncrementalDetokenizer holds it.
+    `tests/test_detokenizer.py` holds the two to the same deltas. Token ids are the wire's (non-negative); an id
+    the tokenizer does not know stands for nothing, as in the library's `decode`.
+    """
+
+    def __init__(self, bytes_of_ids: list[bytes]) -> None:
+        self._bytes_of_ids = bytes_of_ids
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = ""  # decoded, not yet given out
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Feed new token ids; return the text they complete ("" while a character is still incomplete)."""
+        table = self._bytes_of_ids
+        try:
+            data = b"".join([table[i] for i in token_ids])
+        except IndexError:
+            data = b"".join([table[i] for i in token_ids if i < len(table)])
+        text = self._pending + self._utf8.decode(data)
+        if not text or text[-1] == "\ufffd" or self._utf8.getstate()[0]:
+            self._pending = text
+            return ""
+        self._pending = ""
+        return text
+
+    def flush(self) -> str:
+        """The held-back tail at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        text = self._pending + self._utf8.decode(b"", final=True)
+        self._pending = ""
+        self._utf8.reset()
+        return text
+
+
+def _bytes_of_ids(backend: HFTokenizer, skip_special_tokens: bool) -> list[bytes]:
+    """Each token id's bytes in the byte-level decoder's output (b"" for a special one, when skipped)."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    table = [b""] * (max(vocab.values(), default=-1) + 1)
+    for token, token_id in vocab.items():
+        if _OUTSIDE_ALPHABET.search(token):
+            table[token_id] = token.encode()
+        else:
+            table[token_id] = token.translate(_LATIN1_OF_CHAR).encode("latin-1")
+    if skip_special_tokens:
+        for token_id, added in backend.get_added_tokens_decoder().items():
+            if added.special:
+                table[token_id] = b""
+    return table
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the printable character that stands for each byte in a token's spelling."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -586,6 +653,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+_LATIN1_OF_CHAR = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}  # str.translate to the bytes, as latin-1
+_OUTSIDE_ALPHABET = re.compile(f"[^{re.escape(''.join(_BYTE_OF_CHAR))}]")
 # encode_chat's memory of text runs: a 4,096-token run costs ~6 ms to tokenize here, a short one ~5 µs (the
 # library call), a lookup ~0.3 µs. Its budget is in bytes held: each run's text, its ids at 4 bytes each, and
 # the entry's own key and links (_ENTRY_BYTES).
