@@ -25,7 +25,10 @@ _OPERATIONS = {"chat": "chat", "completion": "text_completion", "tokens": "text_
 
 def start_request_span(request_id: str, request: GatewayRequest, model: str) -> trace.Span:
     """The gateway span of one request, continuing the client's trace context if it sent one. `model`: the
-    served model name the request asked for."""
+    served model name the request asked for. With no tracer provider installed and no client context this is
+    `trace.INVALID_SPAN` at once, the span the API's no-op tracer would make (so nothing goes to the worker)."""
+    if not request.trace_context and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return trace.INVALID_SPAN
     parent = propagate.extract(request.trace_context) if request.trace_context else None
     params = request.params
     attributes: dict[str, str | int | float] = {
@@ -66,7 +69,10 @@ def record_usage(span: trace.Span, request_id: str, usage: Usage, finish_reasons
 
 
 def worker_trace_context(span: trace.Span) -> dict[str, str]:
-    """The W3C headers (traceparent, tracestate) that make the worker's span a child of `span`."""
+    """The W3C headers (traceparent, tracestate) that make the worker's span a child of `span`; none for a span
+    that continues no trace (the propagators write nothing for it: the gateway puts no baggage in its context)."""
+    if not span.get_span_context().is_valid:
+        return {}
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return carrier
