@@ -132,15 +132,24 @@ def _summed(counts: Iterable[Mapping[Any, int]]) -> dict[Any, int]:
     return total
 
 
-class _ForModel:
-    """A labelled family whose first label, `model_name`, is bound: `labels(*the_others)`."""
+class _Children:
+    """A labelled family's series (children) kept by their label values, so that `labels(*values)` is one dict
+    lookup once the series exists (prometheus_client's own `labels` checks the values and takes a lock every
+    call); `bound` label values come first (a pool's `model_name`). It holds one entry per series the family
+    has, never more: every label value of the request path is bounded where it is made (`label_value` and
+    the app budget, the configured pools, the router's reasons, the retry causes, error class names, finish
+    reasons), and no series is ever removed."""
 
-    def __init__(self, family: Counter, model_name: str) -> None:
+    def __init__(self, family: Counter | Gauge | Histogram, *bound: str) -> None:
         self._family = family
-        self._model_name = model_name
+        self._bound = bound
+        self._children: dict[tuple[str, ...], Any] = {}
 
     def labels(self, *values: str) -> Any:
-        return self._family.labels(self._model_name, *values)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._family.labels(*self._bound, *values)
+        return child
 
 
 class _Registry:
@@ -150,12 +159,12 @@ class _Registry:
         self.tenant_labels = tenant_labels
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        self.requests = _Children(Counter(
             "kvroute:gateway_requests", "Requests routed, by policy and decision reason.", ["policy", "reason"],
             registry=r,
-        )  # fmt: skip
-        self.routed = Counter(
-            "kvroute:gateway_routed_requests", "Worker requests sent to each worker.", ["worker"], registry=r
+        ))  # fmt: skip
+        self.routed = _Children(
+            Counter("kvroute:gateway_routed_requests", "Worker requests sent to each worker.", ["worker"], registry=r)
         )
         self.routing_latency = Histogram(
             "kvroute:gateway_routing_latency_seconds",
@@ -174,24 +183,24 @@ class _Registry:
             "kvroute:gateway_request_success", "Requests that finished, by finish reason.",
             ["model_name", "finished_reason"], registry=r,
         )  # fmt: skip
-        self.errors = Counter(
+        self.errors = _Children(Counter(
             "kvroute:gateway_request_errors", "Requests that ended with an error, by error type.", ["type"], registry=r
-        )
-        self.retries = Counter(
+        ))  # fmt: skip
+        self.retries = _Children(Counter(
             "kvroute:gateway_retries", "Worker requests retried on another worker, by cause.", ["cause"], registry=r
-        )
+        ))  # fmt: skip
         self.in_flight = Gauge(
             "kvroute:gateway_requests_in_flight", "Requests being served.", ["model_name"], registry=r
         )
-        self.prefix_divergence = Histogram(
+        self.prefix_divergence = _Children(Histogram(
             "kvroute:prefix_divergence_tokens",
             "Position of the first token (at block granularity) where a prompt differs from its app's previous one.",
             ["tenant", "app"], buckets=DIVERGENCE_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.prefix_hit_rate = Gauge(
+        ))  # fmt: skip
+        self.prefix_hit_rate = _Children(Gauge(
             "kvroute:prefix_hit_rate", "Prompt blocks held by the chosen worker over prompt blocks, per app.",
             ["tenant", "app"], registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.live = _LiveCollector()
         r.register(self.live)
         # (model, tenant, app) -> its last request's hashes: a prompt diverges from its own model's previous one
@@ -217,7 +226,7 @@ class GatewayMetrics:
         self.routing_latency = shared.routing_latency
         self.time_to_first_token = shared.time_to_first_token.labels(model_name)
         self.e2e_request_latency = shared.e2e_request_latency.labels(model_name)
-        self.request_success = _ForModel(shared.request_success, model_name)
+        self.request_success = _Children(shared.request_success, model_name)
         self.errors = shared.errors
         self.retries = shared.retries
         self.in_flight = shared.in_flight.labels(model_name)

@@ -92,3 +92,25 @@ def test_tenant_names_only_when_the_operator_asks() -> None:
     (labels,) = prefix_series(opaque.render().decode())
     assert labels["tenant"] == tenant_id(tenant) != tenant_id(Tenant("acme corp", "another salt"))
     assert "acme" not in labels["tenant"]
+
+
+def test_each_pools_series_count_in_the_one_registry() -> None:
+    first = GatewayMetrics("pool-a")
+    second = first.for_model("pool-b")
+    for metrics, finished in ((first, 3), (second, 1)):
+        for _ in range(finished):
+            metrics.request_success.labels("stop").inc()
+            metrics.requests.labels("kv_aware", "hit").inc()
+            metrics.routed.labels("w0").inc()
+    first.errors.labels("RateLimited").inc()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(first.render().decode())
+        for sample in family.samples
+    }
+    success = "kvroute:gateway_request_success_total"
+    assert samples[(success, (("finished_reason", "stop"), ("model_name", "pool-a")))] == 3
+    assert samples[(success, (("finished_reason", "stop"), ("model_name", "pool-b")))] == 1
+    assert samples[("kvroute:gateway_requests_total", (("policy", "kv_aware"), ("reason", "hit")))] == 4
+    assert samples[("kvroute:gateway_routed_requests_total", (("worker", "w0"),))] == 4
+    assert samples[("kvroute:gateway_request_errors_total", (("type", "RateLimited"),))] == 1
