@@ -117,10 +117,12 @@ class Backend(Protocol):
 
 def generate_request(job: ForwardJob, choice: int) -> worker_pb2.GenerateRequest:
     """One choice of `job` as a kvroute worker's `Generate` takes it."""
+    seed = job.seed(choice)
+    params = job.params if seed == job.params.seed else dataclasses.replace(job.params, seed=seed)
     return worker_pb2.GenerateRequest(
         request_id=job.choice_id(choice),
         prompt_token_ids=job.prompt_ids,
-        sampling=sampling_to_proto(dataclasses.replace(job.params, seed=job.seed(choice))),
+        sampling=sampling_to_proto(params),
         cache_salt=job.salt,
         block_hashes=job.hashes,
         trace_context=job.trace_context,
