@@ -9,8 +9,8 @@ not the bottleneck), our gateway over their gRPC ports (`kvroute gateway`, kv_aw
 HTTP ports (`smg launch --policy cache_aware`). Every process is a child in one process group, stopped at
 the end.
 
-1. Latency, one request at a time, the targets interleaved request by request (the machine is shared:
-   drift hits all alike): a chat completion (non-streaming, 4 tokens) sent
+1. Latency, one request at a time, the targets interleaved request by request, their order rotated each
+   request (the machine is shared: drift hits all alike): a chat completion (non-streaming, 4 tokens) sent
    - to worker 0's own HTTP port (`worker_http`: the same front door and tokenizer, in the worker's process),
    - through our gateway (`gateway_http`: HTTP -> route -> gRPC -> worker),
    - through smg (`smg_http`: HTTP -> route -> HTTP -> worker's front door),
@@ -222,9 +222,11 @@ async def measure_latency(ports: dict[str, int], requests: int, warmup: int) -> 
             raise RuntimeError(f"{name}: HTTP {status}: {payload[:200]!r}")
 
     samples: dict[str, list[float]] = {name: [] for name in ["worker_grpc", *connections]}
+    names = list(samples)
     for i in range(warmup + requests):
         grpc_request = grpc_call(i)
-        for name in samples:
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:  # each target first as often: no one always follows another
             start = time.perf_counter()
             if name == "worker_grpc":
                 await grpc_request()
