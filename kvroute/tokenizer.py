@@ -131,7 +131,8 @@ class Tokenizer:
         self._text_backend = HFTokenizer.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
         self._token_bytes: dict[int, bytes] = {}
-        self._bytes_of_ids: dict[bool, list[bytes]] = {}  # ByteLevelDetokenizer's tables, by skip_special_tokens
+        # ByteLevelDetokenizer's tables by skip_special_tokens, built on the first stream (the two share their bytes)
+        self._bytes_of_ids: dict[bool, list[bytes]] = {}
         self._run_cache: OrderedDict[tuple[str, str], array] = OrderedDict()
         self._run_cache_bytes = 0
         self._run_cache_budget = DEFAULT_RUN_CACHE_BYTES
@@ -529,10 +530,12 @@ class Tokenizer:
         else the library's `decode` over a window (`IncrementalDetokenizer`); the two give the same deltas."""
         if not isinstance(self.backend.decoder, decoders.ByteLevel):
             return IncrementalDetokenizer(self, skip_special_tokens)
-        table = self._bytes_of_ids.get(skip_special_tokens)
-        if table is None:
-            table = self._bytes_of_ids[skip_special_tokens] = _bytes_of_ids(self.backend, skip_special_tokens)
-        return ByteLevelDetokenizer(table)
+        tables = self._bytes_of_ids
+        if False not in tables:
+            tables[False] = _bytes_of_ids(self.backend)
+        if skip_special_tokens and True not in tables:
+            tables[True] = [b"" if i in self.special_token_ids else b for i, b in enumerate(tables[False])]
+        return ByteLevelDetokenizer(tables[skip_special_tokens])
 
     def _compute_fingerprint(self) -> str:
         state = json.loads(self.backend.to_str())
@@ -624,8 +627,9 @@ class ByteLevelDetokenizer:
         return text
 
 
-def _bytes_of_ids(backend: HFTokenizer, skip_special_tokens: bool) -> list[bytes]:
-    """Each token id's bytes in the byte-level decoder's output (b"" for a special one, when skipped)."""
+def _bytes_of_ids(backend: HFTokenizer) -> list[bytes]:
+    """Each token id's bytes in the byte-level decoder's output, special tokens written out (b"" for an id in
+    no vocabulary)."""
     vocab = backend.get_vocab(with_added_tokens=True)
     table = [b""] * (max(vocab.values(), default=-1) + 1)
     for token, token_id in vocab.items():
@@ -633,10 +637,6 @@ def _bytes_of_ids(backend: HFTokenizer, skip_special_tokens: bool) -> list[bytes
             table[token_id] = token.encode()
         else:
             table[token_id] = token.translate(_LATIN1_OF_CHAR).encode("latin-1")
-    if skip_special_tokens:
-        for token_id, added in backend.get_added_tokens_decoder().items():
-            if added.special:
-                table[token_id] = b""
     return table
 
 
