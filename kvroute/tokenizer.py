@@ -131,8 +131,6 @@ class Tokenizer:
         self._text_backend = HFTokenizer.from_str(backend.to_str())
         self._text_backend.encode_special_tokens = True
         self._token_bytes: dict[int, bytes] = {}
-        # ByteLevelDetokenizer's tables by skip_special_tokens, built on the first stream (the two share their bytes)
-        self._bytes_of_ids: dict[bool, list[bytes]] = {}
         self._run_cache: OrderedDict[tuple[str, str], array] = OrderedDict()
         self._run_cache_bytes = 0
         self._run_cache_budget = DEFAULT_RUN_CACHE_BYTES
@@ -528,14 +526,24 @@ class Tokenizer:
     ) -> IncrementalDetokenizer | ByteLevelDetokenizer:
         """A stream's detokenizer: table lookups where the decoder is plain byte-level (`ByteLevelDetokenizer`),
         else the library's `decode` over a window (`IncrementalDetokenizer`); the two give the same deltas."""
-        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+        tables = self._byte_level_tables
+        if tables is None:
             return IncrementalDetokenizer(self, skip_special_tokens)
-        tables = self._bytes_of_ids
-        if False not in tables:
-            tables[False] = _bytes_of_ids(self.backend)
-        if skip_special_tokens and True not in tables:
-            tables[True] = [b"" if i in self.special_token_ids else b for i, b in enumerate(tables[False])]
         return ByteLevelDetokenizer(tables[skip_special_tokens])
+
+    @functools.cached_property
+    def _byte_level_tables(self) -> tuple[list[bytes], list[bytes]] | None:
+        """ByteLevelDetokenizer's tables, indexed by skip_special_tokens (the second shares the first's bytes),
+        built on the first stream; None where the decoder is not plain byte-level, or where the library decodes
+        an added token otherwise than its spelling says (a `tokenizers` that writes added tokens out as they
+        are: the window path is exact whatever the library does)."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return None
+        spelled = _bytes_of_ids(self.backend)
+        for token_id in self.backend.get_added_tokens_decoder():
+            if spelled[token_id].decode("utf-8", "replace") != self.decode([token_id], skip_special_tokens=False):
+                return None
+        return spelled, [b"" if i in self.special_token_ids else b for i, b in enumerate(spelled)]
 
     def _compute_fingerprint(self) -> str:
         state = json.loads(self.backend.to_str())
