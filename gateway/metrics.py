@@ -68,6 +68,17 @@ def label_value(text: str) -> str:
     return _LABEL_UNSAFE.sub("_", text[:MAX_LABEL_CHARS]) or "_"
 
 
+# The finish reasons a series may carry: OpenAI's and the engines' own (vLLM's, SGLang's). Any other string an
+# HTTP engine sends reaches its client as it is but is counted as "other": an engine must not grow the series.
+FINISHED_REASONS = frozenset(
+    {"stop", "length", "abort", "tool_calls", "function_call", "content_filter", "error", "repetition"}
+)
+
+
+def finished_reason_label(reason: str) -> str:
+    return reason if reason in FINISHED_REASONS else "other"
+
+
 def tenant_id(tenant: Tenant) -> str:
     """An opaque, stable label for `tenant`: a digest of its cache salt (keyed by the salt secret, so names
     cannot be confirmed by hashing guesses; equal on every gateway that shares the secret)."""

@@ -73,7 +73,7 @@ from gateway.fleet.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.forwarding.backends import Backend, BackendCall, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
 from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.forwarding.stop_strings import ChoiceText
-from gateway.metrics import GatewayMetrics, label_value
+from gateway.metrics import GatewayMetrics, finished_reason_label, label_value
 from gateway.request import (
     Chunk,
     GatewayRequest,
@@ -851,7 +851,7 @@ class _StreamingGeneration(Generation):
         if delta.finish_reason is not None:
             self._end_stream(stream)
             self._finish_reasons.append(delta.finish_reason)
-            self._path.metrics.request_success.labels(delta.finish_reason).inc()
+            self._path.metrics.request_success.labels(finished_reason_label(delta.finish_reason)).inc()
         if delta.completion_tokens is not None:
             self.usage.completion_tokens += delta.completion_tokens
         if stream.choice == 0 and delta.cached_tokens is not None:

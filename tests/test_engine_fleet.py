@@ -489,9 +489,10 @@ def _consecutive_pub_sockets(ctx: zmq.Context, count: int) -> tuple[list[zmq.Soc
     raise AssertionError("no consecutive free ports")
 
 
-async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | None]]) -> Any:
+async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | None]], rewrite: Any = None) -> Any:
     """A loopback HTTP proxy in front of a worker's front door that records each request's path and its
-    X-data-parallel-rank header, as a DP engine's HTTP server would read it."""
+    X-data-parallel-rank header, as a DP engine's HTTP server would read it; with `rewrite`, each response's
+    body is read whole and sent on as `rewrite(body)` (an engine that answers otherwise)."""
     from aiohttp import ClientSession, web
 
     session = ClientSession()
@@ -504,6 +505,8 @@ async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | N
         )
         response = web.StreamResponse(status=upstream.status, headers={"content-type": upstream.content_type})
         await response.prepare(request)
+        if rewrite is not None:
+            await response.write(rewrite(await upstream.read()))
         async for piece in upstream.content.iter_any():
             await response.write(piece)
         await response.write_eof()
@@ -570,3 +573,31 @@ def test_each_data_parallel_rank_is_a_routing_target_and_its_requests_carry_the_
         for sock in sockets:
             sock.close(linger=0)
         ctx.term()
+
+
+def test_an_engines_own_finish_reason_reaches_the_client_and_a_bounded_series() -> None:
+    """An engine's finish reason that is a string reaches the client as the engine sent it, counted as "other"
+    unless it is one OpenAI or the engines name (each request's own reason here: the series would grow by one
+    a request); one that is not a string is a malformed event, answered as an error, not passed on."""
+    proxy_port, seen, reasons = free_port(), [], iter([b'"engine-own-1"', b'"engine-own-2"', b"7"])
+
+    def rewrite(body: bytes) -> bytes:  # the generation answers only (the proxy also carries probes and scrapes)
+        length = b'"finish_reason":"length"'
+        return body.replace(length, b'"finish_reason":' + next(reasons)) if length in body else body
+
+    options = EngineStackOptions(workers=1, api_keys=None, specs=lambda _: [f"vllm://127.0.0.1:{proxy_port}"])
+    with EngineStack(options) as stack:
+        runner, session = stack.call(_recording_proxy(proxy_port, stack.http_ports[0], seen, rewrite))
+        try:
+            _wait(lambda: len(stack.fleet.members()) == 1)
+            for own in ("engine-own-1", "engine-own-2"):
+                response = post(stack, "/v1/completions", {"prompt": "why " + LONG, "max_tokens": 2})
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["finish_reason"] == own
+            response = post(stack, "/v1/completions", {"prompt": "why " + LONG, "max_tokens": 2})
+            assert response.status_code >= 500 and "finish_reason is int" in response.text, response.text
+        finally:
+            stack.call(session.close())
+            stack.call(runner.cleanup())
+        text = generate_latest(stack.request_path.metrics.registry).decode()
+        assert 'finished_reason="other"' in text and "engine-own" not in text

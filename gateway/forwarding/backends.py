@@ -344,7 +344,10 @@ class HttpCall(QueuedCall):
             logprobs = _chat_logprobs(choice.get("logprobs"))
         else:
             text, extra, logprobs = choice.get("text") or "", {}, _completion_logprobs(choice.get("logprobs"))
-        return EngineDelta(text, extra, logprobs, choice.get("finish_reason"))
+        finish_reason = choice.get("finish_reason")
+        if finish_reason is not None and not isinstance(finish_reason, str):
+            raise ValueError(f"finish_reason is {type(finish_reason).__name__}, not a string")
+        return EngineDelta(text, extra, logprobs, finish_reason)
 
 
 _JSON = {"content-type": "application/json", "accept": "text/event-stream"}
