@@ -654,8 +654,8 @@ def predict(
     carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
     model's text does not, the replay over-predicts that turn's reuse. Each simulated step also takes the
-    workers' measured time per step beyond the cost model (`step_overhead_ms`: their TPOT median less the
-    median the cost model alone gives the same requests, simulated first). The simulated gateway reads each
+    workers' measured time per step beyond the cost model (`step_overhead_ms`: their mean TPOT less the mean
+    the cost model alone gives the same requests, simulated first). The simulated gateway reads each
     worker on a poller of its own, as the embedded fleet state does, at intervals drawn from the live gateway's
     own (`view_refresh_ms` their mean, `view_draw`); the instants they fall at are not measured, so the
     prediction is the median run (by TTFT p50) of VIEW_SEEDS draws (`ttft_ms_p50_per_seed`). TTFT: the
@@ -702,13 +702,15 @@ def predict(
         view_poll_draw=view_draw(run),
         **sim_costs(config.worker_args),
     )
-    # The workers' own work per step, beyond the cost model: their TPOT median less the one the cost model alone
-    # gives the same requests (a decode step's cost and the prefill chunks that share it), simulated first.
-    live_tpot_ms = run.summary.tpot_ms["p50"] if run.summary.tpot_ms else None
-    if live_tpot_ms is not None and live_tpot_ms == live_tpot_ms:
+    # The workers' own work per step, beyond the cost model: their mean TPOT less the one the cost model alone
+    # gives the same requests (a decode step's cost and the prefill chunks that share it), simulated first. The
+    # mean, not the median: a queue grows with the mean step, and a busy CPU stretches a share of steps only.
+    live_tpot_s = [r.tpot_s for r in run.records if r.tpot_s is not None]
+    if live_tpot_s:
         _, costed = simulate(trace, run.entry.policy, replay_config)
-        model_tpot_ms = float(np.median([t for t in costed.tpot_samples_ms if t is not None]))
-        replay_config = replace(replay_config, step_overhead_ms=max(live_tpot_ms - model_tpot_ms, 0.0))
+        model_tpot_ms = float(np.mean([t for t in costed.tpot_samples_ms if t is not None]))
+        overhead_ms = float(np.mean(live_tpot_s)) * 1e3 - model_tpot_ms
+        replay_config = replace(replay_config, step_overhead_ms=max(overhead_ms, 0.0))
     # The gateway's polls fall at instants no run records: the median of VIEW_SEEDS draws of them.
     seeds = VIEW_SEEDS if replay_config.view_poll_draw else 1
     drawn = [simulate(trace, run.entry.policy, replace(replay_config, view_seed=seed))[1] for seed in range(seeds)]
