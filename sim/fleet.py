@@ -236,10 +236,9 @@ class FleetSim:
     def _publish(self, r: int) -> None:
         replica = self.replicas[r]
         events, self._unpublished[r] = self._unpublished[r], []
-        scheduler = replica.engine.scheduler
         self._reports[r] += 1
-        pool = replica.engine.kv_manager.pool
-        report = LoadReport(self._reports[r], len(scheduler.running), len(scheduler.waiting), pool.usage)
+        load = replica.reported
+        report = LoadReport(self._reports[r], load.running, load.waiting, load.kv_usage)
         if events and self.config.timing.index == "shared":
             if not self.shared_index.apply(replica.name, events):
                 seq, hashes = self._snapshot(replica.name)

@@ -72,6 +72,18 @@ def test_a_gateway_sees_a_replicas_blocks_only_after_its_next_poll():
     assert placement(10.0) == ([0, 1], [0, 0])  # the poll at 0 s saw nothing; the next is at 10 s
 
 
+def test_a_gateway_reads_a_replicas_books_as_they_stood_at_the_end_of_its_last_step():
+    """A live worker reports the books of its last finished step (GetStats), not those of the step in progress:
+    a request that arrives during the second prefill chunk sees the blocks of the first chunk (4 of 64), not
+    the 7 the second allocated."""
+    seen = []
+    config = FleetConfig(("a",), 64, 16, cost=SimCostModel(100.0, 10.0), max_num_batched_tokens=64)
+    fleet = FleetSim(config, [make_policy("round_robin")])
+    requests = [request(0.0, list(range(100)), 5), request(0.008, list(range(500, 520)), 1)]  # chunks of 64 + 36
+    fleet.run(requests, tick=lambda: seen.append(fleet.gateways[0].view.loads["a"].kv_usage))
+    assert seen[1] == 4 / 64
+
+
 def test_with_a_poller_per_replica_a_gateway_reads_each_replica_on_its_own_phase():
     """`poll_each`, as the embedded fleet state's one poller per worker: replica a is read at 5 s, b at 10 s
     (poll_s 10, phases spread), so a request at 6 s follows a's cached prefix; one poller for both read them
