@@ -8,9 +8,9 @@ One registry per gateway, whatever its pools (gateway.pools): each pool's `Gatew
 flight), takes only configured pools' names.
 
 Routing: requests by policy and reason, requests routed per worker, routing latency (template, tokenize,
-hash and pick), retries by cause, breaker state per worker, parity mismatches and membership changes (read
-from the fleet state's counters at scrape time). Requests: TTFT and E2E as the client sees them through the
-gateway, errors by type, requests in flight.
+hash and pick), retries by cause, breaker state per worker, parity mismatches, membership changes and the
+seconds between two load reports of a worker (read from the fleet state's counters at scrape time).
+Requests: TTFT and E2E as the client sees them through the gateway, errors by type, requests in flight.
 
 The prefix doctor's live half, per tenant and app (the `x-kvroute-app` header, else "default"): where each
 request's prompt first diverges from the same app's previous request (in tokens, at block granularity:
@@ -28,12 +28,13 @@ The `tenant` label is an opaque id (`tenant_id`) unless the operator asks for na
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
@@ -133,6 +134,16 @@ class _LiveCollector(Collector):
         for (worker, reason), count in sorted(_summed(getattr(c, "kv_event_drops", {}) for c in all_counters).items()):
             drops.add_metric([label_value(worker), reason], count)
         yield drops
+        intervals = HistogramMetricFamily(
+            "kvroute:gateway_fleet_report_interval_seconds",
+            "Seconds between two load reports of one worker applied to this gateway's view (its refresh).",
+        )
+        histograms = [c.report_intervals for c in all_counters]
+        counts = [sum(h.counts[i] for h in histograms) for i in range(len(histograms[0].counts))]
+        cumulative = list(itertools.accumulate(counts))
+        bounds = [*(str(b) for b in histograms[0].bounds), "+Inf"]
+        intervals.add_metric([], list(zip(bounds, cumulative, strict=True)), sum(h.total for h in histograms))
+        yield intervals
 
 
 def _summed(counts: Iterable[Mapping[Any, int]]) -> dict[Any, int]:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +65,7 @@ PEER_INSTALL_HINT = "pip install 'kvroute[peers]'"
 STARTUP_TIMEOUT_S = 180.0
 PROBES = 40
 PROBE_TOKENS = 24
+VIEW_SEEDS = 9  # draws of the gateway's poll instants per prediction (loadtest.compare.predict)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,12 @@ class RouterFleet:
         """Each worker's cumulative counters: prompt tokens, prefix-cache hits, finished requests."""
         return {w.worker_id: scrape_counters(w.metrics_url) for w in self.workers}
 
+    def gateway_counters(self) -> dict[str, float]:
+        """Our gateway's cumulative figures (`scrape_gateway`); {} for a peer router."""
+        if self.entry.router != KVROUTE:
+            return {}
+        return scrape_gateway(f"http://127.0.0.1:{self.router_metrics_port}/metrics")
+
 
 def kv_events_config(events_port: int, replay_port: int) -> str:
     """`kvroute worker --kv-events-config`'s JSON (vLLM's): publish on loopback, binding both ports."""
@@ -293,6 +300,49 @@ def scrape_counters(metrics_url: str) -> dict[str, float]:
                 key = f"ttft_le:{sample.labels['le']}"
                 out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+def scrape_gateway(metrics_url: str) -> dict[str, float]:
+    """Our gateway's cumulative figures from its Prometheus text: the load reports it applied and the seconds
+    between them (`reports`, `report_interval_s`, the histogram's buckets `report_le:BOUND`:
+    kvroute:gateway_fleet_report_interval_seconds), and its requests by routing reason (`reason:NAME`,
+    kvroute:gateway_requests_total)."""
+    text = httpx.get(metrics_url, timeout=10.0).text
+    out = {"reports": 0.0, "report_interval_s": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvroute:gateway_fleet_report_interval_seconds_bucket":
+                key = f"report_le:{sample.labels['le']}"
+                out[key] = out.get(key, 0.0) + sample.value
+            elif sample.name == "kvroute:gateway_fleet_report_interval_seconds_count":
+                out["reports"] += sample.value
+            elif sample.name == "kvroute:gateway_fleet_report_interval_seconds_sum":
+                out["report_interval_s"] += sample.value
+            elif sample.name == "kvroute:gateway_requests_total":
+                key = f"reason:{sample.labels['reason']}"
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def gateway_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the gateway saw during the run: the seconds between two load reports of a worker (its view's
+    refresh), as their mean (None without reports) and their histogram ({upper bound ("le", seconds): reports
+    at or below it}, ascending, cumulative), and its requests by routing reason."""
+    if not after:
+        return {}
+
+    def delta(prefix: str) -> dict[str, int]:
+        return {
+            k.partition(":")[2]: int(v - before.get(k, 0.0)) for k, v in after.items() if k.startswith(prefix + ":")
+        }
+
+    reports = after["reports"] - before.get("reports", 0.0)
+    interval = after["report_interval_s"] - before.get("report_interval_s", 0.0)
+    return {
+        "report_interval_ms_mean": round(interval / reports * 1e3, 3) if reports else None,
+        "report_interval_buckets": dict(sorted(delta("report_le").items(), key=lambda kv: float(kv[0]))),
+        "reasons": {k: v for k, v in sorted(delta("reason").items()) if v},
+    }
 
 
 # counter_delta's figures of the engines, shown per run
@@ -357,6 +407,7 @@ class RunResult:
     capacity_blocks: int  # KV blocks per worker
     routed_ids: tuple[str, ...] = ()  # the ids the router knew the workers by, in `workers`' order
     prediction: dict[str, Any] | None = None  # the replay's, for a kvroute policy
+    gateway: dict[str, Any] = field(default_factory=dict)  # gateway_delta: our gateway's view refresh and reasons
 
     def to_json(self) -> dict[str, Any]:
         def pick(stats: dict[str, float | None]) -> dict[str, float | None]:
@@ -377,6 +428,7 @@ class RunResult:
             "per_worker_requests": self.workers["per_worker_requests"],
             "engine": {k: self.workers[k] for k in ENGINE_FIGURES},
             "router_overhead_ms": {k: round(v, 3) for k, v in self.overhead_ms.items()},
+            **({"gateway": self.gateway} if self.gateway else {}),
             "request_throughput": round(self.summary.request_throughput, 4),
             **({"replay_prediction": self.prediction} if self.prediction else {}),
             "per_request": bench_json(self.summary, self.records)["per_request"],
@@ -395,7 +447,7 @@ def run_entry(
     with RouterFleet(entry, config, log_dir) as fleet:
         model = args.served_model_name or config.model
         capacity_blocks = worker_capacity_blocks(fleet.workers[0].grpc_port)
-        before = fleet.counters()
+        before, gateway_before = fleet.counters(), fleet.gateway_counters()
         make_sender = partial(
             HttpSender, Target(fleet.url, model, None, args.ignore_eos, args.timeout, args.exact_length)
         )
@@ -406,10 +458,11 @@ def run_entry(
         )
         time.sleep(0.2)  # the last request's counters are updated as its stream ends
         workers = counter_delta(before, fleet.counters())
+        gateway = gateway_delta(gateway_before, fleet.gateway_counters())
         overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
         routed_ids = tuple(w.routed_id for w in fleet.workers)
     summary = summarize(records, duration, slo)
-    return RunResult(entry, records, summary, workers, overhead, capacity_blocks, routed_ids)
+    return RunResult(entry, records, summary, workers, overhead, capacity_blocks, routed_ids, gateway=gateway)
 
 
 def format_table(results: dict[str, RunResult]) -> str:
@@ -601,18 +654,20 @@ def predict(
     carries the answer back (closed loop) reuses it. The stream
     has no token ids, so this assumes the text re-tokenizes to the decoded ids: sim words do; where a real
     model's text does not, the replay over-predicts that turn's reuse. Each simulated step also takes the
-    workers' measured time per step beyond the cost model (`step_overhead_ms`: their TPOT median less the
-    median the cost model alone gives the same requests, simulated first). TTFT: the simulated engine's
-    (`ttft_ms`), and with the run's measured time outside the engines added (`ttft_ms_with_outside_engine`,
-    `outside_engine_ms`)."""
+    workers' measured time per step beyond the cost model (`step_overhead_ms`: their mean TPOT less the mean
+    the cost model alone gives the same requests, simulated first). The simulated gateway reads each
+    worker on a poller of its own, as the embedded fleet state does, at intervals drawn from the live gateway's
+    own (`view_refresh_ms` their mean, `view_draw`); the instants they fall at are not measured, so the
+    prediction is the median run (by TTFT p50) of VIEW_SEEDS draws (`ttft_ms_p50_per_seed`). TTFT: the
+    simulated engine's (`ttft_ms`), and with the run's measured time outside the engines added
+    (`ttft_ms_with_outside_engine`, `outside_engine_ms`)."""
     from dataclasses import replace
 
     from gateway.admission.auth import OPEN_TENANT, cache_salt
-    from gateway.fleet.embedded_fleet import PollOptions
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary
-    from sim.replay import ReplayConfig, replay, simulate
+    from sim.replay import ReplayConfig, ideal_prefill_tokens, simulate
     from sim.traces import Trace, TraceRequest
 
     tokenizer = vocabulary(tokenizer_spec).tokenizer
@@ -642,26 +697,36 @@ def predict(
         capacity_blocks=run.capacity_blocks,
         replica_names=run.routed_ids or names,
         model_id=resolve_model(config.model).model_id,
-        view_poll_s=PollOptions().poll_interval,
+        view_poll_s=view_refresh_s(run),
+        view_poll_each=True,
+        view_poll_draw=view_draw(run),
         **sim_costs(config.worker_args),
     )
-    # The workers' own work per step, beyond the cost model: their TPOT median less the one the cost model alone
-    # gives the same requests (a decode step's cost and the prefill chunks that share it), simulated first.
-    live_tpot_ms = run.summary.tpot_ms["p50"] if run.summary.tpot_ms else None
-    if live_tpot_ms is not None and live_tpot_ms == live_tpot_ms:
+    # The workers' own work per step, beyond the cost model: their mean TPOT less the one the cost model alone
+    # gives the same requests (a decode step's cost and the prefill chunks that share it), simulated first. The
+    # mean, not the median: a queue grows with the mean step, and a busy CPU stretches a share of steps only.
+    live_tpot_s = [r.tpot_s for r in run.records if r.tpot_s is not None]
+    if live_tpot_s:
         _, costed = simulate(trace, run.entry.policy, replay_config)
-        model_tpot_ms = float(np.median([t for t in costed.tpot_samples_ms if t is not None]))
-        replay_config = replace(replay_config, step_overhead_ms=max(live_tpot_ms - model_tpot_ms, 0.0))
-    replayed = replay(trace, replay_config)
-    result = replayed.policies[run.entry.policy]
+        model_tpot_ms = float(np.mean([t for t in costed.tpot_samples_ms if t is not None]))
+        overhead_ms = float(np.mean(live_tpot_s)) * 1e3 - model_tpot_ms
+        replay_config = replace(replay_config, step_overhead_ms=max(overhead_ms, 0.0))
+    # The gateway's polls fall at instants no run records: the median of VIEW_SEEDS draws of them.
+    seeds = VIEW_SEEDS if replay_config.view_poll_draw else 1
+    drawn = [simulate(trace, run.entry.policy, replace(replay_config, view_seed=seed))[1] for seed in range(seeds)]
+    drawn.sort(key=lambda r: r.ttft_ms["p50"])
+    result = drawn[len(drawn) // 2]
     outside = outside_engine_ms(run)
     return {
         "prefill_tokens": result.prefill_tokens,
-        "ideal_prefill_tokens": replayed.ideal_prefill_tokens,
+        "ideal_prefill_tokens": ideal_prefill_tokens(trace, replay_config.model_id),
         "hit_rate": round(result.hit_rate, 6),
         "ttft_ms": {k: round(v, 3) for k, v in result.ttft_ms.items()},
         "outside_engine_ms": round(outside, 3),
         "step_overhead_ms": round(replay_config.step_overhead_ms, 3),
+        "view_refresh_ms": round(replay_config.view_poll_s * 1e3, 3),
+        "view_seeds": seeds,
+        "ttft_ms_p50_per_seed": [round(r.ttft_ms["p50"], 3) for r in drawn],
         "ttft_ms_with_outside_engine": {k: round(v + outside, 3) for k, v in result.ttft_ms.items()},
         "per_worker_requests": dict(zip(names, result.per_replica_requests, strict=False)),
         "reasons": result.reasons,
@@ -690,6 +755,30 @@ def predict(
             )
         ],
     }
+
+
+def view_draw(run: RunResult) -> tuple[tuple[float, float, float], ...]:
+    """The live gateway's intervals between two load reports of a worker as `sim.ViewTiming.poll_draw` ranges:
+    (lower bound, upper bound, reports) per bucket of its histogram that holds any (the first bucket's and the
+    +Inf bucket's at their one finite bound); () without a histogram."""
+    ranges, lower, below = [], 0.0, 0
+    for le, count in run.gateway.get("report_interval_buckets", {}).items():
+        upper = float(le)
+        if count > below:
+            low = lower or upper
+            ranges.append((low, low if upper == float("inf") else upper, float(count - below)))
+        lower, below = upper, count
+    return tuple(ranges)
+
+
+def view_refresh_s(run: RunResult) -> float:
+    """Seconds between two reads of a worker's load and KV events by the simulated gateway: the live gateway's
+    mean interval between two load reports of a worker during the run (`gateway_delta`), else the embedded
+    fleet state's poll interval."""
+    from gateway.fleet.embedded_fleet import PollOptions
+
+    measured = run.gateway.get("report_interval_ms_mean")
+    return measured * 1e-3 if measured else PollOptions().poll_interval
 
 
 def outside_engine_ms(run: RunResult) -> float:

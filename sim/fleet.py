@@ -6,7 +6,8 @@ Events, in time order (at equal times: step ends, then publishes, then polls, th
   * step end (per busy replica): the step's outputs are delivered (first tokens, finishes: the request's
     gateway hears of it now), its KV events and load published, and the next step computed;
   * publish (every `publish_s`, when it is > 0): every replica's events and load since the last publish;
-  * poll (every `poll_s` per gateway, phases spread, when it is > 0): the gateway reads what was published.
+  * poll (every `poll_s` per gateway, phases spread, when it is > 0; or per gateway and replica, with
+    `poll_each`; intervals drawn, with `poll_draw`): the gateway reads what was published.
 With `publish_s` = `poll_s` = 0 every gateway reads a replica's events and load at the end of each of its steps.
 
 Per request it records the replica, the policy's reason, the cached prompt tokens the engine reported (its
@@ -148,9 +149,13 @@ class FleetSim:
 
         if timing.publish_s > 0:
             push(0.0, _PUBLISH, 0)
+        # A poller reads one gateway's view of every replica, or with `poll_each` of one replica: payload
+        # g * n + r, its intervals a stream of their own.
+        pollers = [(g, r) for g in range(g_count) for r in (range(n) if timing.poll_each else (-1,))]
+        intervals = [timing.intervals(k) for k in range(len(pollers))]
         if timing.poll_s > 0:
-            for g in range(g_count):
-                push(timing.poll_s * g / g_count, _POLL, g)
+            for k, (g, r) in enumerate(pollers):
+                push(timing.poll_s * (g + (r + 1) / n if r >= 0 else g) / g_count, _POLL, k)
         busy = 0  # replicas with a step in the queue
         next_request = 0
         while next_request < total or busy:
@@ -191,9 +196,10 @@ class FleetSim:
                     if next_request < total or busy:
                         push(now + timing.publish_s, _PUBLISH, 0)
                 else:
-                    self.gateways[payload].read(self._snapshot)
+                    g, r = pollers[payload]
+                    self.gateways[g].read(self._snapshot, self.names[r] if r >= 0 else None)
                     if next_request < total or busy:
-                        push(now + timing.poll_s, _POLL, payload)
+                        push(now + next(intervals[payload]), _POLL, payload)
                 continue
             i = next_request
             next_request += 1
@@ -230,10 +236,9 @@ class FleetSim:
     def _publish(self, r: int) -> None:
         replica = self.replicas[r]
         events, self._unpublished[r] = self._unpublished[r], []
-        scheduler = replica.engine.scheduler
         self._reports[r] += 1
-        pool = replica.engine.kv_manager.pool
-        report = LoadReport(self._reports[r], len(scheduler.running), len(scheduler.waiting), pool.usage)
+        load = replica.reported
+        report = LoadReport(self._reports[r], load.running, load.waiting, load.kv_usage)
         if events and self.config.timing.index == "shared":
             if not self.shared_index.apply(replica.name, events):
                 seq, hashes = self._snapshot(replica.name)

@@ -13,11 +13,19 @@ the fleet-state timing says.
   * `publish_s`: replicas publish KV events and load every `publish_s` seconds (0: at the end of every step);
     `poll_s`: each gateway reads them every `poll_s` seconds, the gateways' phases spread evenly (0: as soon as
     they are published).
+  * `poll_each`: each gateway reads each replica on a schedule of its own (the embedded fleet state's one poller
+    per worker), the replicas' first reads spread evenly over `poll_s` after the gateway's; else it reads all
+    of them at once.
+  * `poll_draw`: each next interval between two reads is drawn from these `(low, high, weight)` ranges (a
+    weighted range, then uniformly within it: a live gateway's measured histogram, `kvroute:gateway_fleet_
+    report_interval_seconds`), seeded by `seed`; () (the default): every interval is `poll_s`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
@@ -36,6 +44,9 @@ class ViewTiming:
     load: str = "reported"
     publish_s: float = 0.0
     poll_s: float = 0.0
+    poll_each: bool = False
+    poll_draw: tuple[tuple[float, float, float], ...] = ()
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.index not in INDEX_FEEDS:
@@ -44,6 +55,21 @@ class ViewTiming:
             raise ValueError(f"load must be one of {', '.join(LOAD_FEEDS)}, got {self.load!r}")
         if self.publish_s < 0 or self.poll_s < 0:
             raise ValueError("publish_s and poll_s must be >= 0")
+        if self.poll_draw and (
+            self.poll_s <= 0
+            or any(not 0 < low <= high or weight < 0 for low, high, weight in self.poll_draw)
+            or not sum(weight for _, _, weight in self.poll_draw) > 0
+        ):
+            raise ValueError("poll_draw needs poll_s > 0 and ranges 0 < low <= high with weights >= 0, not all 0")
+
+    def intervals(self, stream: int) -> Iterator[float]:
+        """The intervals between one poller's reads (`stream` numbers the poller: each draws its own)."""
+        if not self.poll_draw:
+            return itertools.repeat(self.poll_s)
+        rng = random.Random(self.seed * 1_000_003 + stream)
+        ranges = [(low, high) for low, high, _ in self.poll_draw]
+        weights = list(itertools.accumulate(weight for _, _, weight in self.poll_draw))
+        return (rng.uniform(*rng.choices(ranges, cum_weights=weights)[0]) for _ in itertools.count())
 
 
 @dataclass(frozen=True)
@@ -106,17 +132,21 @@ class SimGateway:
             self._unread[replica].append(events)
         self._reports[replica] = report
 
-    def read(self, resync) -> None:
-        """Apply what was published since the last read; `resync(replica)` gives (seq, hashes) after a gap."""
+    def read(self, resync, replica: str | None = None) -> None:
+        """Apply what `replica` (None: every replica) published since the last read; `resync(replica)` gives
+        (seq, hashes) after a gap."""
+        names = self._unread if replica is None else (replica,)
         if self.timing.index == "books":
-            for replica, batches in self._unread.items():
+            for name in names:
+                batches = self._unread[name]
                 for events in batches:
-                    if not self.book.apply_events(replica, 1, events):
-                        seq, hashes = resync(replica)
-                        self.book.resync(replica, 1, seq, hashes)
+                    if not self.book.apply_events(name, 1, events):
+                        seq, hashes = resync(name)
+                        self.book.resync(name, 1, seq, hashes)
                 batches.clear()
         if self.timing.load == "reported":
-            for replica, report in self._reports.items():
-                if report.number != self._taken[replica]:
-                    self._taken[replica] = report.number
-                    self.book.report_load(replica, 1, report.running, report.waiting, report.kv_usage)
+            for name in names:
+                report = self._reports.get(name)
+                if report is not None and report.number != self._taken[name]:
+                    self._taken[name] = report.number
+                    self.book.report_load(name, 1, report.running, report.waiting, report.kv_usage)

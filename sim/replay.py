@@ -74,6 +74,11 @@ class ReplayConfig:
     # Seconds between a gateway's reads of the replicas' KV events and load (sim.gateway.ViewTiming.poll_s):
     # 0 reads them at the end of every step; a live embedded gateway polls each worker every 0.1 s.
     view_poll_s: float = 0.0
+    # How a live embedded gateway's polls go (sim.gateway.ViewTiming.poll_each, poll_draw, seed): one poller
+    # per worker, each interval drawn from the gateway's measured histogram.
+    view_poll_each: bool = False
+    view_poll_draw: tuple[tuple[float, float, float], ...] = ()
+    view_seed: int = 0
     jobs: int = 1  # runs (policy, one-gateway, oracle) simulated at once, one process each
     # Time each replica step takes beyond the cost model (a live fleet's measured step period less the model's).
     step_overhead_ms: float = 0.0
@@ -250,8 +255,12 @@ def _cached_tokens(prepared: _Prepared, matched_blocks: int, block_size: int) ->
     return min(matched_blocks * block_size, prepared.input_length)
 
 
-def ideal_prefill_tokens(prepared: Sequence[_Prepared], block_size: int) -> int:
-    """Prefill tokens with one unlimited cache, requests in arrival order, no routing."""
+def ideal_prefill_tokens(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> int:
+    """Prefill tokens of `trace` with one unlimited cache, requests in arrival order, no routing (the ideal)."""
+    return _ideal_prefill_tokens(_prepare(trace, model_id), trace.block_size)
+
+
+def _ideal_prefill_tokens(prepared: Sequence[_Prepared], block_size: int) -> int:
     seen: set = set()
     total = 0
     for p in prepared:
@@ -326,7 +335,10 @@ def _simulate(
     if shared or gateways == 1:
         # One index read by every gateway as the replicas publish; with a poll interval each gateway's own books.
         index = "books" if config.view_poll_s > 0 else "shared"
-        timing = ViewTiming(index=index, load="reported", poll_s=config.view_poll_s)
+        timing = ViewTiming(
+            index=index, load="reported", poll_s=config.view_poll_s, poll_each=config.view_poll_each,
+            poll_draw=config.view_poll_draw, seed=config.view_seed,
+        )  # fmt: skip
     else:
         timing = ViewTiming(index="private", load="own")
     fleet = FleetSim(fleet_config(trace, config, timing), [make_replay_policy(policy, config) for _ in range(gateways)])
@@ -406,7 +418,7 @@ def replay(trace: Trace, config: ReplayConfig) -> ReplayResult:
         requests=len(prepared),
         input_tokens=trace.input_tokens,
         config=config,
-        ideal_prefill_tokens=ideal_prefill_tokens(prepared, trace.block_size),
+        ideal_prefill_tokens=_ideal_prefill_tokens(prepared, trace.block_size),
         policies=results,
         divergence=first_divergence(trace),
     )

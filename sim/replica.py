@@ -2,8 +2,9 @@
 on a virtual clock of its own.
 
 The replica's clock stands at the end of the step it computed last (`busy_until`). The fleet simulator calls
-`step()` when that time comes round: the step's results are then delivered (tokens, finishes, KV events), and
-the next step is computed at once, its results held until its own end. A request added in between joins the
+`step()` when that time comes round: the step's results are then delivered (tokens, finishes, KV events, and
+its books at its end: `reported`, what a gateway reads, never the books of the step computed since), and the
+next step is computed at once, its results held until its own end. A request added in between joins the
 next step, as a request that reaches a live engine during a step does.
 
 Where the engine says the next steps are plain decodes (every running request decodes a token and nothing else
@@ -30,12 +31,24 @@ from worker.sim_runner import SimCostModel, SimRunner
 _FILLER_BASE = 2**31
 
 
+@dataclass(frozen=True)
+class Load:
+    """A replica's books at the end of a step, as a live worker reports them (GetStats): running and waiting
+    requests, and the share of KV blocks in use."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
 @dataclass
 class StepDone:
-    """What one step delivered at its end (`at`): the engine's outputs and the KV events it produced."""
+    """What one step delivered at its end (`at`): the engine's outputs, the KV events it produced, and the
+    books as they stood then (`load`)."""
 
     at: float
     outputs: list[RequestOutput]
+    load: Load
     events: list[KVEvent] = field(default_factory=list)
 
 
@@ -78,6 +91,7 @@ class SimReplica:
         self._decode_s = cost.decode_ms_per_step * 1e-3 + step_overhead_s  # one plain decode step
         self._run = 0  # plain decode steps from `_run_start` not yet taken (0: none in progress)
         self._run_start = 0.0
+        self.reported = Load(0, 0, 0.0)  # the books at the end of the step delivered last
         self.busy_s = 0.0  # time spent in steps
         self.steps = 0  # engine steps that computed tokens, as a live worker counts them (on_step)
         self.requests = 0
@@ -115,7 +129,7 @@ class SimReplica:
             taken = min(int((now - self._run_start) / self._decode_s) + 1, self._run)
             self._run = 0
             outputs = self._take(taken)
-            self._pending = StepDone(self.clock.now(), outputs)
+            self._pending = StepDone(self.clock.now(), outputs, self._load())
             moved = True
         self._answers[request_id] = (answer, _FILLER_BASE + filler)
         params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=0.0, ignore_eos=True)
@@ -130,7 +144,9 @@ class SimReplica:
         if self._run:
             run, self._run = self._run, 0
             outputs = self._take(run)
-            done = StepDone(self.clock.now(), outputs)
+            done = StepDone(self.clock.now(), outputs, self._load())
+        if done is not None:
+            self.reported = done.load
         if not self.engine.has_unfinished_requests():
             return done
         ahead = self.engine.decode_steps_ahead() if self._decode_s > 0 else 0
@@ -144,7 +160,7 @@ class SimReplica:
         if not outputs and not self.engine.scheduler.running and self.engine.has_unfinished_requests():
             raise RuntimeError(f"{self.name}: a step with nothing to schedule (a request larger than the cache?)")
         self.busy_s += self.clock.now() - start
-        self._pending = StepDone(self.clock.now(), outputs, self.engine.drain_kv_events())
+        self._pending = StepDone(self.clock.now(), outputs, self._load(), self.engine.drain_kv_events())
         self._forget_finished(outputs)
         return done
 
@@ -156,6 +172,10 @@ class SimReplica:
         self.busy_s += self.clock.now() - start
         self._forget_finished(outputs)
         return outputs
+
+    def _load(self) -> Load:
+        scheduler = self.engine.scheduler
+        return Load(len(scheduler.running), len(scheduler.waiting), self.engine.kv_manager.pool.usage)
 
     def _count_step(self, num_tokens: int) -> None:
         self.steps += 1

@@ -7,6 +7,7 @@ import gzip
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from kvroute.errors import UserError
 from kvroute.tokenizer import Tokenizer
 from loadtest.bench import Arrivals, with_answers
 from loadtest.bench_stats import SLO, RequestRecord, format_summary, percentiles, summarize
-from loadtest.compare import parse_entries, sim_costs
+from loadtest.compare import VIEW_SEEDS, parse_entries, sim_costs, view_draw, view_refresh_s
 from loadtest.render import (
     CHAT_ANSWER_TOKENS,
     CHAT_QUESTION_TOKENS,
@@ -363,8 +364,26 @@ def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path
             if previous is not None:
                 finish = sent[previous]["sent_ms"] + sent[previous]["e2e_ms"]
                 assert sent[index]["sent_ms"] >= finish + think[index] * 1e3 - 0.01
+    # The prediction reads each worker as often as the live gateway did (its measured report intervals, drawn
+    # per poller): the median of VIEW_SEEDS draws. The vLLM-mode gateway polls nothing: the poll interval.
+    refresh = runs["kv_aware"]["gateway"]["report_interval_ms_mean"]
+    assert refresh >= 100.0 and runs["kv_aware"]["gateway"]["reasons"]
+    prediction = runs["kv_aware"]["replay_prediction"]
+    assert prediction["view_refresh_ms"] == refresh and prediction["view_seeds"] == VIEW_SEEDS
+    per_seed = prediction["ttft_ms_p50_per_seed"]
+    assert per_seed == sorted(per_seed) and per_seed[VIEW_SEEDS // 2] == prediction["ttft_ms"]["p50"]
+    assert runs["kv_aware@vllm"]["replay_prediction"]["view_refresh_ms"] == 100.0
+    assert runs["kv_aware@vllm"]["replay_prediction"]["view_seeds"] == 1
     assert all(name in done.stdout for name in entries)  # the side-by-side table
     assert "kv_aware@vllm / kv_aware: prefill x1.000, TTFT p50 x" in done.stdout
+
+
+def test_the_prediction_draws_the_live_gateways_report_intervals_from_its_histogram():
+    buckets = {"0.05": 0, "0.1": 0, "0.105": 90, "0.11": 90, "0.2": 99, "+Inf": 100}
+    run = SimpleNamespace(gateway={"report_interval_ms_mean": 104.0, "report_interval_buckets": buckets})
+    assert view_draw(run) == ((0.1, 0.105, 90.0), (0.11, 0.2, 9.0), (0.2, 0.2, 1.0))
+    assert view_refresh_s(run) == pytest.approx(0.104)
+    assert view_draw(SimpleNamespace(gateway={})) == () and view_refresh_s(SimpleNamespace(gateway={})) == 0.1
 
 
 def test_the_prediction_uses_the_sim_workers_cost_model():

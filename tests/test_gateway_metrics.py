@@ -4,6 +4,7 @@ no tenant name in any label unless the operator asks. Through a real gateway (te
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -114,3 +115,21 @@ def test_each_pools_series_count_in_the_one_registry() -> None:
     assert samples[("kvroute:gateway_requests_total", (("policy", "kv_aware"), ("reason", "hit")))] == 4
     assert samples[("kvroute:gateway_routed_requests_total", (("worker", "w0"),))] == 4
     assert samples[("kvroute:gateway_request_errors_total", (("type", "RateLimited"),))] == 1
+
+
+def test_the_views_refresh_is_a_histogram_of_report_intervals(stack: GatewayStack) -> None:
+    deadline = time.monotonic() + 10.0
+    while True:  # the embedded fleet state polls its worker every 0.05 s (tests/gateway_stack.py)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(stack.metrics_url).text)}
+        samples = {s.name: s for s in families["kvroute:gateway_fleet_report_interval_seconds"].samples}
+        count = samples["kvroute:gateway_fleet_report_interval_seconds_count"].value
+        if count >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert count >= 3
+    mean = samples["kvroute:gateway_fleet_report_interval_seconds_sum"].value / count
+    assert 0.045 <= mean < 2.0, "poll_interval plus each poll's round trip"
+    family = families["kvroute:gateway_fleet_report_interval_seconds"]
+    buckets = [s for s in family.samples if s.name.endswith("_bucket")]
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == count
+    assert [s.value for s in buckets] == sorted(s.value for s in buckets), "cumulative"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from gateway.routing.router import make_policy
@@ -68,6 +70,46 @@ def test_a_gateway_sees_a_replicas_blocks_only_after_its_next_poll():
 
     assert placement(0.0) == ([0, 0], [0, 160])  # read at the end of the step that cached them
     assert placement(10.0) == ([0, 1], [0, 0])  # the poll at 0 s saw nothing; the next is at 10 s
+
+
+def test_a_gateway_reads_a_replicas_books_as_they_stood_at_the_end_of_its_last_step():
+    """A live worker reports the books of its last finished step (GetStats), not those of the step in progress:
+    a request that arrives during the second prefill chunk sees the blocks of the first chunk (4 of 64), not
+    the 7 the second allocated."""
+    seen = []
+    config = FleetConfig(("a",), 64, 16, cost=SimCostModel(100.0, 10.0), max_num_batched_tokens=64)
+    fleet = FleetSim(config, [make_policy("round_robin")])
+    requests = [request(0.0, list(range(100)), 5), request(0.008, list(range(500, 520)), 1)]  # chunks of 64 + 36
+    fleet.run(requests, tick=lambda: seen.append(fleet.gateways[0].view.loads["a"].kv_usage))
+    assert seen[1] == 4 / 64
+
+
+def test_with_a_poller_per_replica_a_gateway_reads_each_replica_on_its_own_phase():
+    """`poll_each`, as the embedded fleet state's one poller per worker: replica a is read at 5 s, b at 10 s
+    (poll_s 10, phases spread), so a request at 6 s follows a's cached prefix; one poller for both read them
+    at 0 s and next at 10 s, so it goes to the emptier b."""
+    prompt = list(range(160))
+    requests = [request(0.0, prompt), request(6.0, prompt + [7])]
+
+    def placement(each: bool) -> list[int]:
+        timing = ViewTiming("books", "reported", poll_s=10.0, poll_each=each)
+        return FleetSim(FleetConfig(("a", "b"), 64, 16, timing=timing), [BoundedOracle()]).run(requests).replica_of
+
+    assert placement(True) == [0, 0]
+    assert placement(False) == [0, 1]
+
+
+def test_poll_intervals_are_drawn_from_the_given_ranges_one_stream_per_poller():
+    timing = ViewTiming(poll_s=0.1, poll_draw=((0.1, 0.105, 3.0), (0.2, 0.3, 1.0), (5.0, 6.0, 0.0)), seed=2)
+    drawn = list(itertools.islice(timing.intervals(0), 400))
+    assert all(0.1 <= d <= 0.105 or 0.2 <= d <= 0.3 for d in drawn)  # never the range of weight 0
+    assert 0.6 < sum(d <= 0.105 for d in drawn) / len(drawn) < 0.9  # 3 to 1
+    assert drawn == list(itertools.islice(timing.intervals(0), 400))  # seeded
+    assert drawn != list(itertools.islice(timing.intervals(1), 400))  # another poller draws its own
+    assert list(itertools.islice(ViewTiming(poll_s=0.1).intervals(0), 3)) == [0.1] * 3
+    for bad in (((0.0, 0.1, 1.0),), ((0.2, 0.1, 1.0),), ((0.1, 0.2, 0.0),)):
+        with pytest.raises(ValueError, match="poll_draw"):
+            ViewTiming(poll_s=0.1, poll_draw=bad)
 
 
 def test_a_replica_under_pressure_preempts_and_reports_at_most_its_prompt_cached():

@@ -26,6 +26,9 @@ Leaving and rejoining, as stated times:
   - a worker that answers again rejoins at the next poll with GetInfo and replays its KV events from 0 (a
     snapshot when they are no longer retained). The channel reconnects with a backoff of 0.1 s to 1 s, so
     a restarted worker is back within about a second of listening.
+Each load report applied after the previous one counts the seconds between them in the book's
+`counters.report_intervals` (the gateway's `kvroute:gateway_fleet_report_interval_seconds`): poll_interval plus
+the poll's round trips and the event loop's delay, the view's real refresh under load.
 Liveness (`answering`): the worker's GetStats answered within the last two poll rounds,
 2 x (poll_interval + rpc_timeout) = 2.2 s by default: one missed poll is tolerated.
 """
@@ -157,6 +160,7 @@ class WorkerPoller(PollLoop):
         self._failing_since: float | None = None
         self._conflict: str | None = None  # the id conflict last logged (logged once, not every poll)
         self._refused_logged = False
+        self._reported_at: float | None = None  # loop time of the last load report applied while a member
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -198,6 +202,10 @@ class WorkerPoller(PollLoop):
         self.book.report_load(
             member.worker_id, member.incarnation, stats.num_running, stats.num_waiting, stats.kv_cache_usage
         )
+        now = asyncio.get_running_loop().time()
+        if self._reported_at is not None:
+            self.book.counters.report_intervals.observe(now - self._reported_at)
+        self._reported_at = now
         if member.parity_ok:
             await self._poll_events(stub, member)
 
@@ -317,6 +325,7 @@ class WorkerPoller(PollLoop):
             self._leave(f"unreachable at {self.address} for {now - self._failing_since:.1f} s ({_why(exc)})")
 
     def _leave(self, reason: str, lost: bool = True) -> None:
+        self._reported_at = None
         if self.worker_id is not None:
             member = self.book.member(self.worker_id)
             if member is not None and member.address == self.address:

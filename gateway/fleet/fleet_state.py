@@ -32,6 +32,7 @@ view and the KV index in place, never rebuilding them from nothing.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -107,6 +108,23 @@ class FleetState(ABC):
 # -- the books both implementations keep ------------------------------------------------------------------
 
 
+POLL_INTERVAL_BUCKETS = (0.05, 0.1, 0.105, 0.11, 0.12, 0.14, 0.17, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class SecondsHistogram:
+    """Durations in seconds as a Prometheus histogram keeps them (a count per upper bound, the last +Inf, and
+    the sum), for a collector to read at scrape time."""
+
+    bounds: tuple[float, ...] = POLL_INTERVAL_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(POLL_INTERVAL_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.total += seconds
+
+
 @dataclass
 class FleetCounters:
     """Membership and parity events since start, for the gateway's metrics (all monotonic)."""
@@ -119,6 +137,9 @@ class FleetCounters:
     no_kv_events: dict[str, int] = field(default_factory=dict)  # worker id -> times found publishing no KV events
     # (worker id, reason) -> engine KV event batches or events dropped (gateway.fleet.engine_events names the reasons)
     kv_event_drops: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Seconds between two load reports of one worker that this gateway applied (the embedded fleet state's
+    # GetStats replies): how often the view's load and KV entries are refreshed.
+    report_intervals: SecondsHistogram = field(default_factory=SecondsHistogram)
 
 
 @dataclass
