@@ -34,6 +34,7 @@ from loadtest.bench_stats import OK, RequestRecord, Summary
 from loadtest.render import BenchRequest, Workload
 
 WORKER_HEADER = "x-kvroute-worker"
+ROUTE_HEADER = "x-kvroute-route"
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -137,6 +138,7 @@ async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequ
             "POST", target.url.rstrip("/") + request.endpoint, content=payload, headers=target.headers(request)
         ) as response:
             record.worker = response.headers.get(WORKER_HEADER)
+            record.route = response.headers.get(ROUTE_HEADER)
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace")
                 return _failed(record, f"http_{response.status_code}", _error_message(body))
@@ -417,6 +419,7 @@ def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]
                 "prompt_tokens": r.prompt_tokens,
                 "cached_tokens": r.cached_tokens,
                 "worker": r.worker,
+                **({"route": r.route} if r.route is not None else {}),
                 "session": r.session,
                 **({"error": r.error} if r.status != OK else {}),
             }

@@ -46,6 +46,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     worker: str | None = None  # x-kvroute-worker of the response
+    route: str | None = None  # x-kvroute-route of the response (kvroute's gateway: policy, reason, matched blocks)
     error: str = ""  # the server's message, for a failed request
     session: str | None = None
     output_text: str = field(default="", repr=False)  # what was streamed (the next chat turn may resend it)

@@ -431,8 +431,17 @@ class RunResult:
             **({"gateway": self.gateway} if self.gateway else {}),
             "request_throughput": round(self.summary.request_throughput, 4),
             **({"replay_prediction": self.prediction} if self.prediction else {}),
-            "per_request": bench_json(self.summary, self.records)["per_request"],
+            "per_request": self._per_request(),
         }
+
+    def _per_request(self) -> list[dict[str, Any]]:
+        """bench's per-request figures; a peer router's without `route` (what it passes on is the worker's own
+        front door's header, not a routing decision of the router's)."""
+        rows = bench_json(self.summary, self.records)["per_request"]
+        if self.entry.router != KVROUTE:
+            for row in rows:
+                row.pop("route", None)
+        return rows
 
 
 def run_entry(
@@ -741,13 +750,17 @@ def predict(
             {
                 "index": record.index,
                 "worker": names[r],
+                "reason": reason,
+                "matched_blocks": m,
                 "cached_tokens": c,
                 "ttft_ms": round(t, 3),
                 "queue_ms": round(q, 3),
             }
-            for record, r, c, t, q in zip(
+            for record, r, reason, m, c, t, q in zip(
                 sorted(run.records, key=lambda r: r.sent_s),
                 result.replica_of,
+                result.reason_of,
+                result.matched_of,
                 result.cached_tokens,
                 result.ttft_samples_ms,
                 result.queue_samples_ms,

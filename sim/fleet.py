@@ -70,6 +70,7 @@ class FleetRun:
     prefill_s: list[float] = field(default_factory=list, repr=False)  # per request: first scheduled to first token
     steps: list[int] = field(default_factory=list)  # per replica: engine steps that computed tokens
     preemptions: list[int] = field(default_factory=list)  # per replica
+    matched_blocks: list[int] = field(default_factory=list, repr=False)  # per request: the pick's matched blocks
 
     @property
     def reason_counts(self) -> dict[str, int]:
@@ -129,7 +130,7 @@ class FleetSim:
         n, g_count = len(self.replicas), len(self.gateways)
         index_of = {name: i for i, name in enumerate(self.names)}
         total = len(requests)
-        replica_of, reasons = [0] * total, [""] * total
+        replica_of, reasons, matched = [0] * total, [""] * total, [0] * total
         cached, ttft, finish = [0] * total, [0.0] * total, [0.0] * total
         queue, prefill = [0.0] * total, [0.0] * total
         started = [False] * total
@@ -213,7 +214,7 @@ class FleetSim:
             gateway = self.gateways[i % g_count]
             decision = gateway.pick(RouteRequest(str(i), hashes, request.num_prompt_tokens, request.session_id))
             r = index_of[decision.replica]
-            replica_of[i], reasons[i] = r, decision.reason
+            replica_of[i], reasons[i], matched[i] = r, decision.reason, decision.matched_blocks
             in_flight[r] += 1
             peak = max(in_flight)
             imbalance.append(peak * n / sum(in_flight))
@@ -230,7 +231,7 @@ class FleetSim:
             self.names, replica_of, reasons, cached, ttft, finish,
             [r.busy_s for r in self.replicas], [r.requests for r in self.replicas], imbalance, peak_in_flight,
             queue, prefill, [r.steps for r in self.replicas],
-            [r.engine.scheduler.num_preemptions for r in self.replicas],
+            [r.engine.scheduler.num_preemptions for r in self.replicas], matched,
         )  # fmt: skip
 
     def _publish(self, r: int) -> None:

@@ -125,6 +125,8 @@ class PolicyResult:
     reasons: dict[str, int]
     cached_tokens: list[int] = field(repr=False)  # per request, in trace order
     replica_of: list[int] = field(repr=False)  # per request: the replica's index
+    reason_of: list[str] = field(repr=False)  # per request: the routing decision's reason
+    matched_of: list[int] = field(repr=False)  # per request: the blocks the pick found on its replica
     ttft_samples_ms: list[float] = field(repr=False)
     queue_samples_ms: list[float] = field(repr=False)  # per request: at the engine to first scheduled
     prefill_samples_ms: list[float] = field(repr=False)  # per request: first scheduled to first token
@@ -368,6 +370,8 @@ def _result(policy: str, prepared: list[_Prepared], sim: Simulation, config: Rep
         reasons=run.reason_counts,
         cached_tokens=run.cached_tokens,
         replica_of=[position[r] for r in run.replica_of],
+        reason_of=run.reasons,
+        matched_of=run.matched_blocks,
         ttft_samples_ms=ttft_ms,
         queue_samples_ms=[t * 1e3 for t in run.queue_s],
         prefill_samples_ms=[t * 1e3 for t in run.prefill_s],

@@ -354,6 +354,12 @@ def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path
         assert runs[name]["prefill_tokens"] == prediction["prefill_tokens"] == prediction["ideal_prefill_tokens"]
         assert runs[name]["prompt_tokens"] == runs["smg:cache_aware"]["prompt_tokens"], name
     assert runs["smg:cache_aware"]["prefill_tokens"] == ideal
+    # Each request's route as the gateway said it (x-kvroute-route) and as the prediction picked it, to line up.
+    for name in ("kv_aware", "kv_aware@vllm"):
+        assert all(r["route"].startswith("policy=kv_aware; reason=") for r in runs[name]["per_request"]), name
+        predicted = runs[name]["replay_prediction"]["per_request"]
+        assert all(p["reason"] in ("hit", "ring", "idle") and p["matched_blocks"] >= 0 for p in predicted), name
+    assert all("route" not in r for r in runs["smg:cache_aware"]["per_request"])
     assert "replay_prediction" not in runs["smg:cache_aware"]
     # Each turn went out its think time after the previous one finished.
     think = {r.index: r.think_s for r in render("chat", 5, think_ms=100).requests}
