@@ -641,10 +641,7 @@ def _bytes_of_ids(backend: HFTokenizer) -> list[bytes]:
     vocab = backend.get_vocab(with_added_tokens=True)
     table = [b""] * (max(vocab.values(), default=-1) + 1)
     for token, token_id in vocab.items():
-        if _OUTSIDE_ALPHABET.search(token):
-            table[token_id] = token.encode()
-        else:
-            table[token_id] = token.translate(_LATIN1_OF_CHAR).encode("latin-1")
+        table[token_id] = _spelled_bytes(token, added=False)
     return table
 
 
@@ -815,9 +812,9 @@ def _token_byte_bounds(backend: HFTokenizer, added: set[str]) -> tuple[int | Non
 def _spelled_bytes(token: str, added: bool) -> bytes:
     """The bytes a vocabulary entry stands for: spelled in the byte-level alphabet (one character per byte), an
     added token as its text (and so is an entry outside the alphabet: more bytes, a weaker bound, still sound)."""
-    if added or not all(c in _BYTE_OF_CHAR for c in token):
+    if added or _OUTSIDE_ALPHABET.search(token):
         return token.encode()
-    return bytes(_BYTE_OF_CHAR[c] for c in token)
+    return token.translate(_LATIN1_OF_CHAR).encode("latin-1")
 
 
 def _entry_bytes(key: tuple[str, str], run_ids: array) -> int:
