@@ -43,6 +43,20 @@ HIDE_FLAGS_ENV = "KVROUTE_CPU_HIDE_FLAGS"
 # on x86, FEAT_BF16 (BFDOT / BFMMLA) on ARM. Without one, torch emulates bf16 matmuls, several times slower than
 # float32.
 NATIVE_BF16_FLAGS = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
+# The x86 CPU classes whose branches the engine's choices differ by, richest last, each as the environment under
+# which a richer CPU takes that class's branches: our flags hidden, and torch's, oneDNN's and MKL's own dispatch
+# capped to match. One AMX machine runs all three (tests/test_cpu_classes.py).
+_AMX_FLAGS = "amx_bf16,amx_tile,amx_int8,amx_fp16"
+CPU_CLASSES: dict[str, dict[str, str]] = {
+    "avx2": {
+        HIDE_FLAGS_ENV: f"avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512_bf16,avx512_vnni,{_AMX_FLAGS}",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+    },
+    "avx512_bf16": {HIDE_FLAGS_ENV: _AMX_FLAGS, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "amx": {},
+}
 
 
 @functools.cache
@@ -93,6 +107,21 @@ def native_bf16() -> tuple[bool, str]:
         return False, f"no bf16 instructions known for {machine}"
     found = [flag for flag in wanted if flag in cpu_flags()]
     return (True, "/".join(found)) if found else (False, "no " + "/".join(wanted))
+
+
+def cpu_class() -> str | None:
+    """This machine's class in CPU_CLASSES (after the hide switch), or None for a CPU below all of them (no AVX2 and
+    FMA, or not x86)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = cpu_flags()
+    if "amx_bf16" in flags and all(flag in flags for flag in REQUIRED_FLAGS):
+        return "amx"
+    if all(flag in flags for flag in REQUIRED_FLAGS):
+        return "avx512_bf16"
+    if all(flag in flags for flag in AVX2_REQUIRED_FLAGS):
+        return "avx2"
+    return None
 
 
 def missing_x86_flags(required: tuple[str, ...]) -> str | None:
