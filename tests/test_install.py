@@ -1,9 +1,11 @@
 """The package as a user installs it (issue 28, item 5): `pip install .` brings the gateway's dependencies only
-(no torch), the engine comes with the `worker` extra, and an engine command without it says what to install."""
+(no torch), the engine comes with the `worker` extra, and an engine command without it says what to install; a
+gateway whose OTLP exporter does not import serves on with a warning instead of dying at start."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -13,6 +15,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from launch.cli import WORKER_EXTRA_MODULES
+from launch.fleet import Fleet, free_port, kvroute_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -99,3 +102,33 @@ def test_an_engine_command_without_the_worker_extra_says_what_to_install() -> No
     for command in ("replay", "worker"):
         line = next(line for line in lines if line.startswith(f"kvroute {command}: error: "))
         assert "needs torch, which the `worker` extra brings: pip install 'kvroute[worker]'" in line, line
+
+
+# A plain `pip install .` can install xds-protos after opentelemetry-proto, whose older files then break the OTLP
+# exporter's import this way (deploy/docker/otel-proto-over-xds.sh): the exporter is made to fail so here.
+BROKEN_EXPORTER = r"""
+import importlib.abc, sys
+class BrokenExporter(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("opentelemetry.exporter"):
+            raise ImportError("cannot import name 'InstrumentationScope' from 'opentelemetry.proto.common.v1'")
+sys.meta_path.insert(0, BrokenExporter())
+from launch.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_gateway_whose_otlp_exporter_does_not_import_serves_without_spans_and_says_why(tmp_path: Path) -> None:
+    http_port = free_port()
+    argv = kvroute_argv(
+        "gateway", "--model", "sim", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", "0",
+        "--metrics-port", "0", "--workers", f"127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    argv[1:3] = ["-c", BROKEN_EXPORTER]  # `python -m launch.cli` with the broken exporter
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+    with Fleet(tmp_path) as fleet:
+        gateway = fleet.spawn("gateway", argv, env=env)
+        gateway.wait_for_line(f"on http://127.0.0.1:{http_port}/v1", timeout_s=60)
+        warning = gateway.wait_for_line("OTLP exporter does not import", timeout_s=5)
+    assert "WARNING" in warning and "OTEL_EXPORTER_OTLP_ENDPOINT" in warning
+    assert "pip install --no-deps --force-reinstall opentelemetry-proto==" in warning
