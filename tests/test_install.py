@@ -1,17 +1,20 @@
-"""The package as a user installs it (issue 28, item 5): `pip install .` brings the gateway's dependencies only
-(no torch), the engine comes with the `worker` extra, and an engine command without it says what to install; a
-gateway whose OTLP exporter does not import serves on with a warning instead of dying at start."""
+"""The package as a user installs and first starts it (issue 28, item 5): `pip install .` brings the gateway's
+dependencies only (no torch), the engine comes with the `worker` extra; a gateway whose OTLP exporter does not
+import serves on with a warning instead of dying at start; a kernel load that waits on a compile says so."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
+import threading
 import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from launch.cli import WORKER_EXTRA_MODULES
@@ -132,3 +135,38 @@ def test_a_gateway_whose_otlp_exporter_does_not_import_serves_without_spans_and_
         warning = gateway.wait_for_line("OTLP exporter does not import", timeout_s=5)
     assert "WARNING" in warning and "OTEL_EXPORTER_OTLP_ENDPOINT" in warning
     assert "pip install --no-deps --force-reinstall opentelemetry-proto==" in warning
+
+
+LOAD_EXTENSION = r"""
+import sys
+from pathlib import Path
+from kernels.cpu_backend import load_extension
+load_extension("test op library", "kvroute_test_notice", Path(sys.argv[1]), [], ())
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the C++ kernels build on x86_64 only")
+def test_a_kernel_load_that_waits_on_a_build_says_what_it_is_doing(tmp_path: Path) -> None:
+    """A first start's kernel compiles took minutes without a word. Here the build is held by another process
+    (torch's `lock` file in the extension's build directory: what a second worker of `kvroute up` waits on while
+    the first compiles), so the load waits past BUILD_NOTICE_S whatever the machine's speed."""
+    source = tmp_path / "notice.cpp"
+    source.write_text("int kvroute_test_notice() { return 1; }\n")
+    build_root = tmp_path / "torch_extensions"
+    lock = build_root / "kvroute_test_notice" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(build_root)}
+    loader = subprocess.Popen(
+        [sys.executable, "-c", LOAD_EXTENSION, str(source)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    release = threading.Timer(60, lock.unlink)  # the load ends, and with it stderr, whatever it printed
+    release.start()
+    try:
+        assert loader.stderr is not None
+        notice = next((line for line in loader.stderr if "kvroute: compiling" in line), "")
+    finally:
+        release.cancel()
+        lock.unlink(missing_ok=True)
+        loader.wait(timeout=120)
+    assert notice.startswith(f"kvroute: compiling the test op library (first use; cached under {build_root}")
