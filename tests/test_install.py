@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -67,6 +68,14 @@ def test_the_base_install_brings_no_torch_and_the_worker_extra_does() -> None:
     assert not base & WORKER_ONLY, base & WORKER_ONLY
     worker = {normalise(Requirement(r).name) for r in PYPROJECT["optional-dependencies"]["worker"]}
     assert WORKER_ONLY <= worker == WORKER_EXTRA_MODULES  # the modules the command line names when one is missing
+
+
+def test_the_worker_image_installs_the_worker_extra() -> None:
+    """The images: the worker's installs the package with the engine's extra (its torch comes first, from the
+    index its variant names), the gateway's without (tests/test_helm.py: its requirements are the base ones)."""
+    worker = (ROOT / "deploy" / "docker" / "worker.Dockerfile").read_text()
+    installs = re.findall(r"pip install (\S*/src\S*)", worker)
+    assert installs and set(installs) == {"'/src[worker]'"}, installs
 
 
 def test_gateway_entry_points_load_from_the_base_install_alone() -> None:
