@@ -74,8 +74,8 @@ def _without_worker_extra(exc: ModuleNotFoundError, argv: list[str]) -> int:
         raise exc
     command = next((arg for arg in argv if not arg.startswith("-")), "")
     print(
-        f"kvroute {command}: error: needs {missing}, which the `worker` extra brings: pip install 'kvroute[worker]' "
-        "(on a machine without a GPU, torch's CPU build first: README, 'Installing without make')",
+        f"kvroute {command}: error: needs {missing}, which the `worker` extra brings: pip install '.[worker]' in "
+        "kvroute's source tree (without a GPU, torch's CPU build first: README, 'Installing without make')",
         file=sys.stderr,
     )
     return 2

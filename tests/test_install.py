@@ -113,7 +113,7 @@ def test_an_engine_command_without_the_worker_extra_says_what_to_install() -> No
     lines = result.stderr.splitlines()
     for command in ("replay", "worker"):
         line = next(line for line in lines if line.startswith(f"kvroute {command}: error: "))
-        assert "needs torch, which the `worker` extra brings: pip install 'kvroute[worker]'" in line, line
+        assert "needs torch, which the `worker` extra brings: pip install '.[worker]'" in line, line
 
 
 # A plain `pip install .` can install xds-protos after opentelemetry-proto, whose older files then break the OTLP
