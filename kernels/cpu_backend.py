@@ -17,6 +17,8 @@ import functools
 import logging
 import os
 import platform
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +38,7 @@ FP32_SOURCE = Path(__file__).with_name("cpu_attention_fp32.cpp")
 AVX2_REQUIRED_FLAGS = ("avx2", "fma")
 AVX2_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 HEAD_DIMS = (32, 64, 128)
+BUILD_NOTICE_S = 2.0  # a load that takes longer is compiling, and says so (load_extension)
 # Comma-separated flags to treat as absent: runs (and measures) on this machine the branch a CPU without them
 # takes, e.g. KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 for an AVX2-only CPU's dtype and attention path.
 HIDE_FLAGS_ENV = "KVROUTE_CPU_HIDE_FLAGS"
@@ -139,15 +142,31 @@ def load_extension(what: str, name: str, source: Path, cflags: list[str], requir
     reason = missing_x86_flags(required)
     if reason is None:
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import get_default_build_root, load
 
-            load(name=name, sources=[str(source)], extra_cflags=cflags, is_python_module=False, verbose=False)
+            # A cached build loads in ~0.1 s; a compile takes 10 s to a few minutes, a first start's wait.
+            build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+            notice = threading.Timer(BUILD_NOTICE_S, _say_compiling, (what, build_root))
+            notice.daemon = True
+            notice.start()
+            try:
+                load(name=name, sources=[str(source)], extra_cflags=cflags, is_python_module=False, verbose=False)
+            finally:
+                notice.cancel()
             return True
         except (RuntimeError, OSError, ImportError) as exc:
             errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
             reason = f"it did not build: {errors[0].strip()}"
     log.warning("%s unavailable, torch runs instead: %s", what, reason)
     return False
+
+
+def _say_compiling(what: str, build_root: str) -> None:
+    print(
+        f"kvroute: compiling the {what} (first use; cached under {build_root} for the next start)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def unsupported_reason() -> str | None:

@@ -521,14 +521,12 @@ class Tokenizer:
             **extra,
         )
 
-    def incremental_detokenizer(
-        self, skip_special_tokens: bool = True
-    ) -> IncrementalDetokenizer | ByteLevelDetokenizer:
+    def incremental_detokenizer(self, skip_special_tokens: bool = True) -> StreamDetokenizer | ByteLevelDetokenizer:
         """A stream's detokenizer: table lookups where the decoder is plain byte-level (`ByteLevelDetokenizer`),
-        else the library's `decode` over a window (`IncrementalDetokenizer`); the two give the same deltas."""
+        else the library's `DecodeStream` (`StreamDetokenizer`); the two give the same deltas."""
         tables = self._byte_level_tables
         if tables is None:
-            return IncrementalDetokenizer(self, skip_special_tokens)
+            return StreamDetokenizer(self, skip_special_tokens)
         return ByteLevelDetokenizer(tables[skip_special_tokens])
 
     @functools.cached_property
@@ -536,7 +534,7 @@ class Tokenizer:
         """ByteLevelDetokenizer's tables, indexed by skip_special_tokens (the second shares the first's bytes),
         built on the first stream; None where the decoder is not plain byte-level, or where the library decodes
         an added token otherwise than its spelling says (a `tokenizers` that writes added tokens out as they
-        are: the window path is exact whatever the library does)."""
+        are: `DecodeStream` is exact whatever the library does)."""
         if not isinstance(self.backend.decoder, decoders.ByteLevel):
             return None
         spelled = _bytes_of_ids(self.backend)
@@ -559,51 +557,56 @@ class Tokenizer:
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas, for any decoder (`ByteLevelDetokenizer` is the same for a
-    byte-level one, without the library calls).
+class StreamDetokenizer:
+    """Turns a stream of token ids into text deltas, for any decoder: the library's `DecodeStream`, which holds a
+    character that spans several tokens back until its last byte arrives (no delta ever holds a broken UTF-8
+    sequence), plus the `flush` it lacks.
 
-    A character that spans several byte-level tokens is held back until its last byte arrives, so no delta
-    ever contains a broken UTF-8 sequence. Only a short window of recent tokens is decoded per call.
+    `DecodeStream` decodes the tokens it last gave out (the context) with those it holds since; it does not expose
+    them, so the two id lists are kept here too, for `flush` to decode the held tail in that context.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix_offset = 0  # start of the window decoded for context
-        self._read_offset = 0  # tokens before this have been emitted
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context: list[int] = []
+        self._held: list[int] = []
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed new token ids; return the text they complete ("" while a character is still incomplete)."""
-        self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        if not token_ids:
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return full_text[len(prefix_text) :]
+        ids = list(token_ids)
+        self._held += ids
+        text = self._stream.step(self._backend, ids)
+        if text is None:
+            return ""
+        self._context, self._held = self._held, []
+        return text
 
     def flush(self) -> str:
         """The held-back tail at the end of the stream (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return full_text[len(prefix_text) :]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+        if not self._held:
+            return ""
+        decode, skip = self._backend.decode, self._skip_special
+        text = decode(self._context + self._held, skip_special_tokens=skip)[
+            len(decode(self._context, skip_special_tokens=skip)) :
+        ]
+        self._context, self._held = [], []
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip)
+        return text
 
 
 class ByteLevelDetokenizer:
-    """IncrementalDetokenizer's deltas, for a tokenizer whose decoder is plain byte-level, by table lookups.
+    """StreamDetokenizer's deltas, for a tokenizer whose decoder is plain byte-level, by table lookups (`DecodeStream`
+    costs 1.4x these at 1 token per message, 5x at 20: docs/gateway.md, "Detokenizing a stream").
 
     The library's byte-level `decode` maps each token to fixed bytes (its spelling in the byte-level alphabet, or
     its UTF-8 where it is spelled outside it, added tokens alike; nothing for a special token it skips), joins
     them and decodes the whole as UTF-8 with U+FFFD for each invalid part. So a stream is its tokens' bytes fed to
     an incremental UTF-8 decoder (`errors="replace"`), and a delta is held back while the decoder holds an
-    incomplete character or the text not yet given out ends in U+FFFD, as IncrementalDetokenizer holds it.
+    incomplete character or the text not yet given out ends in U+FFFD, as `DecodeStream` holds it.
     `tests/test_detokenizer.py` holds the two to the same deltas. Token ids are the wire's (non-negative); an id
     the tokenizer does not know stands for nothing, as in the library's `decode`.
     """

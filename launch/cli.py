@@ -14,6 +14,9 @@ from kvroute.errors import UserError
 # errors; an operator who wants them sets GRPC_VERBOSITY. It must be set before grpc is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+# The modules of pyproject.toml's `worker` extra: a subcommand that needs one says so (_without_worker_extra).
+WORKER_EXTRA_MODULES = frozenset({"torch", "triton", "safetensors", "matplotlib", "ninja", "tqdm"})
+
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "replay": ("sim.replay_cli", "replay a trace through simulated replicas and compare routing policies"),
@@ -48,14 +51,34 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except ModuleNotFoundError as exc:
+        return _without_worker_extra(exc, argv)
     try:
         return args.run(args)
     except UserError as exc:
         print(f"kvroute {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        return _without_worker_extra(exc, argv)
     except KeyboardInterrupt:
         return 130
+
+
+def _without_worker_extra(exc: ModuleNotFoundError, argv: list[str]) -> int:
+    """A subcommand that runs the engine, on an install without the `worker` extra (`pip install .`, a gateway
+    host's): one line saying what to install, not a traceback. Any other missing module is raised."""
+    missing = (exc.name or "").split(".")[0]
+    if missing not in WORKER_EXTRA_MODULES:
+        raise exc
+    command = next((arg for arg in argv if not arg.startswith("-")), "")
+    print(
+        f"kvroute {command}: error: needs {missing}, which the `worker` extra brings: pip install '.[worker]' in "
+        "kvroute's source tree (without a GPU, torch's CPU build first: README, 'Installing without make')",
+        file=sys.stderr,
+    )
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The byte-level detokenizer's table lookups give exactly the deltas of the library-decode window
-(`IncrementalDetokenizer`, the general path), and so exactly the library's `decode` of the whole stream."""
+"""The byte-level detokenizer's table lookups give exactly the deltas of the library's `DecodeStream`
+(`StreamDetokenizer`, the general path), and so exactly the library's `decode` of the whole stream."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvroute.model_source import resolve_model
-from kvroute.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer
+from kvroute.tokenizer import ByteLevelDetokenizer, StreamDetokenizer, Tokenizer
 
 # Added tokens spelled in the byte-level alphabet ("Ā" is byte 0, "Ġ" a space), outside it (a space, "é", "�"),
 # and one that is a lone continuation byte's spelling.
@@ -31,7 +31,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]
     return {"sim (SmolLM2's)": sim, "hf dir": Tokenizer.from_hf_dir(hf_dir), "added tokens": added}
 
 
-def deltas(detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer, chunks: list[Sequence[int]]) -> list[str]:
+def deltas(detokenizer: StreamDetokenizer | ByteLevelDetokenizer, chunks: list[Sequence[int]]) -> list[str]:
     return [detokenizer.add(chunk) for chunk in chunks] + [detokenizer.flush()]
 
 
@@ -40,7 +40,7 @@ def assert_same_deltas(tokenizer: Tokenizer, chunks: list[Sequence[int]]) -> Non
         fast = tokenizer.incremental_detokenizer(skip)
         assert isinstance(fast, ByteLevelDetokenizer)
         got = deltas(fast, chunks)
-        assert got == deltas(IncrementalDetokenizer(tokenizer, skip), chunks), (chunks, skip)
+        assert got == deltas(StreamDetokenizer(tokenizer, skip), chunks), (chunks, skip)
         ids = [i for chunk in chunks for i in chunk]
         assert "".join(got) == tokenizer.decode(ids, skip_special_tokens=skip)
 
@@ -128,6 +128,11 @@ def test_a_decoder_that_is_not_plain_byte_level_keeps_the_library_path(
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     other = Tokenizer(backend, sim.chat_template, sim.bos_token_id, sim.eos_token_ids)
     detokenizer = other.incremental_detokenizer()
-    assert isinstance(detokenizer, IncrementalDetokenizer)
-    ids = other.encode(" hello 🎉 world")
-    assert "".join(deltas(detokenizer, [ids[:3], ids[3:]])) == other.decode(ids)
+    assert isinstance(detokenizer, StreamDetokenizer)
+    broken_tail = [single_byte_ids(other)[b] for b in "🎉".encode()[:3]]
+    ids = other.encode(" hello 🎉 world") + broken_tail
+    for cut in range(len(ids) + 1):
+        for skip in (True, False):
+            got = deltas(other.incremental_detokenizer(skip), [ids[:cut], ids[cut:]])
+            assert "".join(got) == other.decode(ids, skip_special_tokens=skip), (cut, got)
+            assert got[-1].endswith("\ufffd")  # the broken tail, given out by flush

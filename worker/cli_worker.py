@@ -155,6 +155,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         raise UserError(f"--kv-snapshot-burst must be >= 1, got {args.kv_snapshot_burst}")
     auth_token(args)  # a bad token file is an error now, not after the model has loaded
     check_device(args.device)
+    if args.model != "sim":
+        print(f"kvroute worker: loading the model {args.model}", file=sys.stderr, flush=True)
     try:
         return LLMEngine(engine_config(args))
     except (ValueError, FileNotFoundError) as exc:

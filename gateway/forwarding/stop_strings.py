@@ -1,6 +1,6 @@
 """From a choice's token ids to the text a client sees: incremental detokenization, then stop strings.
 
-    token ids ─► IncrementalDetokenizer (a character split over several tokens waits for its last byte)
+    token ids ─► Tokenizer.incremental_detokenizer (a character split over several tokens waits for its last byte)
               ─► StopStringMatcher (a possible start of a stop string waits until it is decided)
               ─► text deltas
 

@@ -1,4 +1,4 @@
-"""A consistent-hash ring (uhashring, virtual nodes) with the bounded-load walk of Mirrokni et al.
+"""A consistent-hash ring (md5 points, virtual nodes) with the bounded-load walk of Mirrokni et al.
 
 A key's replicas in ring order are its successors on the ring. The bounded walk takes the first
 successor that is under its bound, so a hot key's overflow always lands on the same second replica
@@ -17,8 +17,6 @@ from bisect import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from hashlib import md5
-
-from uhashring import HashRing as _UHashRing
 
 from gateway.routing.fleet_view import FleetView
 
@@ -61,21 +59,25 @@ class LoadBound:
 
 
 class HashRing:
-    """uhashring's continuum over the replica ids, with each position's successor list cached."""
+    """A ketama-style continuum over the replica ids, with each position's successor list cached.
+
+    Replica r's `vnodes` points are md5("r-0") ... md5("r-{vnodes-1}") as 128-bit integers, and a key's position
+    is the first point after md5(ring_key(key)): uhashring's placement (its default ring), which the ring used to
+    be built on; `tests/test_router.py` pins the placements.
+    """
 
     def __init__(self, replicas: Sequence[str], vnodes: int = DEFAULT_VNODES) -> None:
         if not replicas:
             raise ValueError("a hash ring needs at least one replica")
         self.replicas = tuple(replicas)
-        self._ring = _UHashRing(nodes=list(self.replicas), vnodes=vnodes)
-        points = sorted(self._ring.get_points())
+        owner_of_point = {_point(f"{replica}-{v}"): replica for replica in self.replicas for v in range(vnodes)}
+        points = sorted(owner_of_point.items())
         self._points = [point for point, _ in points]
         self._owners = [owner for _, owner in points]
         self._successors: dict[int, tuple[str, ...]] = {}
 
     def position(self, key: Hashable) -> int:
-        # uhashring's point hash (md5 of the key string, as an integer), without its per-call indirections
-        pos = bisect(self._points, int.from_bytes(md5(ring_key(key).encode()).digest(), "big"))
+        pos = bisect(self._points, _point(ring_key(key)))
         return 0 if pos == len(self._points) else pos
 
     def successors(self, key: Hashable) -> tuple[str, ...]:
@@ -91,3 +93,7 @@ class HashRing:
                     break
             cached = self._successors[pos] = tuple(seen)
         return cached
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(md5(text.encode()).digest(), "big")
