@@ -2,14 +2,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: setup run test lint
 
 setup: $(STAMP)
 
-# torch first, pinned, from PyTorch's CPU index: PyPI's Linux torch is the CUDA build (~5.7 GB with its nvidia-*
-# wheels). TORCH_INDEX= (empty) takes torch from pip's own index and find-links; TORCH_INDEX=.../whl/cu130 a GPU build.
+# torch first, pinned, from pip's own index and find-links (where a CPU build is at hand, as on our machines and CI's).
+# PyPI's Linux torch is the CUDA build (~5.7 GB with its nvidia-* wheels): on a machine without a local CPU build,
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU index (or .../whl/cu130 a GPU build).
 # Then the package with the worker extra (the engine: torch, triton, ...; without it, `pip install .` is a gateway
 # host's install), the test extra, and the peers extra: smg and vllm-router, the routers `kvroute bench --compare`
 # measures ours against.
