@@ -35,10 +35,11 @@ A POST to one of the app's `hot_endpoints` (the generation endpoints: gateway.fr
 by a `HotCycle` instead of uvicorn's request cycle and ASGI: the endpoint reads the body and writes its response
 through the cycle (`Exchange`), with the same limits, keep-alive, pipelining, flow control and disconnects.
 
-Every refusal ends its connection with a lingering close: the answer is written, the write side shut, and
-whatever the client still sends is read and dropped for up to `LINGER_S`, so that the client reads the answer
-instead of a reset. A refusal while a response is still being sent on the connection (a pipelined head)
-closes it without an answer, which would corrupt that response.
+Every refusal, and every answer given before its request's body was read whole, ends its connection with a
+lingering close: the answer is written, the write side shut, and whatever the client still sends is read
+and dropped (its first `LINGER_BYTES`; then no more is read) for up to `LINGER_S`, so that the client reads
+the answer instead of a reset. A refusal while a response is still being sent on the connection (a
+pipelined head) closes it without an answer, which would corrupt that response.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from gateway.errors import (
 logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
+LINGER_BYTES = 2**20  # read and dropped at most while lingering; then the connection waits unread for its close
 REFUSAL_LOG_S = 10.0
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
 # A chunk's framing without extensions: its size (16 hex digits at most, leading zeros allowed) and two CRLFs.
@@ -165,6 +167,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refusal: GatewayError | None = None
         self._lingering = False
+        self._lingered_bytes = 0
         self._after_upgrade = False  # an upgrade request was served: nothing after it is parsed
         # The body being parsed: its chunks, its bytes (of the connection so far), its framing bytes.
         self._messages = 0  # requests parsed whole on this connection
@@ -209,7 +212,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering or self._after_upgrade:
+        if self._lingering:
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > LINGER_BYTES:
+                self.transport.pause_reading()  # what a client sends on after its answer costs no more reads
+            return
+        if self._after_upgrade:
             return  # read and dropped until the connection closes
         self._unset_keepalive_if_required()
         self._last_read = self.loop.time()
@@ -414,8 +422,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_close()
 
     def _linger_close(self) -> None:
-        """End the connection after what was written: shut the write side, then read and drop whatever the
-        client still sends for up to LINGER_S, so that it reads the answer rather than a reset."""
+        """End the connection after what was written: shut the write side, then read and drop what the client
+        still sends (up to LINGER_BYTES) for up to LINGER_S, so that it reads the answer rather than a reset."""
         self._lingering = True
         for timer in (self._head_timer, self._body_timer):
             if timer is not None:
