@@ -86,7 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=limits.max_tokens, help="largest max_tokens; a chat's default"
     )
-    parser.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=limits.max_body_bytes,
+        help="a request's body (HTTP: 413 past it) or message (gRPC: RESOURCE_EXHAUSTED), refused before parsing",
+    )  # fmt: skip
     parser.add_argument("--max-n", type=int, default=limits.max_n)
     parser.add_argument("--max-stop", type=int, default=limits.max_stop)
     parser.add_argument("--tenant-max-concurrency", type=int, default=None, help="per tenant whose key sets none")
@@ -109,7 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle keep-alive connection is kept; above the load balancer's idle timeout",
     )  # fmt: skip
     parser.add_argument(
-        "--max-connections", type=int, default=http.max_connections, help="HTTP connections per process; past it 503"
+        "--max-connections",
+        type=int,
+        default=http.max_connections,
+        help="connections per process and door: HTTP's past it get 503, gRPC's are closed",
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument(
@@ -578,8 +584,9 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
 
         try:
             grpc_server = await start_grpc_server(
-                request_path, args.host, args.grpc_port, default_max_tokens=gateway.default_max_tokens
-            )
+                request_path, args.host, args.grpc_port, default_max_tokens=gateway.default_max_tokens,
+                max_body_bytes=gateway.max_body_bytes, max_connections=gateway.http_limits.max_connections,
+            )  # fmt: skip
         except (OSError, RuntimeError) as exc:
             await http.stop()
             raise UserError(str(exc)) from exc

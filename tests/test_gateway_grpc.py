@@ -9,6 +9,7 @@ tokens through either door and straight from a worker.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,6 +18,7 @@ import pytest
 from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions, stack_fixture
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.frontdoors.grpc_server import GatewayGrpcServer, start_grpc_server
 from proto import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -301,3 +303,79 @@ def test_get_info_describes_the_fleet_and_stats_are_per_worker(
         with pytest.raises(grpc.RpcError) as raised:
             rpc(request, metadata=AUTH, timeout=5)
         assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED and "each worker" in raised.value.details()
+
+
+# -- the HTTP door's guard rails ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_door(stack: GatewayStack) -> Iterator[GatewayGrpcServer]:
+    """A second gRPC door on the stack's request path, with a 4 KiB message limit and two connections."""
+    server = stack.call(start_grpc_server(stack.request_path, "127.0.0.1", 0, max_body_bytes=4096, max_connections=2))
+    yield server
+    stack.call(server.stop(0))
+
+
+def own_connection(port: int) -> grpc.Channel:
+    """A channel with a connection of its own (channels of one process otherwise share one per address)."""
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=(("grpc.use_local_subchannel_pool", 1),))
+
+
+def test_a_message_past_the_body_limit_is_refused_before_it_is_parsed(small_door: GatewayGrpcServer) -> None:
+    """`--max-body-bytes` bounds a gRPC message as it bounds an HTTP body (the default, 4 MiB, not gRPC's
+    16 MiB); gRPC refuses it from its length prefix, before the request is deserialized."""
+    with own_connection(small_door.port) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        replies, _ = generate(stub, prompt="x" * 1600, sampling=sampling(max_tokens=2))
+        assert len(tokens_of(replies)) == 2, "under the limit: served"
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(stub, prompt="x" * 5000, sampling=sampling(max_tokens=2))
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in raised.value.details() and "4096" in raised.value.details()
+
+
+def test_the_default_message_limit_is_the_http_body_limit(stack: GatewayStack) -> None:
+    server = stack.call(start_grpc_server(stack.request_path, "127.0.0.1", 0))
+    try:
+        with own_connection(server.port) as channel, pytest.raises(grpc.RpcError) as raised:
+            generate(gateway_pb2_grpc.GatewayStub(channel), prompt="x" * (4 * 2**20 + 1), sampling=sampling())
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(4 * 2**20) in raised.value.details()
+    finally:
+        stack.call(server.stop(0))
+
+
+def test_connections_over_the_cap_are_closed_and_open_ones_served(small_door: GatewayGrpcServer) -> None:
+    health = health_pb2.HealthCheckRequest()
+    first, second = own_connection(small_door.port), own_connection(small_door.port)
+    try:
+        for channel in (first, second):
+            health_pb2_grpc.HealthStub(channel).Check(health, timeout=5)
+        with own_connection(small_door.port) as over, pytest.raises(grpc.RpcError) as raised:
+            health_pb2_grpc.HealthStub(over).Check(health, timeout=5)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        replies, _ = generate(gateway_pb2_grpc.GatewayStub(second), prompt="hi", sampling=sampling(max_tokens=2))
+        assert len(tokens_of(replies)) == 2, "a connection under the cap is still served"
+        first.close()
+        deadline = time.monotonic() + 5
+        while True:  # the server sees the first close soon after: a new connection is taken again
+            with own_connection(small_door.port) as again:
+                try:
+                    health_pb2_grpc.HealthStub(again).Check(health, timeout=5)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "a closed connection's place was never freed"
+                    time.sleep(0.05)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_two_authorization_entries_are_refused(gateway: gateway_pb2_grpc.GatewayStub) -> None:
+    """One reader of the key: two `authorization` entries (a valid key among them, in either order) are
+    INVALID_ARGUMENT, never read as whichever entry a given check takes."""
+    for keys in ((KEY, "sk-wrong"), ("sk-wrong", KEY)):
+        metadata = tuple(("authorization", f"Bearer {key}") for key in keys)
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(gateway, metadata, prompt="hi", sampling=sampling(max_tokens=2))
+        assert raised.value.code() == INVALID and "authorization" in raised.value.details()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import resource
 import socket
 import time
 from collections.abc import Iterator
@@ -345,3 +346,169 @@ def test_a_generation_request_that_expects_100_continue_gets_it(idle_server: Htt
         sock.sendall(post(b"/v1/completions", {"prompt": "hi", "max_tokens": 2}).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
         status, headers, _ = parse_response(read_until_closed(sock))
     assert status == 200 and headers["connection"] == "close"
+
+
+# -- a chunked body's framing: trailers, chunk extensions; answers before the body ------------------------------
+
+TOKENIZE = b"/tokenize"
+COMPLETIONS = b"/v1/completions"
+
+
+def chunked_head(path: bytes, *headers: bytes, key: bool = True) -> bytes:
+    auth = [b"authorization: Bearer " + KEY.encode()] if key else []
+    lines = [b"POST " + path + b" HTTP/1.1", b"host: 127.0.0.1", *auth, *headers, b"transfer-encoding: chunked"]
+    return b"\r\n".join([*lines, b"", b""])
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def rss_bytes() -> int:
+    """This process's resident set (the server under test runs in it)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def answered_after(sock: socket.socket, start: bytes, filler: bytes, most: int) -> tuple[int, bytes]:
+    """Send `start`, then `filler` over and over until the server answers or `most` bytes went: the bytes
+    sent when the answer came (or when the server stopped reading), and the whole answer."""
+    sock.sendall(start)
+    sent, answer = 0, b""
+    sock.settimeout(0.02)
+    while sent < most and not answer:
+        try:
+            sock.sendall(filler)
+            sent += len(filler)
+            answer = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+    with contextlib.suppress(OSError):
+        answer += read_until_closed(sock)
+    return sent, answer
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, TOKENIZE])
+def test_trailers_are_refused_and_never_held(idle_server: HttpServer, path: bytes) -> None:
+    """A chunked body's trailers are not headers the head limits counted (httptools hands them to the same
+    callback, after the body): the API needs none, so the first is refused with 400 and the connection
+    closed, before the server holds a trailer section (here up to 4 MiB of them, half a million small ones)."""
+    before = rss_bytes()
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    start = chunked_head(path) + chunk(body) + b"0\r\n"
+    with connect(idle_server) as sock:
+        sent, answer = answered_after(sock, start, b"x-t: 1\r\n" * 1024, 2**22)
+    assert sent < 2**18, f"answered only after {sent} bytes of trailers"
+    error = assert_openai_error(answer, 400)
+    assert "trailer" in error["message"]
+    assert rss_bytes() - before < 16 * 2**20
+
+
+def test_a_huge_chunk_extension_is_refused_quickly(idle_server: HttpServer) -> None:
+    """A chunk extension (`5;name=value`) is framing, not body: it counts against the head limit (Node's
+    CVE-2024-22019), so 4 MiB of it is refused after the first tens of KiB, not read for as long as it comes."""
+    with connect(idle_server) as sock:
+        started = time.monotonic()
+        sent, answer = answered_after(sock, chunked_head(TOKENIZE) + b"5;ext=", b"a" * 8192, 2**22)
+    assert sent < 2**18, f"answered only after {sent} bytes of one chunk extension"
+    error = assert_openai_error(answer, 400)
+    assert "chunk extension" in error["message"]
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, TOKENIZE])
+def test_a_body_in_many_small_chunks_is_served(idle_server: HttpServer, path: bytes) -> None:
+    """Framing is bounded per chunk, not per body: a body sent a byte a chunk (5 bytes of framing each, 5
+    times the body here) over many reads is served."""
+    body = json.dumps({"prompt": "hi " * 300, "max_tokens": 2}).encode()
+    with connect(idle_server) as sock:
+        sock.sendall(chunked_head(path, b"connection: close"))
+        for start in range(0, len(body), 100):
+            sock.sendall(b"".join(chunk(body[i : i + 1]) for i in range(start, min(start + 100, len(body)))))
+            time.sleep(0.001)
+        sock.sendall(b"0\r\n\r\n")
+        raw = read_until_closed(sock)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+
+
+def test_a_key_sent_only_as_a_trailer_never_authenticates(idle_server: HttpServer) -> None:
+    """Authentication reads the head only. A request whose key comes only as a trailer is refused whether
+    its trailer arrives with the head (400: trailers are refused before the endpoint ever ran) or after the
+    endpoint answered 401 (then the connection is closed and the trailer never read)."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    trailer = b"0\r\nauthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    with connect(idle_server) as sock:
+        sock.sendall(chunked_head(COMPLETIONS, key=False) + chunk(body) + trailer)
+        raw = read_until_closed(sock)
+    assert raw.count(b"HTTP/1.1 ") == 1, raw
+    assert_openai_error(raw, 400)
+    with connect(idle_server) as sock:
+        sock.sendall(chunked_head(COMPLETIONS, key=False) + chunk(body))
+        sock.settimeout(5)
+        first = sock.recv(65536)
+        with contextlib.suppress(OSError):
+            sock.sendall(trailer)
+        raw = first + read_until_closed(sock)
+    assert raw.count(b"HTTP/1.1 ") == 1, raw
+    assert parse_response(raw)[0] == 401
+
+
+def test_a_duplicated_authorization_header_is_refused(idle_server: HttpServer) -> None:
+    """One place reads the key: two Authorization headers (an invalid one and a valid one, in either order)
+    are refused, never read as whichever a given check happens to take."""
+    url = f"http://127.0.0.1:{idle_server.port}/v1/completions"
+    for first, second in ((KEY, "sk-wrong"), ("sk-wrong", KEY)):
+        headers = [("authorization", f"Bearer {first}"), ("authorization", f"Bearer {second}")]
+        response = httpx.post(url, headers=headers, json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        assert "Authorization" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "status"),
+    [(COMPLETIONS, False, 401), (TOKENIZE, False, 401), (COMPLETIONS, True, 413), (TOKENIZE, True, 413)],
+)
+def test_an_answer_before_the_body_closes_the_connection(
+    idle_server: HttpServer, path: bytes, key: bool, status: int
+) -> None:
+    """An answer given before the body was read (401, 413) ends the connection: the client is told (its
+    write side is shut after the answer) and what it goes on sending is not read as a body."""
+    auth = [b"authorization: Bearer " + KEY.encode()] if key else []
+    head = [b"POST " + path + b" HTTP/1.1", b"host: 127.0.0.1", *auth, b"content-length: %d" % 2**30]
+    with connect(idle_server) as sock:
+        sock.sendall(b"\r\n".join([*head, b"", b""]))
+        sock.settimeout(5)
+        answer = sock.recv(65536)
+        assert parse_response(answer.partition(b"\r\n\r\n")[0] + b"\r\n\r\n")[0] == status, answer
+        started = time.monotonic()
+        closed = False
+        sock.settimeout(0.05)
+        while not closed and time.monotonic() - started < 2 * LIMITS.keep_alive_timeout:
+            try:
+                sock.sendall(b"a" * 4096)
+                closed = sock.recv(65536) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+    assert closed, "the connection stayed open to read the body"
+    assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, TOKENIZE])
+def test_http_1_0_gets_no_100_continue(idle_server: HttpServer, path: bytes) -> None:
+    """RFC 9110 §15.2: no 1xx to an HTTP/1.0 client, even one that sends `Expect: 100-continue`."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    head = [b"POST " + path + b" HTTP/1.0", b"host: 127.0.0.1", b"authorization: Bearer " + KEY.encode()]
+    head += [b"expect: 100-continue", b"content-length: %d" % len(body)]
+    with connect(idle_server) as sock:
+        sock.sendall(b"\r\n".join([*head, b"", b""]))
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            sock.recv(65536)
+        sock.sendall(body)
+        raw = read_until_closed(sock)
+    assert raw.startswith(b"HTTP/1.1 200"), raw
+    assert b"100 Continue" not in raw

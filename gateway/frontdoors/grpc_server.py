@@ -13,8 +13,19 @@
   and a reader of KV events reads each worker (or Redis).
 - `grpc.health.v1.Health`: SERVING while the request path has a routable worker, checked every second.
 
+The HTTP door's guard rails, as gRPC has them:
+- a request message past `max_body_bytes` (the gateway's `--max-body-bytes`) is refused RESOURCE_EXHAUSTED
+  before it is parsed (gRPC reads the message's length prefix before deserializing it);
+- a connection accepted while the server holds `max_connections` (`--max-connections`) is closed at once,
+  before its HTTP/2 handshake (`grpc.max_allowed_incoming_connections`; the client sees UNAVAILABLE), and
+  the connections already open are served on;
+- metadata is bounded by gRPC's own limits (RESOURCE_EXHAUSTED: always past 16 KiB, at random past 8 KiB).
+Streams per connection are not capped: a call without a valid key is refused before its handler, and a
+tenant's calls count against its concurrency limit.
+
 With API keys configured, every call but health's is authenticated before its handler runs
-(`AuthenticateFirst`). Both Generate methods translate to a `GatewayRequest` and back, and nothing else; a
+(`AuthenticateFirst`; two `authorization` entries are INVALID_ARGUMENT, so every reader of the key reads the
+one there is). Both Generate methods translate to a `GatewayRequest` and back, and nothing else; a
 `GatewayError` becomes its gRPC status (`grpc_code`), whose message starts with the field at fault (quoting
 at most a short prefix of the client's value), with trailing metadata `retry-after` when it has one. A
 cancelled call closes the Generation, which cancels its worker requests.
@@ -33,9 +44,11 @@ import grpc
 import pydantic_core
 
 from gateway.admission.auth import Authenticator
-from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
+from gateway.admission.limits import Limits
+from gateway.errors import GatewayError, InvalidRequestError, quoted
 from gateway.fleet.fleet_state import FleetIdentity, WorkerMember
 from gateway.frontdoors.grpc_health import ReadinessHealth
+from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.frontdoors.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     RequestHeaders,
@@ -416,13 +429,13 @@ class AuthenticateFirst(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or self.auth.open or details.method.startswith("/grpc.health.v1."):
             return handler
-        authorization = next(
-            (v for k, v in details.invocation_metadata or () if k.lower() == "authorization" and isinstance(v, str)),
-            None,
-        )
+        keys = [v for k, v in details.invocation_metadata or () if k.lower() == "authorization"]
         try:
-            self.auth.authenticate(bearer_token(authorization))
-        except AuthenticationError as exc:
+            if len(keys) > 1:
+                raise InvalidRequestError(f"the call has {len(keys)} authorization entries; send one")
+            key = keys[0] if keys else None
+            self.auth.authenticate(bearer_token(key if isinstance(key, str) else None))
+        except GatewayError as exc:
             self.metrics.errors.labels(type(exc).__name__).inc()
             return _refusing(handler, exc)
         return handler
@@ -468,11 +481,20 @@ async def start_grpc_server(
     port: int = 50050,
     *,
     default_max_tokens: int | None = None,
+    max_body_bytes: int = Limits().max_body_bytes,
+    max_connections: int = HttpLimits().max_connections,
     health_interval_s: float = HEALTH_INTERVAL_S,
 ) -> GatewayGrpcServer:
     """Serve Gateway, Worker and Health on host:port (port 0 picks a free one; `.port` says which).
-    `default_max_tokens` is a chat's max_tokens when the client sets none (the gateway's --max-tokens)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthenticateFirst(request_path)])
+    `default_max_tokens` is a chat's max_tokens when the client sets none (the gateway's --max-tokens);
+    `max_body_bytes` bounds a request message and `max_connections` the open connections (the module
+    docstring)."""
+    options = (
+        *(option for option in SERVER_OPTIONS if option[0] != "grpc.max_receive_message_length"),
+        ("grpc.max_receive_message_length", max_body_bytes),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+    )
+    server = grpc.aio.server(options=options, interceptors=[AuthenticateFirst(request_path)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(request_path, default_max_tokens), server)
     worker_pb2_grpc.add_WorkerServicer_to_server(FleetWorkerServicer(request_path), server)
     health = ReadinessHealth(

@@ -17,7 +17,15 @@ exposed to untrusted clients needs and that uvicorn has no option for with httpt
   A body that stops arriving for as long (while the server is reading it) closes the connection, which the
   app sees as a client that left.
 - `keep_alive_timeout`: uvicorn's own `timeout_keep_alive`, the wait between a response and the next request.
+- A chunked body's framing is not body: trailers are refused (400; the API reads none, and httptools would
+  append them to the head's headers after the body, past every head limit and where a check could read a
+  key the head never carried), and chunk extensions count against `max_header_bytes` beyond
+  `CHUNK_FRAMING_BYTES` a chunk (400 past it; httptools does not expose them, so the bytes received that
+  were not body bound them: Node's CVE-2024-22019 was an unbounded extension read).
+- A request answered before its body was read whole (401 before the body, 413) ends its connection: the
+  body is not read on as if the next request could follow it.
 - Malformed HTTP gets 400 in OpenAI's body (uvicorn answers plain text).
+- `Expect: 100-continue` gets 100 Continue from HTTP/1.1 only (RFC 9110 §15.2: never a 1xx to HTTP/1.0).
 - `Upgrade` (WebSocket, h2c) is never honoured, and httptools would parse an upgrade request's body as the
   next request (a request hidden in a body, past whatever a proxy checked): an upgrade request with a body
   gets 400; one without is served as plain HTTP/1.1 and its connection closed after the response, nothing
@@ -27,10 +35,11 @@ A POST to one of the app's `hot_endpoints` (the generation endpoints: gateway.fr
 by a `HotCycle` instead of uvicorn's request cycle and ASGI: the endpoint reads the body and writes its response
 through the cycle (`Exchange`), with the same limits, keep-alive, pipelining, flow control and disconnects.
 
-Every refusal ends its connection with a lingering close: the answer is written, the write side shut, and
-whatever the client still sends is read and dropped for up to `LINGER_S`, so that the client reads the answer
-instead of a reset. A refusal while a response is still being sent on the connection (a pipelined head)
-closes it without an answer, which would corrupt that response.
+Every refusal, and every answer given before its request's body was read whole, ends its connection with a
+lingering close: the answer is written, the write side shut, and whatever the client still sends is read
+and dropped (its first `LINGER_BYTES`; then no more is read) for up to `LINGER_S`, so that the client reads
+the answer instead of a reset. A refusal while a response is still being sent on the connection (a
+pipelined head) closes it without an answer, which would corrupt that response.
 """
 
 from __future__ import annotations
@@ -60,8 +69,11 @@ from gateway.errors import (
 logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
+LINGER_BYTES = 2**20  # read and dropped at most while lingering; then the connection waits unread for its close
 REFUSAL_LOG_S = 10.0
 _HEADER_OVERHEAD = 4  # ": " and CRLF around each header
+# A chunk's framing without extensions: its size (16 hex digits at most, leading zeros allowed) and two CRLFs.
+CHUNK_FRAMING_BYTES = 32
 T = TypeVar("T")
 
 
@@ -155,7 +167,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._refusal: GatewayError | None = None
         self._lingering = False
+        self._lingered_bytes = 0
         self._after_upgrade = False  # an upgrade request was served: nothing after it is parsed
+        # The body being parsed: its chunks, its bytes (of the connection so far), its framing bytes.
+        self._messages = 0  # requests parsed whole on this connection
+        self._chunks = 0
+        self._body_bytes = 0
+        self._framing_bytes = 0
         # The app's endpoints served without ASGI, by raw path (`HotEndpoint`); none for any other app.
         self.hot_endpoints: Mapping[bytes, HotEndpoint] = getattr(self.config.app, "hot_endpoints", None) or {}
         self._serving: HotCycle | None = None  # the hot request whose response is being written
@@ -194,11 +212,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         return None
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering or self._after_upgrade:
+        if self._lingering:
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > LINGER_BYTES:
+                self.transport.pause_reading()  # what a client sends on after its answer costs no more reads
+            return
+        if self._after_upgrade:
             return  # read and dropped until the connection closes
         self._unset_keepalive_if_required()
         self._last_read = self.loop.time()
-        if self._awaiting_head:
+        in_body, message, body_bytes = not self._awaiting_head, self._messages, self._body_bytes
+        if not in_body:
             self._received_head_bytes += len(data)
         try:
             self.parser.feed_data(data)
@@ -215,7 +239,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(self._head_too_large())
             elif self._head_begun and self._head_timer is None:
                 self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
-        elif self._body_timer is None and self.cycle is not None and self.cycle.more_body:
+            return
+        if in_body and message == self._messages:  # a read within one body: what was not body is framing
+            self._framing_bytes += len(data) - (self._body_bytes - body_bytes)
+            if self._framing_bytes > self.limits.max_header_bytes + CHUNK_FRAMING_BYTES * self._chunks:
+                self._refuse(
+                    InvalidRequestError(
+                        f"the body's chunk extensions pass {self.limits.max_header_bytes} bytes, this server's "
+                        "limit; send chunks without extensions"
+                    )
+                )
+                return
+        if self._body_timer is None and self.cycle is not None and self.cycle.more_body:
             self._body_timer = self.loop.call_later(self.limits.header_timeout, self._body_stalled)
 
     # -- the parser's callbacks ------------------------------------------------------------------------------
@@ -223,6 +258,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_begun = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._awaiting_head:  # after the head: a trailer of a chunked body
+            self._refusal = InvalidRequestError(
+                "this server accepts no trailers after a chunked body; send every header in the request's head"
+            )
+            raise _Refused
+        super().on_header(name, value)
+
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
 
     def on_headers_complete(self) -> None:
         """The head's exact size and count, checked once it is whole (while it streams in, the bytes received
@@ -249,6 +295,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             )
             raise _Refused
         self._awaiting_head = False
+        self._chunks = self._framing_bytes = 0
+        if self.parser.get_http_version() != "1.1":
+            self.expect_100_continue = False  # RFC 9110 §15.2: no 1xx to an HTTP/1.0 client
         endpoint = self.hot_endpoints.get(self.url) if not upgrade and self.parser.get_method() == b"POST" else None
         if endpoint is None:
             super().on_headers_complete()
@@ -272,6 +321,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
         if isinstance(self.cycle, HotCycle):
             self.cycle.feed(body)
         else:
@@ -288,6 +338,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_head = True
         self._head_begun = False
         self._received_head_bytes = 0
+        self._messages += 1
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if not self._awaiting_head and cycle is not None and cycle.response_complete:
+            # Answered before its body was read whole (401 before the body, 413): the rest is not read on.
+            self.server_state.total_requests += 1
+            self._linger_close()
+            return
+        super().on_response_complete()
 
     # -- refusals ----------------------------------------------------------------------------------------------
 
@@ -332,17 +392,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _refuse(self, error: GatewayError) -> None:
-        """Answer `error` (OpenAI's body, Connection: close) and end the connection with a lingering close."""
-        self._lingering = True
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-        self._unset_keepalive_if_required()
+        """Answer `error` (OpenAI's body, Connection: close) and end the connection with a lingering close. A
+        request whose response has not begun is abandoned unanswered (its endpoint, if it runs, writes
+        nothing); while a response is being sent the connection is closed without an answer, which would
+        corrupt it."""
         if self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # a response is being sent: an answer now would corrupt it
+        cycle = self.cycle
+        if self.pipeline or (cycle is not None and cycle.response_started and not cycle.response_complete):
+            self._lingering = True
+            self.transport.close()
             return
+        if isinstance(cycle, HotCycle):
+            cycle.lost()
+        elif cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # as uvicorn marks a cycle whose client left: its sends write nothing
+            cycle.message_event.set()
         body = orjson.dumps(error.to_openai())
         head = [STATUS_LINE[error.http_status]]
         for name, value in (
@@ -354,6 +419,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         ):
             head += [name, b": ", value, b"\r\n"]
         self.transport.write(b"".join([*head, b"\r\n", body]))
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """End the connection after what was written: shut the write side, then read and drop what the client
+        still sends (up to LINGER_BYTES) for up to LINGER_S, so that it reads the answer rather than a reset."""
+        self._lingering = True
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+        self._unset_keepalive_if_required()
+        if self.transport.is_closing():
+            return
+        if self.flow is not None:
+            self.flow.resume_reading()
         if self.transport.can_write_eof():
             self.transport.write_eof()
             self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
@@ -402,8 +482,8 @@ class HotCycle:
         tasks.add(task)
 
     def feed(self, body: bytes) -> None:
-        if self.response_complete or self._too_large:
-            return  # answered already (413, 401, ...): the rest of the body is read and dropped
+        if self._too_large:
+            return  # 413 is on its way, after which the connection reads nothing more
         self._size += len(body)
         if self._size > self.endpoint.max_body_bytes:
             self._too_large = True
@@ -513,6 +593,8 @@ class HotCycle:
             raise RuntimeError("Invalid HTTP header value.")
         self.response_started = True
         self.waiting_for_100_continue = False
+        if self.more_body:
+            self.keep_alive = False  # answered before the body's end: the connection ends after this answer
         parts = [STATUS_LINE[status]]
         for name, value in self.protocol.server_state.default_headers:
             parts += [name, b": ", value, b"\r\n"]
@@ -527,9 +609,9 @@ class HotCycle:
         protocol = self.protocol
         if protocol._serving is self:
             protocol._serving = None
-        if not self.keep_alive:
+        if not self.keep_alive and not self.more_body:
             protocol.transport.close()
-        protocol.on_response_complete()
+        protocol.on_response_complete()  # with the body unread, a lingering close
 
 
 def raise_open_files_limit(connections: int) -> None:

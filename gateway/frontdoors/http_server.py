@@ -49,7 +49,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission.auth import Authenticator
 from gateway.admission.limits import Limits
-from gateway.errors import AuthenticationError, GatewayError, InvalidRequestError, quoted
+from gateway.errors import GatewayError, InvalidRequestError, quoted
 from gateway.frontdoors.http_protocol import Exchange, body_too_large, internal_error
 from gateway.frontdoors.openai_protocol import (
     ChatCompletionChunk,
@@ -183,19 +183,24 @@ class AuthenticateFirst:
 
 
 def refusal(request_path: ServesRequests, headers: list[tuple[bytes, bytes]]) -> Reply | None:
-    """The 401 for a request without a valid API key (AuthenticateFirst), counted; None when the key is
-    valid or the gateway is open."""
+    """The 401 for a request without a valid API key (AuthenticateFirst), or the 400 for one with two
+    `Authorization` headers (the one place that decides: every later reader takes the first, which is then
+    the only one), counted; None when the key is valid or the gateway is open. `headers` are the head's (the
+    HTTP protocol refuses trailers)."""
     auth = request_path.auth
     if auth.open:
         return None
-    found = {k: v for k, v in headers if k in (b"authorization", b"x-request-id")}
-    authorization = found.get(b"authorization")
+    keys = [value for name, value in headers if name == b"authorization"]
     try:
-        auth.authenticate(bearer_token(None if authorization is None else authorization.decode("latin-1")))
-    except AuthenticationError as exc:
+        if len(keys) > 1:
+            raise InvalidRequestError(f"the request has {len(keys)} Authorization headers; send one")
+        auth.authenticate(bearer_token(keys[0].decode("latin-1") if keys else None))
+    except GatewayError as exc:
         request_path.metrics.errors.labels(type(exc).__name__).inc()
-        request_id = client_request_id_of(found.get(b"x-request-id", b"").decode("latin-1"))
-        return error_reply(exc, {"x-request-id": request_id or uuid.uuid4().hex})
+        request_id = next((value for name, value in headers if name == b"x-request-id"), b"")
+        return error_reply(
+            exc, {"x-request-id": client_request_id_of(request_id.decode("latin-1")) or uuid.uuid4().hex}
+        )
     return None
 
 
