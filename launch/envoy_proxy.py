@@ -11,7 +11,8 @@ Three upstream wirings (`EnvoyConfig.upstream`):
     endpoint in it (the protocol's fallback), the cluster's round robin when none is given (fail-open).
   - "round_robin": the same cluster without the picker (Envoy alone), the baseline of the bench.
 The route adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to the response, which the picker reads
-when the data plane sends no `envoy.lb` metadata for it.
+when the data plane sends no `envoy.lb` metadata for it. Paths are normalised (`PATH_NORMALIZATION`) before the
+picker sees them; the picker reads them as the workers do anyway (`normalize_paths=False` shows it alone).
 
 The picker's cluster is health-checked over gRPC (the ext_proc service's name) with a panic threshold of 0, so a
 picker that is down has no host: Envoy's ext_proc stream then fails as it opens, before the first body chunk,
@@ -32,6 +33,14 @@ from pathlib import Path
 DESTINATION = "x-gateway-destination-endpoint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service name of the picker
 TYPE = "type.googleapis.com/"
+# One spelling of each path before the filters see it (docs/epp.md, "Paths"): dot segments removed and
+# unreserved characters decoded (RFC 3986 §6), slashes merged, and an escaped slash (%2F, %5C) unescaped
+# and answered with a redirect (307) to that path, so the client itself sends the one spelling.
+PATH_NORMALIZATION = {
+    "normalize_path": True,
+    "merge_slashes": True,
+    "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+}
 
 
 def envoy_binary() -> str | None:
@@ -59,6 +68,7 @@ class EnvoyConfig:
     num_retries: int = 2
     body_mode: str = "FULL_DUPLEX_STREAMED"
     epp_health_check: bool = True  # see the module docstring; False: fail-open fails for requests with a body
+    normalize_paths: bool = True  # see the module docstring; False: the picker's own reading alone
 
     def render(self) -> dict:
         filters: list[dict] = []
@@ -103,6 +113,7 @@ class EnvoyConfig:
             "@type": TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": "ingress",
             "stream_idle_timeout": "120s",
+            **(PATH_NORMALIZATION if self.normalize_paths else {}),
             "route_config": {
                 "virtual_hosts": [
                     {

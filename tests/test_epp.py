@@ -24,7 +24,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.cli_epp import EndpointPicker, start_picker
-from gateway.frontdoors.ext_proc import DESTINATION, SERVED, EndpointMap, Picker
+from gateway.frontdoors.ext_proc import DESTINATION, SERVED, EndpointMap, Picker, canonical_path
 from gateway.pools import Pools
 from gateway.request_path import RequestPath
 
@@ -327,3 +327,19 @@ def test_an_engine_is_dialled_at_its_own_address() -> None:
     assert EndpointMap({"10.0.0.5:8000": "10.0.0.9:9000"}, None).of(engine) == "10.0.0.9:9000"
     assert EndpointMap({}, 8001).of(kvroute) == "10.0.0.6:8001"
     assert EndpointMap({}, None).of(kvroute) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "canonical"),
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/chat%2Fcompletions?x=1", "/v1/chat/completions"),
+        ("/v1//chat///completions", "/v1/chat/completions"),
+        ("//v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/x/%2E%2E/chat/./completions/", "/v1/chat/completions"),
+        ("/v1/%63hat/completions#frag", "/v1/chat/completions"),
+        ("/v1/chat%252Fcompletions", "/v1/chat%2Fcompletions"),  # decoded once, as the worker decodes it
+    ],
+)
+def test_canonical_path_is_what_a_worker_serves(raw: str, canonical: str) -> None:
+    assert canonical_path(raw) == canonical

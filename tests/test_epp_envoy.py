@@ -304,3 +304,44 @@ def test_buffered_body_mode(fleet: Fleet) -> None:
     assert len({r.headers["x-kvroute-worker"] for r in replies}) == 1
     assert replies[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+ENCODED_PATHS = [
+    "/v1/chat%2Fcompletions",
+    "/v1//chat/completions",
+    "/v1/x/../chat/completions",
+    "/v1/%63hat/completions",
+]
+
+
+@pytest.mark.parametrize("envoy_normalizes", [False, True], ids=["picker-alone", "envoy-normalizes"])
+def test_a_spelling_of_the_path_does_not_get_past_the_tenant_limit(
+    fleet: Fleet, tmp_path: Path, envoy_normalizes: bool
+) -> None:
+    """Four streams at once, each path spelled differently, under a tenant limit of 2: two are admitted and two
+    get 429, whether Envoy normalises the paths (it redirects the escaped slash: the client follows) or passes
+    them as sent (the picker reads them as the worker would, and sends the worker the one spelling)."""
+    live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
+    fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
+                  "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
+    port = free_port()
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log", "--tenant-max-concurrency", "2")
+    body = {"model": "sim", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 100,
+            "stream": True}  # fmt: skip
+
+    def stream(path: str) -> tuple[int, str]:
+        with httpx.Client(timeout=30, follow_redirects=True) as client:
+            reply = client.post(f"{proxy.url}{path}", json=body)
+            return reply.status_code, reply.headers.get("x-kvroute-worker", "")
+
+    try:
+        with fleet.envoy(epp_port=port, normalize_paths=envoy_normalizes) as proxy:
+            with ThreadPoolExecutor(len(ENCODED_PATHS)) as pool:
+                replies = list(pool.map(stream, ENCODED_PATHS))
+            after = stream(ENCODED_PATHS[0])  # the slots are free again, and the worker serves the path
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert sorted(status for status, _ in replies) == [200, 200, 429, 429], replies
+    assert all(worker in live for status, worker in replies if status == 200), replies
+    assert after[0] == 200 and after[1] in live, after

@@ -3,8 +3,9 @@
 
 One ext_proc stream is one HTTP request through Envoy. What the picker does with its messages:
 
-    request_headers   an inference request (POST /v1/chat/completions, /v1/completions): wait for the body.
-                      Anything else (GET /v1/models, /health, ...): any ready endpoint, answered at once.
+    request_headers   an inference request (POST /v1/chat/completions, /v1/completions, read from the path
+                      as the worker's server reads it: `canonical_path`): wait for the body. Anything else
+                      (GET /v1/models, /health, ...): any ready endpoint, answered at once.
     request_body      FULL_DUPLEX_STREAMED: gathered until end_of_stream (or the trailers), then the decision:
                       the headers response (x-gateway-destination-endpoint, and the same list in the dynamic
                       metadata `envoy.lb`), then the body sent back as streamed chunks. BUFFERED: one message,
@@ -32,11 +33,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import posixpath
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -79,6 +83,16 @@ JSON_KEEP_BYTES = 1 << 20  # of a whole JSON response: parsed for usage at its e
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_SLASHES = re.compile("/+")
+
+
+def canonical_path(raw: str) -> str:
+    """`raw` (a `:path`) without its query or fragment, percent-decoded whole (as uvicorn, and so the workers'
+    front doors and vLLM, decode it: `%2F` too, a superset of RFC 3986's unreserved characters), slashes
+    merged and dot segments removed (as Envoy's `normalize_path` / `merge_slashes` do). Whatever a worker
+    would serve as an inference request is one here, so no spelling of the path gets past the decision."""
+    path = raw.partition("#")[0].partition("?")[0]
+    return posixpath.normpath(_SLASHES.sub("/", unquote(path))) if path else path
 
 
 @dataclass(frozen=True)
@@ -337,12 +351,13 @@ def header_options(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOptio
     ]
 
 
-def destination(endpoints: list[str], response_type: str) -> ext_pb2.ProcessingResponse:
-    """The protocol's result: the header and the `envoy.lb` metadata, the same ordered list."""
+def destination(endpoints: list[str], response_type: str, path: str | None = None) -> ext_pb2.ProcessingResponse:
+    """The protocol's result: the header and the `envoy.lb` metadata, the same ordered list; `path`, when
+    given, replaces the request's `:path` (the spelling the decision was made for)."""
     value = ",".join(endpoints)
+    headers = {DESTINATION: value} if path is None else {DESTINATION: value, ":path": path}
     common = ext_pb2.CommonResponse(
-        header_mutation=ext_pb2.HeaderMutation(set_headers=header_options({DESTINATION: value})),
-        clear_route_cache=True,
+        header_mutation=ext_pb2.HeaderMutation(set_headers=header_options(headers)), clear_route_cache=True
     )
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: value}})
@@ -454,6 +469,8 @@ class _Exchange:
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.inference = False
+        self.path = ""  # canonical_path of the request's :path
+        self.rewritten_path: str | None = None  # the :path the worker gets, where the request's was not canonical
         self.decided = False
         self.body = bytearray()
         self.pick: Pick | None = None
@@ -485,8 +502,12 @@ class _Exchange:
         subset = _metadata_value(message, SUBSET_NAMESPACE, SUBSET)
         if subset is not None:
             self.subset = frozenset([subset] if isinstance(subset, str) else subset)
-        path = self.headers.get(":path", "").partition("?")[0]
-        self.inference = self.headers.get(":method") == "POST" and path in INFERENCE_PATHS
+        raw = self.headers.get(":path", "")
+        self.path = canonical_path(raw)
+        self.inference = self.headers.get(":method") == "POST" and self.path in INFERENCE_PATHS
+        written, mark, query = raw.partition("#")[0].partition("?")
+        if self.inference and written != self.path:
+            self.rewritten_path = self.path + mark + query
         if not self.inference or message.request_headers.end_of_stream:
             self.decided = True
             try:
@@ -520,9 +541,8 @@ class _Exchange:
             return []
         self.decided = True
         client_request_id = client_request_id_of(self.headers.get("x-request-id"))
-        path = self.headers.get(":path", "").partition("?")[0]
         try:
-            request = self.picker.parse(path, self.headers, bytes(self.body))
+            request = self.picker.parse(self.path, self.headers, bytes(self.body))
             try:
                 self.pick = await self.picker.decide(request, self.subset, client_request_id)
             except ModelNotFound:
@@ -537,10 +557,10 @@ class _Exchange:
     def _pass_on(self, endpoints: list[str], end_of_stream: bool) -> list[ext_pb2.ProcessingResponse]:
         """The destination, then the gathered body (FULL_DUPLEX_STREAMED) or nothing more (BUFFERED)."""
         if self.request_body_mode == BUFFERED:
-            return [destination(endpoints, "request_body")]
+            return [destination(endpoints, "request_body", self.rewritten_path)]
         body, self.body = bytes(self.body), bytearray()
         return [
-            destination(endpoints, "request_headers"),
+            destination(endpoints, "request_headers", self.rewritten_path),
             *streamed_body("request_body", body, end_of_stream),
         ]
 
