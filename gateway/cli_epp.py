@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-endpoints", type=int, default=0,
-        help="endpoints per answer, the chosen one first (0: all eligible; 1 for an ORIGINAL_DST cluster)",
+        help="endpoints in the envoy.lb metadata's list, the chosen one first (0: all eligible); the "
+        "x-gateway-destination-endpoint header names the chosen one alone",
     )  # fmt: skip
     parser.add_argument(
         "--endpoints", default="", help="WORKER=IP:PORT,...: a worker's (id or gRPC address) HTTP endpoint, explicitly"

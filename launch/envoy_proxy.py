@@ -4,11 +4,11 @@ cluster that sends each request where the picker's `x-gateway-destination-endpoi
 tests/test_epp_envoy.py and benchmarks/epp_bench.py.
 
 Three upstream wirings (`EnvoyConfig.upstream`):
-  - "original_dst": an ORIGINAL_DST cluster reading the header (`use_http_header`). It takes one address, the
-    whole header value: with a fallback list it fails to parse, so this wiring is for one-endpoint answers.
+  - "original_dst": an ORIGINAL_DST cluster reading the header (`use_http_header`), which names the chosen
+    endpoint alone (the protocol's rule); a retry goes to the same address.
   - "override_host": a STATIC cluster of the workers' endpoints with Envoy's `override_host` load-balancing
-    policy reading the same header: it takes the comma-separated list and each retry goes to the next
-    endpoint in it (the protocol's fallback), the cluster's round robin when none is given (fail-open).
+    policy reading the ordered list from the `envoy.lb` metadata (else the header): each retry goes to the
+    next endpoint in it (the protocol's fallback), the cluster's round robin when none is given (fail-open).
   - "round_robin": the same cluster without the picker (Envoy alone), the baseline of the bench.
 The route adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to the response, which the picker reads
 when the data plane sends no `envoy.lb` metadata for it. Paths are normalised (`PATH_NORMALIZATION`) before the
@@ -213,7 +213,10 @@ class EnvoyConfig:
                             "typed_config": {
                                 "@type": TYPE
                                 + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                                "override_host_sources": [{"header": DESTINATION}],
+                                "override_host_sources": [
+                                    {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                                    {"header": DESTINATION},
+                                ],
                                 "fallback_policy": {"policies": [round_robin]},
                             },
                         }

@@ -132,10 +132,10 @@ def _set_headers(mutation: ext_pb2.HeaderMutation) -> dict[str, str]:
 
 def _destination(reply: ext_pb2.ProcessingResponse, common: ext_pb2.CommonResponse) -> list[str]:
     header = _set_headers(common.header_mutation)[DESTINATION]
-    metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value
-    assert header == metadata, "the header and the envoy.lb metadata must carry the same value"
+    metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value.split(",")
+    assert header == metadata[0], "the header names the chosen endpoint alone, the metadata's list starts with it"
     assert common.clear_route_cache
-    return header.split(",")
+    return metadata
 
 
 def _ttft_count(stack: GatewayStack) -> float:

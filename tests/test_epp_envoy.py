@@ -273,14 +273,15 @@ def test_picker_down_fail_open(fleet: Fleet, body_mode: str) -> None:
 
 
 @pytest.mark.slow
-def test_original_dst_with_one_endpoint(fleet: Fleet, tmp_path: Path) -> None:
-    """How most Gateway implementations wire it: an ORIGINAL_DST cluster reading the header. It takes one
-    address, so this picker answers with one (`--max-endpoints 1`)."""
+def test_original_dst_at_the_pickers_defaults(fleet: Fleet, tmp_path: Path) -> None:
+    """How most Gateway implementations wire it: an ORIGINAL_DST cluster reading the header, which takes one
+    address. The picker at its defaults names the chosen endpoint alone there (the fallbacks go in the
+    metadata), so the cluster serves every request."""
     live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
     fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
                   "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
     port = free_port()
-    process = _start_epp(fleet_args, port, tmp_path / "epp.log", "--max-endpoints", "1")
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log")
     try:
         with fleet.envoy(epp_port=port, upstream="original_dst") as proxy:
             replies = _shared_prefix(proxy.url, 3, "Original destination")

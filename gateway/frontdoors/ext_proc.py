@@ -7,8 +7,9 @@ One ext_proc stream is one HTTP request through Envoy. What the picker does with
                       as the worker's server reads it: `canonical_path`): wait for the body. Anything else
                       (GET /v1/models, /health, ...): any ready endpoint, answered at once.
     request_body      FULL_DUPLEX_STREAMED: gathered until end_of_stream (or the trailers), then the decision:
-                      the headers response (x-gateway-destination-endpoint, and the same list in the dynamic
-                      metadata `envoy.lb`), then the body sent back as streamed chunks. BUFFERED: one message,
+                      the headers response (x-gateway-destination-endpoint: the chosen endpoint; the ordered
+                      list, fallbacks after it, in the dynamic metadata `envoy.lb`), then the body sent back as
+                      streamed chunks. BUFFERED: one message,
                       the headers answered empty before it and the mutation carried by the body response.
     response_headers  the endpoint that served it (`envoy.lb` metadata `x-gateway-destination-endpoint-served`,
                       else the response header of that name) moves the in-flight book there;
@@ -163,8 +164,8 @@ class Picker:
         default_max_tokens: int,
         max_endpoints: int = 0,
     ) -> None:
-        """`max_endpoints`: how many endpoints an answer lists at most (0: every eligible one); 1 for a data
-        plane that reads one address from the header (an ORIGINAL_DST cluster)."""
+        """`max_endpoints`: how many endpoints the metadata's list holds at most (0: every eligible one); the
+        header holds one whatever it is."""
         self.pools = pools
         self.metrics = pools.metrics  # where refusals before a pool is known are counted
         self.endpoints = endpoints
@@ -352,15 +353,15 @@ def header_options(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOptio
 
 
 def destination(endpoints: list[str], response_type: str, path: str | None = None) -> ext_pb2.ProcessingResponse:
-    """The protocol's result: the header and the `envoy.lb` metadata, the same ordered list; `path`, when
-    given, replaces the request's `:path` (the spelling the decision was made for)."""
-    value = ",".join(endpoints)
-    headers = {DESTINATION: value} if path is None else {DESTINATION: value, ":path": path}
+    """The protocol's result: the header names the one endpoint to send the request to (`endpoints[0]`, what an
+    ORIGINAL_DST cluster dials), the `envoy.lb` metadata the whole ordered list, the fallbacks after it; `path`,
+    when given, replaces the request's `:path` (the spelling the decision was made for)."""
+    headers = {DESTINATION: endpoints[0]} if path is None else {DESTINATION: endpoints[0], ":path": path}
     common = ext_pb2.CommonResponse(
         header_mutation=ext_pb2.HeaderMutation(set_headers=header_options(headers)), clear_route_cache=True
     )
     metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+    metadata.update({LB_NAMESPACE: {DESTINATION: ",".join(endpoints)}})
     if response_type == "request_headers":
         return ext_pb2.ProcessingResponse(
             request_headers=ext_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
