@@ -16,7 +16,10 @@ picker sees them; the picker reads them as the workers do anyway (`normalize_pat
 
 The picker's cluster is health-checked over gRPC (the ext_proc service's name) with a panic threshold of 0, so a
 picker that is down has no host: Envoy's ext_proc stream then fails as it opens, before the first body chunk,
-which is the one moment a FULL_DUPLEX_STREAMED filter can still fail open (docs/epp.md).
+which is the one moment a FULL_DUPLEX_STREAMED filter can still fail open (docs/epp.md). Envoy times no
+FULL_DUPLEX_STREAMED body message (`message_timeout` covers the others), so the connection to the picker is
+pinged every health interval and closed when a ping goes unanswered for `PICKER_TIMEOUT_S`: every ext_proc
+stream of a picker that hangs fails within `HEALTH_INTERVAL_S + PICKER_TIMEOUT_S`, its requests answered.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pathlib import Path
 DESTINATION = "x-gateway-destination-endpoint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service name of the picker
 TYPE = "type.googleapis.com/"
+HEALTH_INTERVAL_S = 0.5  # the picker cluster's health checks and keepalive pings
+PICKER_TIMEOUT_S = 1.0  # a health check, a ping or a timed ext_proc message unanswered this long fails
 # One spelling of each path before the filters see it (docs/epp.md, "Paths"): dot segments removed and
 # unreserved characters decoded (RFC 3986 §6), slashes merged, and an escaped slash (%2F, %5C) unescaped
 # and answered with a redirect (307) to that path, so the client itself sends the one spelling.
@@ -80,7 +85,7 @@ class EnvoyConfig:
                         "@type": TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                         "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
                         "failure_mode_allow": self.failure_mode_allow,
-                        "message_timeout": "10s",
+                        "message_timeout": f"{PICKER_TIMEOUT_S}s",
                         "processing_mode": {
                             "request_header_mode": "SEND",
                             "response_header_mode": "SEND",
@@ -143,7 +148,14 @@ class EnvoyConfig:
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
+                            "explicit_http_config": {
+                                "http2_protocol_options": {
+                                    "connection_keepalive": {
+                                        "interval": f"{HEALTH_INTERVAL_S}s",
+                                        "timeout": f"{PICKER_TIMEOUT_S}s",
+                                    }
+                                }
+                            },
                         }
                     },
                     "load_assignment": _assignment(
@@ -154,9 +166,9 @@ class EnvoyConfig:
             if self.epp_health_check:
                 clusters[-1]["health_checks"] = [
                     {
-                        "timeout": "1s",
-                        "interval": "0.5s",
-                        "no_traffic_interval": "0.5s",
+                        "timeout": f"{PICKER_TIMEOUT_S}s",
+                        "interval": f"{HEALTH_INTERVAL_S}s",
+                        "no_traffic_interval": f"{HEALTH_INTERVAL_S}s",
                         "unhealthy_threshold": 1,
                         "healthy_threshold": 1,
                         "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
