@@ -343,3 +343,19 @@ def test_an_engine_is_dialled_at_its_own_address() -> None:
 )
 def test_canonical_path_is_what_a_worker_serves(raw: str, canonical: str) -> None:
     assert canonical_path(raw) == canonical
+
+
+@pytest.mark.parametrize(
+    "body_mode", [processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED, processing_mode_pb2.ProcessingMode.BUFFERED]
+)
+def test_a_path_spelled_otherwise_is_decided_and_sent_on_in_one_spelling(channel: grpc.Channel, body_mode: int) -> None:
+    config = ext_pb2.ProtocolConfiguration(request_body_mode=body_mode)  # type: ignore[arg-type]
+    exchange = Exchange(channel).send(_request_headers(path="/v1//chat%2Fcompletions?a=1", protocol_config=config))
+    if body_mode == processing_mode_pb2.ProcessingMode.BUFFERED:
+        exchange.take(1)  # the headers, answered empty
+    exchange.send(*_bodies(_chat_body(), 1))
+    (reply,) = exchange.take(1)
+    common = getattr(reply, reply.WhichOneof("response")).response
+    assert len(_destination(reply, common)) == 2, "decided, as /v1/chat/completions is"
+    assert _set_headers(common.header_mutation)[":path"] == "/v1/chat/completions?a=1"
+    exchange.close()
