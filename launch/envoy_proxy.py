@@ -74,6 +74,9 @@ class EnvoyConfig:
     body_mode: str = "FULL_DUPLEX_STREAMED"
     epp_health_check: bool = True  # see the module docstring; False: fail-open fails for requests with a body
     normalize_paths: bool = True  # see the module docstring; False: the picker's own reading alone
+    # False: the picker sees the response headers only and Envoy closes its stream there: a stream outlives its
+    # picker, but the tenant's slot and the in-flight book end at the headers and no TTFT is measured (docs/epp.md)
+    response_through_picker: bool = True
 
     def render(self) -> dict:
         filters: list[dict] = []
@@ -90,9 +93,13 @@ class EnvoyConfig:
                             "request_header_mode": "SEND",
                             "response_header_mode": "SEND",
                             "request_body_mode": self.body_mode,
-                            "response_body_mode": self.body_mode,
+                            "response_body_mode": self.body_mode if self.response_through_picker else "NONE",
                             "request_trailer_mode": "SEND" if self.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
-                            "response_trailer_mode": "SEND" if self.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+                            "response_trailer_mode": (
+                                "SEND"
+                                if self.body_mode == "FULL_DUPLEX_STREAMED" and self.response_through_picker
+                                else "SKIP"
+                            ),
                         },
                         "send_body_without_waiting_for_header_response": False,
                         "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},

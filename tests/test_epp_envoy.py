@@ -432,3 +432,31 @@ def test_the_picker_takes_the_data_planes_pings(envoy: Envoy) -> None:
     stats = httpx.get(f"http://127.0.0.1:{envoy.config.admin_port}/stats?filter=^cluster.epp.upstream_cx_destroy$")
     assert stats.text.strip() == "cluster.epp.upstream_cx_destroy: 0", stats.text
     assert _chat(envoy.url, "and it is still open").status_code == 200
+
+
+@pytest.mark.parametrize("through_picker", [True, False], ids=["response-through-picker", "headers-only"])
+def test_a_killed_pickers_stream(fleet: Fleet, tmp_path: Path, through_picker: bool) -> None:
+    """SIGKILL to the picker while a stream it decided is in flight. Its response through the picker (the
+    default wiring: exact books), Envoy resets the client's stream, which ends without `[DONE]`: no data-plane
+    setting can add an error event once the headers went out. The picker answering the response headers only,
+    the stream goes on to the worker's `[DONE]`."""
+    live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
+    fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
+                  "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
+    port = free_port()
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log")
+    try:
+        with fleet.envoy(epp_port=port, response_through_picker=through_picker) as proxy:
+            stream = _TimedStream(proxy.url)
+            stream.start()
+            deadline = time.monotonic() + 10
+            while stream.first is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert stream.first is not None, "the stream did not start"
+            process.kill()
+            stream.join(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+    assert stream.status == 200 and stream.done is not through_picker, (stream.done, stream.error)
