@@ -34,7 +34,7 @@ from gateway import cli_gateway
 from gateway.frontdoors.ext_proc import EndpointMap, ExternalProcessor, Picker
 from gateway.frontdoors.grpc_health import ReadinessHealth
 from kvroute.errors import UserError
-from kvroute.grpc_options import grpc_address
+from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.heap import freeze_start_up_heap
 
 logger = logging.getLogger("kvroute.epp")
@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-endpoints", type=int, default=0,
-        help="endpoints per answer, the chosen one first (0: all eligible; 1 for an ORIGINAL_DST cluster)",
+        help="endpoints in the envoy.lb metadata's list, the chosen one first (0: all eligible); the "
+        "x-gateway-destination-endpoint header names the chosen one alone",
     )  # fmt: skip
     parser.add_argument(
         "--endpoints", default="", help="WORKER=IP:PORT,...: a worker's (id or gRPC address) HTTP endpoint, explicitly"
@@ -125,7 +126,9 @@ def build_picker(args: argparse.Namespace) -> Picker:
 
 async def start_picker(picker: Picker, host: str, port: int) -> EndpointPicker:
     """Serve ext_proc and health on host:port (0: a free one). The fleet state must be started."""
-    server = grpc.aio.server()
+    # the data plane pings its connection to the picker every health interval, to find a hung one (docs/epp.md,
+    # "A picker that hangs or dies"): accepted at any rate, never answered with GOAWAY "too_many_pings"
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
     ext_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)

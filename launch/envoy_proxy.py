@@ -4,18 +4,22 @@ cluster that sends each request where the picker's `x-gateway-destination-endpoi
 tests/test_epp_envoy.py and benchmarks/epp_bench.py.
 
 Three upstream wirings (`EnvoyConfig.upstream`):
-  - "original_dst": an ORIGINAL_DST cluster reading the header (`use_http_header`). It takes one address, the
-    whole header value: with a fallback list it fails to parse, so this wiring is for one-endpoint answers.
+  - "original_dst": an ORIGINAL_DST cluster reading the header (`use_http_header`), which names the chosen
+    endpoint alone (the protocol's rule); a retry goes to the same address.
   - "override_host": a STATIC cluster of the workers' endpoints with Envoy's `override_host` load-balancing
-    policy reading the same header: it takes the comma-separated list and each retry goes to the next
-    endpoint in it (the protocol's fallback), the cluster's round robin when none is given (fail-open).
+    policy reading the ordered list from the `envoy.lb` metadata (else the header): each retry goes to the
+    next endpoint in it (the protocol's fallback), the cluster's round robin when none is given (fail-open).
   - "round_robin": the same cluster without the picker (Envoy alone), the baseline of the bench.
 The route adds `x-gateway-destination-endpoint-served: %UPSTREAM_HOST%` to the response, which the picker reads
-when the data plane sends no `envoy.lb` metadata for it.
+when the data plane sends no `envoy.lb` metadata for it. Paths are normalised (`PATH_NORMALIZATION`) before the
+picker sees them; the picker reads them as the workers do anyway (`normalize_paths=False` shows it alone).
 
 The picker's cluster is health-checked over gRPC (the ext_proc service's name) with a panic threshold of 0, so a
 picker that is down has no host: Envoy's ext_proc stream then fails as it opens, before the first body chunk,
-which is the one moment a FULL_DUPLEX_STREAMED filter can still fail open (docs/epp.md).
+which is the one moment a FULL_DUPLEX_STREAMED filter can still fail open (docs/epp.md). Envoy times no
+FULL_DUPLEX_STREAMED body message (`message_timeout` covers the others), so the connection to the picker is
+pinged every health interval and closed when a ping goes unanswered for `PICKER_TIMEOUT_S`: every ext_proc
+stream of a picker that hangs fails within `HEALTH_INTERVAL_S + PICKER_TIMEOUT_S`, its requests answered.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ from pathlib import Path
 DESTINATION = "x-gateway-destination-endpoint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service name of the picker
 TYPE = "type.googleapis.com/"
+HEALTH_INTERVAL_S = 0.5  # the picker cluster's health checks and keepalive pings
+PICKER_TIMEOUT_S = 1.0  # a health check, a ping or a timed ext_proc message unanswered this long fails
+# One spelling of each path before the filters see it (docs/epp.md, "Paths"): dot segments removed and
+# unreserved characters decoded (RFC 3986 §6), slashes merged, and an escaped slash (%2F, %5C) unescaped
+# and answered with a redirect (307) to that path, so the client itself sends the one spelling.
+PATH_NORMALIZATION = {
+    "normalize_path": True,
+    "merge_slashes": True,
+    "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+}
 
 
 def envoy_binary() -> str | None:
@@ -59,6 +73,10 @@ class EnvoyConfig:
     num_retries: int = 2
     body_mode: str = "FULL_DUPLEX_STREAMED"
     epp_health_check: bool = True  # see the module docstring; False: fail-open fails for requests with a body
+    normalize_paths: bool = True  # see the module docstring; False: the picker's own reading alone
+    # False: the picker sees the response headers only and Envoy closes its stream there: a stream outlives its
+    # picker, but the tenant's slot and the in-flight book end at the headers and no TTFT is measured (docs/epp.md)
+    response_through_picker: bool = True
 
     def render(self) -> dict:
         filters: list[dict] = []
@@ -70,14 +88,18 @@ class EnvoyConfig:
                         "@type": TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                         "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
                         "failure_mode_allow": self.failure_mode_allow,
-                        "message_timeout": "10s",
+                        "message_timeout": f"{PICKER_TIMEOUT_S}s",
                         "processing_mode": {
                             "request_header_mode": "SEND",
                             "response_header_mode": "SEND",
                             "request_body_mode": self.body_mode,
-                            "response_body_mode": self.body_mode,
+                            "response_body_mode": self.body_mode if self.response_through_picker else "NONE",
                             "request_trailer_mode": "SEND" if self.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
-                            "response_trailer_mode": "SEND" if self.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+                            "response_trailer_mode": (
+                                "SEND"
+                                if self.body_mode == "FULL_DUPLEX_STREAMED" and self.response_through_picker
+                                else "SKIP"
+                            ),
                         },
                         "send_body_without_waiting_for_header_response": False,
                         "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
@@ -103,6 +125,7 @@ class EnvoyConfig:
             "@type": TYPE + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": "ingress",
             "stream_idle_timeout": "120s",
+            **(PATH_NORMALIZATION if self.normalize_paths else {}),
             "route_config": {
                 "virtual_hosts": [
                     {
@@ -132,7 +155,14 @@ class EnvoyConfig:
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
+                            "explicit_http_config": {
+                                "http2_protocol_options": {
+                                    "connection_keepalive": {
+                                        "interval": f"{HEALTH_INTERVAL_S}s",
+                                        "timeout": f"{PICKER_TIMEOUT_S}s",
+                                    }
+                                }
+                            },
                         }
                     },
                     "load_assignment": _assignment(
@@ -143,9 +173,9 @@ class EnvoyConfig:
             if self.epp_health_check:
                 clusters[-1]["health_checks"] = [
                     {
-                        "timeout": "1s",
-                        "interval": "0.5s",
-                        "no_traffic_interval": "0.5s",
+                        "timeout": f"{PICKER_TIMEOUT_S}s",
+                        "interval": f"{HEALTH_INTERVAL_S}s",
+                        "no_traffic_interval": f"{HEALTH_INTERVAL_S}s",
                         "unhealthy_threshold": 1,
                         "healthy_threshold": 1,
                         "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
@@ -202,7 +232,10 @@ class EnvoyConfig:
                             "typed_config": {
                                 "@type": TYPE
                                 + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                                "override_host_sources": [{"header": DESTINATION}],
+                                "override_host_sources": [
+                                    {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}},
+                                    {"header": DESTINATION},
+                                ],
                                 "fallback_policy": {"policies": [round_robin]},
                             },
                         }

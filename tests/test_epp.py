@@ -24,7 +24,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.cli_epp import EndpointPicker, start_picker
-from gateway.frontdoors.ext_proc import DESTINATION, SERVED, EndpointMap, Picker
+from gateway.frontdoors.ext_proc import DESTINATION, SERVED, EndpointMap, Picker, canonical_path
 from gateway.pools import Pools
 from gateway.request_path import RequestPath
 
@@ -132,10 +132,10 @@ def _set_headers(mutation: ext_pb2.HeaderMutation) -> dict[str, str]:
 
 def _destination(reply: ext_pb2.ProcessingResponse, common: ext_pb2.CommonResponse) -> list[str]:
     header = _set_headers(common.header_mutation)[DESTINATION]
-    metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value
-    assert header == metadata, "the header and the envoy.lb metadata must carry the same value"
+    metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION].string_value.split(",")
+    assert header == metadata[0], "the header names the chosen endpoint alone, the metadata's list starts with it"
     assert common.clear_route_cache
-    return header.split(",")
+    return metadata
 
 
 def _ttft_count(stack: GatewayStack) -> float:
@@ -327,3 +327,35 @@ def test_an_engine_is_dialled_at_its_own_address() -> None:
     assert EndpointMap({"10.0.0.5:8000": "10.0.0.9:9000"}, None).of(engine) == "10.0.0.9:9000"
     assert EndpointMap({}, 8001).of(kvroute) == "10.0.0.6:8001"
     assert EndpointMap({}, None).of(kvroute) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "canonical"),
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/chat%2Fcompletions?x=1", "/v1/chat/completions"),
+        ("/v1//chat///completions", "/v1/chat/completions"),
+        ("//v1/chat/completions", "/v1/chat/completions"),
+        ("/v1/x/%2E%2E/chat/./completions/", "/v1/chat/completions"),
+        ("/v1/%63hat/completions#frag", "/v1/chat/completions"),
+        ("/v1/chat%252Fcompletions", "/v1/chat%2Fcompletions"),  # decoded once, as the worker decodes it
+    ],
+)
+def test_canonical_path_is_what_a_worker_serves(raw: str, canonical: str) -> None:
+    assert canonical_path(raw) == canonical
+
+
+@pytest.mark.parametrize(
+    "body_mode", [processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED, processing_mode_pb2.ProcessingMode.BUFFERED]
+)
+def test_a_path_spelled_otherwise_is_decided_and_sent_on_in_one_spelling(channel: grpc.Channel, body_mode: int) -> None:
+    config = ext_pb2.ProtocolConfiguration(request_body_mode=body_mode)  # type: ignore[arg-type]
+    exchange = Exchange(channel).send(_request_headers(path="/v1//chat%2Fcompletions?a=1", protocol_config=config))
+    if body_mode == processing_mode_pb2.ProcessingMode.BUFFERED:
+        exchange.take(1)  # the headers, answered empty
+    exchange.send(*_bodies(_chat_body(), 1))
+    (reply,) = exchange.take(1)
+    common = getattr(reply, reply.WhichOneof("response")).response
+    assert len(_destination(reply, common)) == 2, "decided, as /v1/chat/completions is"
+    assert _set_headers(common.header_mutation)[":path"] == "/v1/chat/completions?a=1"
+    exchange.close()

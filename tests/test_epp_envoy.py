@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launch.envoy_proxy import Envoy, EnvoyConfig, envoy_binary
+from launch.envoy_proxy import HEALTH_INTERVAL_S, PICKER_TIMEOUT_S, Envoy, EnvoyConfig, envoy_binary
 from launch.fleet import free_port
 
 # Each test takes under 6 s; the module's fleet (three worker processes and the picker) takes about 33 s to start.
@@ -273,14 +275,15 @@ def test_picker_down_fail_open(fleet: Fleet, body_mode: str) -> None:
 
 
 @pytest.mark.slow
-def test_original_dst_with_one_endpoint(fleet: Fleet, tmp_path: Path) -> None:
-    """How most Gateway implementations wire it: an ORIGINAL_DST cluster reading the header. It takes one
-    address, so this picker answers with one (`--max-endpoints 1`)."""
+def test_original_dst_at_the_pickers_defaults(fleet: Fleet, tmp_path: Path) -> None:
+    """How most Gateway implementations wire it: an ORIGINAL_DST cluster reading the header, which takes one
+    address. The picker at its defaults names the chosen endpoint alone there (the fallbacks go in the
+    metadata), so the cluster serves every request."""
     live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
     fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
                   "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
     port = free_port()
-    process = _start_epp(fleet_args, port, tmp_path / "epp.log", "--max-endpoints", "1")
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log")
     try:
         with fleet.envoy(epp_port=port, upstream="original_dst") as proxy:
             replies = _shared_prefix(proxy.url, 3, "Original destination")
@@ -304,3 +307,156 @@ def test_buffered_body_mode(fleet: Fleet) -> None:
     assert len({r.headers["x-kvroute-worker"] for r in replies}) == 1
     assert replies[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+ENCODED_PATHS = [
+    "/v1/chat%2Fcompletions",
+    "/v1//chat/completions",
+    "/v1/x/../chat/completions",
+    "/v1/%63hat/completions",
+]
+
+
+@pytest.mark.parametrize("envoy_normalizes", [False, True], ids=["picker-alone", "envoy-normalizes"])
+def test_a_spelling_of_the_path_does_not_get_past_the_tenant_limit(
+    fleet: Fleet, tmp_path: Path, envoy_normalizes: bool
+) -> None:
+    """Four streams at once, each path spelled differently, under a tenant limit of 2: two are admitted and two
+    get 429, whether Envoy normalises the paths (it redirects the escaped slash: the client follows) or passes
+    them as sent (the picker reads them as the worker would, and sends the worker the one spelling)."""
+    live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
+    fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
+                  "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
+    port = free_port()
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log", "--tenant-max-concurrency", "2")
+    body = {"model": "sim", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 100,
+            "stream": True}  # fmt: skip
+
+    def stream(path: str) -> tuple[int, str]:
+        with httpx.Client(timeout=30, follow_redirects=True) as client:
+            reply = client.post(f"{proxy.url}{path}", json=body)
+            return reply.status_code, reply.headers.get("x-kvroute-worker", "")
+
+    try:
+        with fleet.envoy(epp_port=port, normalize_paths=envoy_normalizes) as proxy:
+            with ThreadPoolExecutor(len(ENCODED_PATHS)) as pool:
+                replies = list(pool.map(stream, ENCODED_PATHS))
+            after = stream(ENCODED_PATHS[0])  # the slots are free again, and the worker serves the path
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert sorted(status for status, _ in replies) == [200, 200, 429, 429], replies
+    assert all(worker in live for status, worker in replies if status == 200), replies
+    assert after[0] == 200 and after[1] in live, after
+
+
+class _TimedStream(threading.Thread):
+    """A streamed chat request through `url`: when its first content chunk and its end came (monotonic), its
+    status, whether it ended with `[DONE]`, and the error that cut it, if any."""
+
+    def __init__(self, url: str, max_tokens: int = 100) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.first: float | None = None
+        self.ended = 0.0
+        self.status, self.done, self.error = 0, False, ""
+
+    def run(self) -> None:
+        body = {"model": "sim", "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": self.max_tokens, "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=30) as reply:
+                self.status = reply.status_code
+                for line in reply.iter_lines():
+                    if self.first is None and '"content":"' in line:
+                        self.first = time.monotonic()
+                    self.done = self.done or line == "data: [DONE]"
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        self.ended = time.monotonic()
+
+
+def test_a_hung_picker_answers_what_reached_it_within_the_bound(fleet: Fleet, tmp_path: Path) -> None:
+    """The picker stopped (SIGSTOP) for 6 s with a stream in flight and three requests reaching it: Envoy
+    times no FULL_DUPLEX_STREAMED body message, but its pings to the picker go unanswered and it closes the
+    connection within the health interval + 1 s (launch/envoy_proxy.py): the three get Envoy's 500 and the
+    stream ends (cut: its headers went out) within that bound, not when the picker resumes. Resumed, the
+    picker holds no tenant slot for them: two streams are admitted under its limit of 2."""
+    live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
+    fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
+                  "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
+    port = free_port()
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log", "--tenant-max-concurrency", "2")
+    bound = HEALTH_INTERVAL_S + PICKER_TIMEOUT_S + 1.0  # + the slack of a shared 2-core machine
+    try:
+        with fleet.envoy(epp_port=port) as proxy:
+            assert _chat(proxy.url, "warm the connection to the picker").status_code == 200
+            stream = _TimedStream(proxy.url)
+            stream.start()
+            deadline = time.monotonic() + 10
+            while stream.first is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert stream.first is not None, "the stream did not start"
+            process.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                with ThreadPoolExecutor(3) as pool:
+                    timed = list(pool.map(lambda i: (_chat(proxy.url, f"during the stop {i}"), time.monotonic()),
+                                          range(3)))  # fmt: skip
+                stream.join(10)
+                time.sleep(max(0.0, stopped + 6 - time.monotonic()))
+            finally:
+                process.send_signal(signal.SIGCONT)
+            _wait(lambda: _health(port, "readiness") == health_pb2.HealthCheckResponse.SERVING, "the epp resumed",
+                  process, tmp_path / "epp.log", 10)  # fmt: skip
+            time.sleep(2 * HEALTH_INTERVAL_S + 0.5)  # Envoy's health check sees it again
+            after = [_TimedStream(proxy.url, 20) for _ in range(2)]
+            for resumed in after:
+                resumed.start()
+            for resumed in after:
+                resumed.join(30)
+    finally:
+        process.terminate()
+        process.wait(10)
+    waited = [round(at - stopped, 2) for _, at in timed]
+    assert [r.status_code for r, _ in timed] == [500] * 3 and max(waited) < bound, waited
+    assert stream.ended - stopped < bound and not stream.done, (stream.ended - stopped, stream.done, stream.error)
+    assert [(s.status, s.done) for s in after] == [(200, True)] * 2, [(s.status, s.error) for s in after]
+
+
+def test_the_picker_takes_the_data_planes_pings(envoy: Envoy) -> None:
+    """Envoy pings its connection to the picker every health interval, idle or not; a gRPC server's default
+    policy answers that with GOAWAY "too_many_pings" and the connection (and any stream on it) is closed."""
+    assert _chat(envoy.url, "open the connection to the picker").status_code == 200
+    time.sleep(8 * HEALTH_INTERVAL_S)
+    stats = httpx.get(f"http://127.0.0.1:{envoy.config.admin_port}/stats?filter=^cluster.epp.upstream_cx_destroy$")
+    assert stats.text.strip() == "cluster.epp.upstream_cx_destroy: 0", stats.text
+    assert _chat(envoy.url, "and it is still open").status_code == 200
+
+
+@pytest.mark.parametrize("through_picker", [True, False], ids=["response-through-picker", "headers-only"])
+def test_a_killed_pickers_stream(fleet: Fleet, tmp_path: Path, through_picker: bool) -> None:
+    """SIGKILL to the picker while a stream it decided is in flight. Its response through the picker (the
+    default wiring: exact books), Envoy resets the client's stream, which ends without `[DONE]`: no data-plane
+    setting can add an error event once the headers went out. The picker answering the response headers only,
+    the stream goes on to the worker's `[DONE]`."""
+    live = {w: e for w, e in fleet.endpoints.items() if w != "w2"}
+    fleet_args = ["--workers", ",".join(fleet.grpc_addresses[w] for w in live),
+                  "--endpoints", ",".join(f"{w}={e}" for w, e in live.items())]  # fmt: skip
+    port = free_port()
+    process = _start_epp(fleet_args, port, tmp_path / "epp.log")
+    try:
+        with fleet.envoy(epp_port=port, response_through_picker=through_picker) as proxy:
+            stream = _TimedStream(proxy.url)
+            stream.start()
+            deadline = time.monotonic() + 10
+            while stream.first is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert stream.first is not None, "the stream did not start"
+            process.kill()
+            stream.join(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+    assert stream.status == 200 and stream.done is not through_picker, (stream.done, stream.error)

@@ -3,11 +3,13 @@
 
 One ext_proc stream is one HTTP request through Envoy. What the picker does with its messages:
 
-    request_headers   an inference request (POST /v1/chat/completions, /v1/completions): wait for the body.
-                      Anything else (GET /v1/models, /health, ...): any ready endpoint, answered at once.
+    request_headers   an inference request (POST /v1/chat/completions, /v1/completions, read from the path
+                      as the worker's server reads it: `canonical_path`): wait for the body. Anything else
+                      (GET /v1/models, /health, ...): any ready endpoint, answered at once.
     request_body      FULL_DUPLEX_STREAMED: gathered until end_of_stream (or the trailers), then the decision:
-                      the headers response (x-gateway-destination-endpoint, and the same list in the dynamic
-                      metadata `envoy.lb`), then the body sent back as streamed chunks. BUFFERED: one message,
+                      the headers response (x-gateway-destination-endpoint: the chosen endpoint; the ordered
+                      list, fallbacks after it, in the dynamic metadata `envoy.lb`), then the body sent back as
+                      streamed chunks. BUFFERED: one message,
                       the headers answered empty before it and the mutation carried by the body response.
     response_headers  the endpoint that served it (`envoy.lb` metadata `x-gateway-destination-endpoint-served`,
                       else the response header of that name) moves the in-flight book there;
@@ -32,11 +34,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import posixpath
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -79,6 +84,16 @@ JSON_KEEP_BYTES = 1 << 20  # of a whole JSON response: parsed for usage at its e
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_SLASHES = re.compile("/+")
+
+
+def canonical_path(raw: str) -> str:
+    """`raw` (a `:path`) without its query or fragment, percent-decoded whole (as uvicorn, and so the workers'
+    front doors and vLLM, decode it: `%2F` too, a superset of RFC 3986's unreserved characters), slashes
+    merged and dot segments removed (as Envoy's `normalize_path` / `merge_slashes` do). Whatever a worker
+    would serve as an inference request is one here, so no spelling of the path gets past the decision."""
+    path = raw.partition("#")[0].partition("?")[0]
+    return posixpath.normpath(_SLASHES.sub("/", unquote(path))) if path else path
 
 
 @dataclass(frozen=True)
@@ -149,8 +164,8 @@ class Picker:
         default_max_tokens: int,
         max_endpoints: int = 0,
     ) -> None:
-        """`max_endpoints`: how many endpoints an answer lists at most (0: every eligible one); 1 for a data
-        plane that reads one address from the header (an ORIGINAL_DST cluster)."""
+        """`max_endpoints`: how many endpoints the metadata's list holds at most (0: every eligible one); the
+        header holds one whatever it is."""
         self.pools = pools
         self.metrics = pools.metrics  # where refusals before a pool is known are counted
         self.endpoints = endpoints
@@ -337,15 +352,16 @@ def header_options(headers: Mapping[str, str]) -> list[base_pb2.HeaderValueOptio
     ]
 
 
-def destination(endpoints: list[str], response_type: str) -> ext_pb2.ProcessingResponse:
-    """The protocol's result: the header and the `envoy.lb` metadata, the same ordered list."""
-    value = ",".join(endpoints)
+def destination(endpoints: list[str], response_type: str, path: str | None = None) -> ext_pb2.ProcessingResponse:
+    """The protocol's result: the header names the one endpoint to send the request to (`endpoints[0]`, what an
+    ORIGINAL_DST cluster dials), the `envoy.lb` metadata the whole ordered list, the fallbacks after it; `path`,
+    when given, replaces the request's `:path` (the spelling the decision was made for)."""
+    headers = {DESTINATION: endpoints[0]} if path is None else {DESTINATION: endpoints[0], ":path": path}
     common = ext_pb2.CommonResponse(
-        header_mutation=ext_pb2.HeaderMutation(set_headers=header_options({DESTINATION: value})),
-        clear_route_cache=True,
+        header_mutation=ext_pb2.HeaderMutation(set_headers=header_options(headers)), clear_route_cache=True
     )
     metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+    metadata.update({LB_NAMESPACE: {DESTINATION: ",".join(endpoints)}})
     if response_type == "request_headers":
         return ext_pb2.ProcessingResponse(
             request_headers=ext_pb2.HeadersResponse(response=common), dynamic_metadata=metadata
@@ -454,6 +470,8 @@ class _Exchange:
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.inference = False
+        self.path = ""  # canonical_path of the request's :path
+        self.rewritten_path: str | None = None  # the :path the worker gets, where the request's was not canonical
         self.decided = False
         self.body = bytearray()
         self.pick: Pick | None = None
@@ -485,8 +503,12 @@ class _Exchange:
         subset = _metadata_value(message, SUBSET_NAMESPACE, SUBSET)
         if subset is not None:
             self.subset = frozenset([subset] if isinstance(subset, str) else subset)
-        path = self.headers.get(":path", "").partition("?")[0]
-        self.inference = self.headers.get(":method") == "POST" and path in INFERENCE_PATHS
+        raw = self.headers.get(":path", "")
+        self.path = canonical_path(raw)
+        self.inference = self.headers.get(":method") == "POST" and self.path in INFERENCE_PATHS
+        written, mark, query = raw.partition("#")[0].partition("?")
+        if self.inference and written != self.path:
+            self.rewritten_path = self.path + mark + query
         if not self.inference or message.request_headers.end_of_stream:
             self.decided = True
             try:
@@ -520,9 +542,8 @@ class _Exchange:
             return []
         self.decided = True
         client_request_id = client_request_id_of(self.headers.get("x-request-id"))
-        path = self.headers.get(":path", "").partition("?")[0]
         try:
-            request = self.picker.parse(path, self.headers, bytes(self.body))
+            request = self.picker.parse(self.path, self.headers, bytes(self.body))
             try:
                 self.pick = await self.picker.decide(request, self.subset, client_request_id)
             except ModelNotFound:
@@ -537,10 +558,10 @@ class _Exchange:
     def _pass_on(self, endpoints: list[str], end_of_stream: bool) -> list[ext_pb2.ProcessingResponse]:
         """The destination, then the gathered body (FULL_DUPLEX_STREAMED) or nothing more (BUFFERED)."""
         if self.request_body_mode == BUFFERED:
-            return [destination(endpoints, "request_body")]
+            return [destination(endpoints, "request_body", self.rewritten_path)]
         body, self.body = bytes(self.body), bytearray()
         return [
-            destination(endpoints, "request_headers"),
+            destination(endpoints, "request_headers", self.rewritten_path),
             *streamed_body("request_body", body, end_of_stream),
         ]
 
