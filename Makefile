@@ -36,5 +36,8 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# What CI checks before the tests: ruff's lints and formatting, and the packages' types ([tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
