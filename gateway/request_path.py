@@ -322,6 +322,7 @@ class RequestPath:
         tenant, salt, prompt_ids, hashes = prepared.tenant, prepared.salt, prepared.prompt_ids, prepared.hashes
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
+        streams: list[_WorkerStream] = []
         try:
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
@@ -329,10 +330,13 @@ class RequestPath:
             )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
-            streams = [first]
+            streams.append(first)
             if request.n > 1:
                 streams += await self._open_more(forward, route_request, request.n, prefer=route.worker_id)
         except BaseException as exc:
+            for stream in streams:  # the first choice streams on while a later one failed or the client left
+                stream.call.cancel()
+                self._end_dispatch(stream)
             self.concurrency.release(tenant)
             if isinstance(exc, GatewayError):
                 span.set_status(trace.StatusCode.ERROR, exc.message)
@@ -621,8 +625,10 @@ class RequestPath:
         except BaseException:
             for task in tasks:
                 task.cancel()
+            # Each cancelled `_open` ends its own worker request; one that had opened its stream is ended here.
+            await asyncio.wait(tasks)
             for task in tasks:
-                if task.done() and not task.cancelled() and task.exception() is None:
+                if not task.cancelled() and task.exception() is None:
                     stream, _ = task.result()
                     stream.call.cancel()
                     self._end_dispatch(stream)
