@@ -803,18 +803,17 @@ class _StreamingGeneration(Generation):
 
     async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta:
         """The next message; UpstreamError if the worker failed, hung or closed the stream mid-way (or left the
-        fleet); NoWorkerAvailable when the gateway's shutdown ended it."""
+        fleet); NoWorkerAvailable when the gateway's shutdown ended it. A failure here is not booked on the
+        worker's breaker: its first token already was (CircuitBreakers' contract, one outcome per request)."""
         try:
             response = await self._path._receive(stream)
         except _StreamEnded as ended:
             self._end_stream(stream)
             if ended.worker_fault:
-                self._path.breakers.on_failure(stream.worker_id)
                 self._path.fleet.on_failure(stream.worker_id)
             raise ended.error from None
         except grpc.aio.AioRpcError as exc:
             self._end_stream(stream)
-            self._path.breakers.on_failure(stream.worker_id)
             self._path.fleet.on_failure(stream.worker_id)
             raise UpstreamError(
                 f"worker {stream.worker_id} failed mid-stream: {exc.code().name}: {exc.details()}"

@@ -25,7 +25,7 @@ from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
 from gateway.errors import NoWorkerAvailable, RateLimited, UpstreamError
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
-from gateway.forwarding.retry import RetryPolicy, StreamDeadlines
+from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest
 from gateway.request_path import RequestPath, fleet_identity
@@ -198,6 +198,24 @@ def test_n_choices_end_every_worker_request_when_the_client_leaves_before_the_la
             assert f.path.active == 0 and f.state.book.in_flight("w0") == 0
             stats = await idle(f)
             assert (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
+
+    asyncio.run(body())
+
+
+def test_a_stream_cut_after_its_first_token_books_its_breaker_once() -> None:
+    async def body() -> None:
+        # A one-failure breaker: had the cut been booked on top of the first token's success, it would open.
+        deadlines = StreamDeadlines(first_token_s=10.0, inter_token_s=0.05, answering_cap=2)
+        breakers = CircuitBreakers(failure_threshold=1)
+        async with fleet(decode_ms=300.0, deadlines=deadlines, breakers=breakers) as f:
+            cut = await f.path.generate(tokens(20, max_tokens=100))
+            with pytest.raises(UpstreamError, match="worker w0 sent no next token"):
+                async for _ in cut:
+                    pass
+            await cut.aclose()
+            assert breakers.states() == {} and f.path.ready()
+            again = await f.path.generate(tokens(20, max_tokens=1))
+            await again.aclose()
 
     asyncio.run(body())
 
