@@ -78,8 +78,8 @@ class Pools:
     async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
         return await self.pool(request.model).tokenize(request)
 
-    def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str:
-        return self.pool(model).detokenize(api_key, model, token_ids)
+    async def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str:
+        return await self.pool(model).detokenize(api_key, model, token_ids)
 
     # -- what one request path would answer, for the only pool ----------------------------------------------
 

@@ -50,8 +50,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -94,6 +95,7 @@ from kvroute.tokenizer import PromptTooLong, Tokenizer
 from proto import worker_pb2
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The worker refused the request itself: sending it elsewhere cannot help.
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
@@ -108,6 +110,13 @@ PROMPT_THREADS = max(2, min(8, os.cpu_count() or 1))
 # to the pool and back costs more CPU than the work (docs/gateway.md, "CPU efficiency"), and its cold encode
 # holds the loop for well under a millisecond.
 INLINE_PROMPT_CHARS = 2048
+# Past these many token ids, hashing a prompt's blocks (about 0.5 ms at 8,192) and writing ids out as text (about
+# 1 ms at 1,024) go to the prompt pool too.
+INLINE_HASH_TOKENS = 8192
+INLINE_DETOKENIZE_IDS = 1024
+# /tokenize requests whose prompts wait for the pool at once, beyond which one is refused (429): the pool is the
+# one generation templates its prompts in, and a tokenizer client is not to queue ahead of them without bound.
+TOKENIZE_BACKLOG = 2 * PROMPT_THREADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +183,7 @@ class RequestPath:
         self.log_prompts = log_prompts
         self.concurrency = concurrency or TenantConcurrency(limits)  # shared by the pools of one gateway
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvroute-prompt")
+        self._tokenize_backlog = 0  # /tokenize jobs in the prompt pool or its queue
         self.vocab_size = tokenizer.vocab_size
         self.identity = fleet_identity(model_id, tokenizer, block_size)
         self.draining = False
@@ -375,27 +385,48 @@ class RequestPath:
         salt = cache_salt(tenant, request.client_cache_salt)
         self.concurrency.acquire(tenant)
         prompt_ids = await self._prompt_token_ids(request, salt, tenant)  # on an error, the slot is released
-        try:
-            hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
-        except BaseException:
-            self.concurrency.release(tenant)
-            raise
+        hash_blocks = functools.partial(
+            block_hashes, prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size
+        )
+        hashes = await self._off_loop(hash_blocks, tenant, inline=len(prompt_ids) <= INLINE_HASH_TOKENS)
         return PreparedPrompt(tenant, salt, prompt_ids, hashes)
 
-    async def _prompt_token_ids(self, request: GatewayRequest, salt: str, tenant: Tenant) -> list[int]:
+    async def _prompt_token_ids(
+        self, request: GatewayRequest, salt: str, tenant: Tenant, backlog: bool = False
+    ) -> list[int]:
         """The prompt's ids within `max_prompt_tokens` (InvalidRequestError or ContextLengthExceeded naming the
-        field): given ids are checked here, text is templated and tokenized in the prompt pool. Raising, it
-        releases the tenant's slot; if the caller is cancelled while the pool works on the prompt, only once that
-        work ends (a client that leaves and sends again cannot pile up work its limit would refuse). `salt`
-        scopes the tokenizer's memory of text runs (one tenant never times another's)."""
+        field): given ids are checked here, text is templated and tokenized in the prompt pool (`_off_loop`:
+        raising, the tenant's slot is released). `salt` scopes the tokenizer's memory of text runs (one tenant
+        never times another's). `backlog`: the job counts against TOKENIZE_BACKLOG (a /tokenize request)."""
+        if request.prompt_token_ids is not None:
+            return await self._off_loop(functools.partial(self._checked_token_ids, request.prompt_token_ids), tenant)
+        try:
+            _check_prompt_fields(request)
+        except GatewayError:
+            self.concurrency.release(tenant)
+            raise
+        tokenize = functools.partial(self._tokenize, request, salt)
+        return await self._off_loop(tokenize, tenant, inline=_small_prompt(request), backlog=backlog)
+
+    async def _off_loop(
+        self, work: Callable[[], T], tenant: Tenant, *, inline: bool = True, backlog: bool = False
+    ) -> T:
+        """`work()`, on the event loop when `inline`, else in the prompt pool. Raising, it releases the tenant's
+        slot; if the caller is cancelled while the pool works, only once that work ends (a client that leaves
+        and sends again cannot pile up work its limit would refuse)."""
         job = None
         try:
-            if request.prompt_token_ids is not None:
-                return self._checked_token_ids(request.prompt_token_ids)
-            _check_prompt_fields(request)
-            if _small_prompt(request):
-                return self._tokenize(request, salt)
-            job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
+            if inline:
+                return work()
+            if backlog and self._tokenize_backlog >= TOKENIZE_BACKLOG:
+                raise RateLimited(
+                    f"this gateway's {TOKENIZE_BACKLOG} /tokenize requests are being tokenized; retry shortly",
+                    retry_after=RETRY_AFTER_SECONDS,
+                )
+            job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, work)
+            if backlog:
+                self._tokenize_backlog += 1
+                job.add_done_callback(self._tokenize_done)
             return await asyncio.shield(job)
         except BaseException:
             if job is not None and not job.done():  # cancelled: the pool still works on it
@@ -403,6 +434,9 @@ class RequestPath:
             else:
                 self.concurrency.release(tenant)
             raise
+
+    def _tokenize_done(self, _: object) -> None:
+        self._tokenize_backlog -= 1
 
     def _tokenize(self, request: GatewayRequest, salt: str) -> list[int]:
         """Template and tokenize `request`'s text (in the prompt pool), refused past the prompt-length limit
@@ -470,21 +504,22 @@ class RequestPath:
     async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
         """The prompt ids `generate` would send for `request`, after the same checks (the key, the model, the
         chat template, the prompt-length limit) and without routing: what vLLM's /tokenize answers, and what a
-        router compares with an engine's to check tokenizer parity. Templating and tokenizing run in the prompt
-        pool, as for `generate`. Raises GatewayError."""
+        router compares with an engine's to check tokenizer parity. It holds a tenant's concurrency slot while it
+        works (429 at the limit), and a long prompt is tokenized in the prompt pool as for `generate`, at most
+        TOKENIZE_BACKLOG of them at once (429 past it). Raises GatewayError."""
         tenant = self.auth.authenticate(request.api_key)
         self._check_model(request.model)
-        if request.prompt_token_ids is not None:
-            return TokenizeResult(self._checked_token_ids(request.prompt_token_ids), self.max_model_len())
-        _check_prompt_fields(request)
         salt = cache_salt(tenant, request.client_cache_salt)
-        ids = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
+        self.concurrency.acquire(tenant)
+        ids = await self._prompt_token_ids(request, salt, tenant, backlog=True)  # on an error, the slot is released
+        self.concurrency.release(tenant)
         return TokenizeResult(ids, self.max_model_len())
 
-    def detokenize(self, api_key: str | None, model: str | None, token_ids: Sequence[int]) -> str:
+    async def detokenize(self, api_key: str | None, model: str | None, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`, special tokens written out (vLLM's /detokenize). At most as many ids as
-        a sequence holds (max_prompt_tokens + max_tokens), each in the vocabulary; raises GatewayError."""
-        self.auth.authenticate(api_key)
+        a sequence holds (max_prompt_tokens + max_tokens), each in the vocabulary; raises GatewayError. It holds
+        a tenant's concurrency slot while it works; past INLINE_DETOKENIZE_IDS ids it works in the prompt pool."""
+        tenant = self.auth.authenticate(api_key)
         self._check_model(model)
         limit = self.limits.max_prompt_tokens + self.limits.max_tokens
         if len(token_ids) > limit:
@@ -494,7 +529,11 @@ class RequestPath:
                 raise InvalidRequestError(
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param=f"tokens[{i}]"
                 )
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        self.concurrency.acquire(tenant)
+        decode = functools.partial(self.tokenizer.decode, token_ids, skip_special_tokens=False)
+        text = await self._off_loop(decode, tenant, inline=len(token_ids) <= INLINE_DETOKENIZE_IDS)
+        self.concurrency.release(tenant)
+        return text
 
     def max_model_len(self) -> int:
         """The longest sequence every matching worker takes (the smallest of their contexts); without one,
