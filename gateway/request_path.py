@@ -13,13 +13,14 @@
                        another (backoff, breaker)                                gateway.forwarding.backends,
                                                                                  gateway.forwarding.retry
       7. detokenize    incremental, stop strings across token boundaries (a kvroute worker's token ids;
-                       an HTTP engine sends text it cut at stop strings itself)  gateway.forwarding.stop_strings
+                       an HTTP engine sends text it cut at stop strings itself)  gateway.request_stream
     Generation: route known (the first token has come), then Chunks per choice, then usage.
 
 `n` choices are n worker requests. The first is routed; the others go to the same worker once the first
-has its first token, so they find its prompt's blocks cached. After a choice's first token nothing is
-retried: a worker that fails then ends the stream with UpstreamError. Closing a Generation early (a client
-that left) cancels every worker request it holds, which frees their blocks on the workers.
+has its first token, so they find its prompt's blocks cached; if a later one fails, or the client leaves
+before every choice has its first token, every worker request already opened is ended. From the first token
+on, the stream is gateway.request_stream's (StreamingGeneration): nothing is retried, and closing it early
+cancels every worker request it holds, which frees their blocks on the workers.
 
 Every worker request is watched while the gateway waits on it (one watchdog task, a tick of 0.2 s):
   - past its deadline (gateway.forwarding.retry.StreamDeadlines) on a worker that no longer answers its fleet state,
@@ -35,9 +36,11 @@ Errors before any output are GatewayErrors raised from `generate` (the front doo
 status). Nothing here logs prompt text unless `log_prompts` is set.
 
 One request costs its own latency only: the cheap checks come first (auth, limits, the tenant's concurrency
-slot), and templating and tokenizing a prompt of more than INLINE_PROMPT_CHARS characters run in a bounded
-thread pool (the tokenizer releases the GIL while it encodes), so a multi-megabyte prompt neither stalls the
-event loop nor costs anything once its tenant is at its limit; a shorter one is tokenized on the loop.
+slot), and templating and tokenizing a prompt of more than INLINE_PROMPT_CHARS characters, hashing more than
+INLINE_HASH_TOKENS ids and writing more than INLINE_DETOKENIZE_IDS ids out as text (/detokenize) run in a
+bounded thread pool (the tokenizer releases the GIL while it works), so a multi-megabyte prompt neither stalls
+the event loop nor costs anything once its tenant is at its limit; shorter ones run on the loop. /tokenize and
+/detokenize hold the tenant's slot as a generation does.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -71,25 +74,15 @@ from gateway.errors import (
     quoted,
 )
 from gateway.fleet.fleet_state import FleetIdentity, FleetState, WorkerMember
-from gateway.forwarding.backends import Backend, BackendCall, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
+from gateway.forwarding.backends import Backend, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
 from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
-from gateway.forwarding.stop_strings import ChoiceText
-from gateway.metrics import GatewayMetrics, finished_reason_label, label_value
-from gateway.request import (
-    Chunk,
-    GatewayRequest,
-    Generation,
-    RouteInfo,
-    Tenant,
-    TokenizeResult,
-    TokenLogprob,
-    Usage,
-)
+from gateway.metrics import GatewayMetrics, label_value
+from gateway.request import GatewayRequest, Generation, RouteInfo, Tenant, TokenizeResult
+from gateway.request_stream import StreamEnded, StreamingGeneration, WorkerStream
 from gateway.routing.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
-from kvroute.proto_maps import FINISH_REASON_NAMES
 from kvroute.sampling import InvalidRequest
 from kvroute.tokenizer import PromptTooLong, Tokenizer
 from proto import worker_pb2
@@ -191,7 +184,7 @@ class RequestPath:
         self._starting = 0  # `generate` calls not yet returned (routing, waiting for a first token)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._open_streams: dict[str, set[_WorkerStream]] = {}  # worker id -> its requests not yet done
+        self._open_streams: dict[str, set[WorkerStream]] = {}  # worker id -> its requests not yet done
         self._watchdog: asyncio.Task[None] | None = None
         self._shutdown: str | None = None  # end_streams' message: no worker request starts after it
         metrics.watch(lambda: getattr(fleet, "counters", None), self.breakers.states)
@@ -263,11 +256,11 @@ class RequestPath:
 
     # -- the watchdog over open worker requests ---------------------------------------------------------------
 
-    def _end(self, stream: _WorkerStream, error: GatewayError, worker_fault: bool) -> None:
+    def _end(self, stream: WorkerStream, error: GatewayError, worker_fault: bool) -> None:
         """End a worker request from outside its reader: the reader's pending (or next) read raises
-        _StreamEnded with `error`. `worker_fault`: the worker is at fault (retry, breaker failure)."""
+        StreamEnded with `error`. `worker_fault`: the worker is at fault (retry, breaker failure)."""
         if stream.ended is None and not stream.done:
-            stream.ended = _StreamEnded(error, worker_fault)
+            stream.ended = StreamEnded(error, worker_fault)
             stream.call.cancel()
 
     async def _watch(self) -> None:
@@ -292,20 +285,6 @@ class RequestPath:
                     self._end(
                         stream, UpstreamError(f"worker {worker_id} {why}", code="worker_timeout"), worker_fault=True
                     )
-
-    async def _receive(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta | object:
-        """The worker request's next message (or grpc.aio.EOF), timed by the watchdog. Raises _StreamEnded
-        when the gateway ended it (`_end`), AioRpcError when the worker failed it."""
-        stream.waiting_since = time.monotonic()
-        try:
-            return await stream.call.read()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if stream.ended is None or (task is not None and task.cancelling()):
-                raise  # a real cancellation (the client left), not the gateway's end of the call
-            raise stream.ended from None
-        finally:
-            stream.waiting_since = None
 
     # -- the path -----------------------------------------------------------------------------------------
 
@@ -332,7 +311,7 @@ class RequestPath:
         tenant, salt, prompt_ids, hashes = prepared.tenant, prepared.salt, prepared.prompt_ids, prepared.hashes
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
-        streams: list[_WorkerStream] = []
+        streams: list[WorkerStream] = []
         try:
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
@@ -346,7 +325,7 @@ class RequestPath:
         except BaseException as exc:
             for stream in streams:  # the first choice streams on while a later one failed or the client left
                 stream.call.cancel()
-                self._end_dispatch(stream)
+                self.end_dispatch(stream)
             self.concurrency.release(tenant)
             if isinstance(exc, GatewayError):
                 span.set_status(trace.StatusCode.ERROR, exc.message)
@@ -366,7 +345,7 @@ class RequestPath:
         self.active += 1
         self.metrics.in_flight.set(self.active)
         self._idle.clear()
-        return _StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
+        return StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
 
     async def prepare(self, request: GatewayRequest) -> PreparedPrompt:
         """Steps 1-4 of the path, the part every front door shares (the endpoint picker included): the tenant,
@@ -543,7 +522,7 @@ class RequestPath:
 
     async def _open(
         self, forward: _Forward, route_request: RouteRequest, choice: int, arrival: float, prefer: str | None = None
-    ) -> tuple[_WorkerStream, RouteInfo]:
+    ) -> tuple[WorkerStream, RouteInfo]:
         """Send one choice's worker request and wait for its first message, retrying another worker on a
         failure before it (at most `retry.retries` times). `prefer`: a worker to try first (a later choice
         goes where the first one went)."""
@@ -578,49 +557,18 @@ class RequestPath:
                 # arrive together must each see the ones before it, not wait for their first tokens.
                 self.policy.observe(route_request, decision)
             stream = self._send(forward, member, choice)
-            try:
-                first = await self._receive(stream)
-            except grpc.aio.AioRpcError as exc:
-                self._end_dispatch(stream)
-                cause = self._refused(member.worker_id, exc)
-                busy += cause == "busy"
+            first = await self._first_message(stream)
+            if isinstance(first, _Failed):
+                busy += first.cause == "busy"
                 failed.append(member.worker_id)
-                last_error = f"worker {member.worker_id}: {exc.code().name}: {exc.details()}"
+                last_error = first.message
                 if attempt < self.retry.retries:
-                    self.metrics.retries.labels(cause).inc()
+                    self.metrics.retries.labels(first.cause).inc()
                 left = self.retry.retries - attempt
                 logger.warning(
                     "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
                 )
                 continue
-            except _StreamEnded as ended:  # overdue on a hung worker, or the worker left: retry elsewhere
-                self._end_dispatch(stream)
-                if not ended.worker_fault:
-                    self.breakers.on_abandoned(member.worker_id)
-                    raise ended.error from None
-                self.breakers.on_failure(member.worker_id)
-                self.fleet.on_failure(member.worker_id)
-                failed.append(member.worker_id)
-                last_error = ended.error.message
-                if attempt < self.retry.retries:
-                    self.metrics.retries.labels("timeout").inc()
-                left = self.retry.retries - attempt
-                logger.warning(
-                    "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
-                )
-                continue
-            except BaseException:
-                stream.call.cancel()
-                self._end_dispatch(stream)
-                self.breakers.on_abandoned(member.worker_id)
-                raise
-            if first is grpc.aio.EOF:  # the stream ended without a message: a worker bug, count as failure
-                self._end_dispatch(stream)
-                self.breakers.on_failure(member.worker_id)
-                failed.append(member.worker_id)
-                last_error = f"worker {member.worker_id}: stream ended without a response"
-                continue
-            self.breakers.on_success(member.worker_id)
             stream.first = first
             skipped = tuple(dict.fromkeys((*failed, *decision.skipped)))
             route = RouteInfo(
@@ -636,6 +584,41 @@ class RequestPath:
             raise NoWorkerAvailable("every live worker's circuit breaker is open; retry shortly", retry_after=1.0)
         raise NoWorkerAvailable("no live worker to route to")
 
+    async def _first_message(self, stream: WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta | _Failed:
+        """The worker request's first message, its breaker booked a success; or, for a failure that another
+        worker may not share, why it failed (_Failed), the request ended and its breaker and fleet state told.
+        Raises what no retry can help: the client's own fault (InvalidRequestError), the gateway's shutdown, a
+        cancellation (the client left), each with the request ended and its breaker not blamed."""
+        worker_id = stream.worker_id
+        try:
+            first = await stream.next_message()
+        except grpc.aio.AioRpcError as exc:
+            self.end_dispatch(stream)
+            cause = self._refused(worker_id, exc)
+            return _Failed(cause, f"worker {worker_id}: {exc.code().name}: {exc.details()}")
+        except StreamEnded as ended:  # overdue on a hung worker, or the worker left: retry elsewhere
+            self.end_dispatch(stream)
+            if not ended.worker_fault:
+                self.breakers.on_abandoned(worker_id)
+                raise ended.error from None
+            self._worker_failed(worker_id)
+            return _Failed("timeout", ended.error.message)
+        except BaseException:
+            stream.call.cancel()
+            self.end_dispatch(stream)
+            self.breakers.on_abandoned(worker_id)
+            raise
+        if first is grpc.aio.EOF:  # the stream ended without a message: a worker bug, a failure
+            self.end_dispatch(stream)
+            self._worker_failed(worker_id)
+            return _Failed("eof", f"worker {worker_id}: stream ended without a response")
+        self.breakers.on_success(worker_id)
+        return first  # type: ignore[return-value]
+
+    def _worker_failed(self, worker_id: str) -> None:
+        self.breakers.on_failure(worker_id)
+        self.fleet.on_failure(worker_id)
+
     def _refused(self, worker_id: str, exc: grpc.aio.AioRpcError) -> str:
         """Book a worker's refusal before its first token and name its cause ("busy": full but healthy; else
         a failure for its breaker). Raises InvalidRequestError when the worker refused the request itself."""
@@ -647,13 +630,12 @@ class RequestPath:
         if code in _BUSY:
             self.breakers.on_abandoned(worker_id)
             return "busy"
-        self.breakers.on_failure(worker_id)
-        self.fleet.on_failure(worker_id)
+        self._worker_failed(worker_id)
         return code.name.lower()
 
     async def _open_more(
         self, forward: _Forward, route_request: RouteRequest, n: int, prefer: str
-    ) -> list[_WorkerStream]:
+    ) -> list[WorkerStream]:
         """Choices 1..n-1, on the first choice's worker (its prompt blocks are cached there now)."""
         tasks = [
             asyncio.ensure_future(self._open(forward, route_request, choice, 0.0, prefer=prefer))
@@ -670,7 +652,7 @@ class RequestPath:
                 if not task.cancelled() and task.exception() is None:
                     stream, _ = task.result()
                     stream.call.cancel()
-                    self._end_dispatch(stream)
+                    self.end_dispatch(stream)
             raise
         return [stream for stream, _ in opened]
 
@@ -689,18 +671,18 @@ class RequestPath:
             param="max_tokens" if prompt_tokens < member.max_model_len else "messages",
         )
 
-    def _send(self, forward: _Forward, member: WorkerMember, choice: int) -> _WorkerStream:
+    def _send(self, forward: _Forward, member: WorkerMember, choice: int) -> WorkerStream:
         self.fleet.on_dispatch(member.worker_id, len(forward.hashes))
         self.breakers.on_dispatch(member.worker_id)
         self.metrics.routed.labels(label_value(member.worker_id)).inc()
         call = self.backends[member.engine].open(member, forward, choice)
-        stream = _WorkerStream(choice, member.worker_id, call, forward.choice_id(choice), member.incarnation)
+        stream = WorkerStream(choice, member.worker_id, call, forward.choice_id(choice), member.incarnation)
         self._open_streams.setdefault(member.worker_id, set()).add(stream)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="stream watchdog")
         return stream
 
-    def _end_dispatch(self, stream: _WorkerStream) -> None:
+    def end_dispatch(self, stream: WorkerStream) -> None:
         """The worker request is over (any way): out of the fleet's in-flight count and the watchdog's view."""
         streams = self._open_streams.get(stream.worker_id)
         if streams is not None:
@@ -709,12 +691,20 @@ class RequestPath:
                 del self._open_streams[stream.worker_id]
         self.fleet.on_finish(stream.worker_id)
 
-    def _generation_closed(self, tenant: Tenant) -> None:
+    def generation_closed(self, tenant: Tenant) -> None:
         self.concurrency.release(tenant)
         self.active -= 1
         self.metrics.in_flight.set(self.active)
         if self.active == 0 and self._starting == 0:
             self._idle.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """A worker request that failed before its first message: the retry cause (a metric label) and what to log."""
+
+    cause: str
+    message: str
 
 
 @dataclasses.dataclass
@@ -723,233 +713,6 @@ class _Forward(ForwardJob):
 
     max_tokens_defaulted: bool  # the client set none: cut to the context left rather than refused
     span: trace.Span
-
-
-class _StreamEnded(Exception):
-    """The gateway ended a worker request from outside its reader (RequestPath._end)."""
-
-    def __init__(self, error: GatewayError, worker_fault: bool) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.worker_fault = worker_fault  # the worker is at fault: a breaker failure, and retried before a token
-
-
-@dataclasses.dataclass(eq=False)  # identity: kept in sets
-class _WorkerStream:
-    choice: int
-    worker_id: str
-    call: BackendCall  # a grpc.aio.UnaryStreamCall, or gateway.forwarding.backends.HttpCall
-    request_id: str
-    incarnation: int  # of the worker it was sent to (a restart ends only the old incarnation's requests)
-    first: worker_pb2.GenerateResponse | EngineDelta | None = None
-    done: bool = False  # the worker's stream is over (finished, failed or cancelled): on_finish was called
-    waiting_since: float | None = None  # time.monotonic() since the reader waits on the worker; None otherwise
-    ended: _StreamEnded | None = None  # set when the gateway ended it
-
-
-class _StreamingGeneration(Generation):
-    """A started request: iterate for Chunks (every choice, interleaved), then read `usage`."""
-
-    def __init__(
-        self,
-        path: RequestPath,
-        request: GatewayRequest,
-        tenant: Tenant,
-        request_id: str,
-        route: RouteInfo,
-        prompt_ids: list[int],
-        streams: list[_WorkerStream],
-        span: trace.Span,
-        arrival: float,
-    ) -> None:
-        self.request_id = request_id
-        self.route = route
-        self.prompt_token_ids = prompt_ids
-        self.usage = Usage(prompt_tokens=len(prompt_ids))
-        self._path = path
-        self._tenant = tenant
-        self._streams = streams
-        self._texts = [
-            ChoiceText(path.tokenizer, request.stop, request.skip_special_tokens, request.params.min_tokens)
-            for _ in streams
-        ]
-        self._want_logprobs = request.params.logprobs
-        self._span = span
-        self._arrival = arrival
-        self._finish_reasons: list[str] = []
-        self._closed = False
-        self._iterator: AsyncIterator[Chunk] | None = None
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        if self._iterator is None:
-            self._iterator = self._chunks() if len(self._streams) == 1 else self._merged_chunks()
-        return self._iterator
-
-    async def aclose(self) -> None:
-        """Cancel every worker request still running and release the request's books (idempotent)."""
-        if self._iterator is not None:
-            await self._iterator.aclose()  # type: ignore[attr-defined]
-        self._finish(error=None)
-
-    # -- one choice: read its stream directly (the common case, no task per token) ---------------------------
-
-    async def _chunks(self) -> AsyncIterator[Chunk]:
-        stream = self._streams[0]
-        try:
-            response = stream.first
-            while True:
-                chunk = self._consume(stream, response)
-                if chunk is not None:
-                    yield chunk
-                if stream.done:
-                    break
-                response = await self._read(stream)
-        except GatewayError as exc:
-            self._finish(error=exc)
-            raise
-        finally:
-            self._finish(error=None)
-
-    # -- n choices: whichever stream has a message next -----------------------------------------------------
-
-    async def _merged_chunks(self) -> AsyncIterator[Chunk]:
-        pending: dict[asyncio.Future, _WorkerStream] = {}
-        try:
-            for stream in self._streams:
-                chunk = self._consume(stream, stream.first)
-                if chunk is not None:
-                    yield chunk
-                if not stream.done:
-                    pending[asyncio.ensure_future(self._read(stream))] = stream
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda f: pending[f].choice):
-                    stream = pending.pop(future)
-                    chunk = self._consume(stream, future.result())
-                    if chunk is not None:
-                        yield chunk
-                    if not stream.done:
-                        pending[asyncio.ensure_future(self._read(stream))] = stream
-        except GatewayError as exc:
-            self._finish(error=exc)
-            raise
-        finally:
-            for future in pending:
-                future.cancel()
-            self._finish(error=None)
-
-    # -- shared ---------------------------------------------------------------------------------------------
-
-    async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta:
-        """The next message; UpstreamError if the worker failed, hung or closed the stream mid-way (or left the
-        fleet); NoWorkerAvailable when the gateway's shutdown ended it. A failure here is not booked on the
-        worker's breaker: its first token already was (CircuitBreakers' contract, one outcome per request)."""
-        try:
-            response = await self._path._receive(stream)
-        except _StreamEnded as ended:
-            self._end_stream(stream)
-            if ended.worker_fault:
-                self._path.fleet.on_failure(stream.worker_id)
-            raise ended.error from None
-        except grpc.aio.AioRpcError as exc:
-            self._end_stream(stream)
-            self._path.fleet.on_failure(stream.worker_id)
-            raise UpstreamError(
-                f"worker {stream.worker_id} failed mid-stream: {exc.code().name}: {exc.details()}"
-            ) from None
-        if response is grpc.aio.EOF:
-            self._end_stream(stream)
-            raise UpstreamError(f"worker {stream.worker_id} closed the stream before finishing")
-        return response
-
-    def _consume(self, stream: _WorkerStream, response: worker_pb2.GenerateResponse | EngineDelta) -> Chunk | None:
-        """One worker message -> one Chunk of its choice (None when it adds nothing to say)."""
-        if isinstance(response, EngineDelta):
-            return self._consume_engine(stream, response)
-        text_state = self._texts[stream.choice]
-        token_ids = tuple(response.token_ids)
-        self.usage.completion_tokens += len(token_ids)
-        text = text_state.add(token_ids)
-        finish_reason = None
-        if text_state.stopped:
-            finish_reason = "stop"
-            stream.call.cancel()  # the worker frees the request's blocks now
-            self._end_stream(stream)
-        elif response.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
-            text += text_state.finish()
-            finish_reason = FINISH_REASON_NAMES.get(response.finish_reason, "abort")
-            self._end_stream(stream)
-        if stream.choice == 0 and response.HasField("usage"):
-            # On the worker's first message and its last: exact even when a stop string cancels it mid-way.
-            self.usage.cached_tokens = response.usage.cached_tokens
-        if finish_reason is not None:
-            self._finish_reasons.append(finish_reason)
-            self._path.metrics.request_success.labels(finish_reason).inc()
-        if not text and not token_ids and finish_reason is None:
-            return None
-        logprobs = self._logprobs(response) if self._want_logprobs else ()
-        return Chunk(stream.choice, text, token_ids, logprobs, finish_reason)
-
-    def _consume_engine(self, stream: _WorkerStream, delta: EngineDelta) -> Chunk | None:
-        """An HTTP engine's message: its text as it is (the engine cut it at stop strings), its usage."""
-        if delta.finish_reason is not None:
-            self._end_stream(stream)
-            self._finish_reasons.append(delta.finish_reason)
-            self._path.metrics.request_success.labels(finished_reason_label(delta.finish_reason)).inc()
-        if delta.completion_tokens is not None:
-            self.usage.completion_tokens += delta.completion_tokens
-        if stream.choice == 0 and delta.cached_tokens is not None:
-            self.usage.cached_tokens = delta.cached_tokens
-        if not delta.text and not delta.extra and not delta.logprobs and delta.finish_reason is None:
-            return None
-        logprobs = delta.logprobs if self._want_logprobs else ()
-        return Chunk(stream.choice, delta.text, (), logprobs, delta.finish_reason, delta.extra)
-
-    def _logprobs(self, response: worker_pb2.GenerateResponse) -> tuple[TokenLogprob, ...]:
-        tops: Sequence[worker_pb2.TopLogprobs] = response.top_logprobs
-        out = []
-        for i, (token_id, logprob) in enumerate(zip(response.token_ids, response.logprobs, strict=False)):
-            top = ()
-            if i < len(tops):
-                pairs = zip(tops[i].token_ids, tops[i].logprobs, strict=False)
-                top = tuple(self._token_logprob(t, lp) for t, lp in pairs)
-            out.append(dataclasses.replace(self._token_logprob(token_id, logprob), top=top))
-        return tuple(out)
-
-    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
-        raw = self._path.tokenizer.token_bytes(token_id)
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return TokenLogprob(text, token_id, logprob, list(raw))
-
-    def _end_stream(self, stream: _WorkerStream) -> None:
-        if not stream.done:
-            stream.done = True
-            self._path._end_dispatch(stream)
-
-    def _finish(self, error: GatewayError | None) -> None:
-        """Release everything once: cancel running worker requests, the fleet's in-flight counts, the
-        tenant's concurrency slot, the span and the request's metrics."""
-        if error is not None and not self._closed:
-            self._path.metrics.errors.labels(type(error).__name__).inc()
-            self._span.set_status(trace.StatusCode.ERROR, error.message)
-        if self._closed:
-            return
-        self._closed = True
-        finished = True
-        for stream in self._streams:
-            if not stream.done:
-                finished = False
-                stream.call.cancel()
-                self._end_stream(stream)
-        path = self._path
-        if finished and error is None:
-            path.metrics.e2e_request_latency.observe(time.perf_counter() - self._arrival)
-        tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
-        self._span.end()
-        path._generation_closed(self._tenant)
 
 
 def _small_prompt(request: GatewayRequest) -> bool:
