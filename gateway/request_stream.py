@@ -60,6 +60,12 @@ class WorkerStream:
     waiting_since: float | None = None  # time.monotonic() since the reader waits on the worker; None otherwise
     ended: StreamEnded | None = None  # set when the gateway ended it
 
+    def opened(self) -> worker_pb2.GenerateResponse | EngineDelta:
+        """The first message, which the request path sets before a generation reads the stream."""
+        if self.first is None:
+            raise RuntimeError(f"worker request {self.request_id} is read before its first message")
+        return self.first
+
     async def next_message(self) -> worker_pb2.GenerateResponse | EngineDelta | object:
         """The worker request's next message (or grpc.aio.EOF), timed by the watchdog (`waiting_since`). Raises
         StreamEnded when the gateway ended it, AioRpcError when the worker failed it."""
@@ -138,7 +144,7 @@ class StreamingGeneration(Generation):
     async def _chunks(self) -> AsyncIterator[Chunk]:
         stream = self._streams[0]
         try:
-            response = stream.first
+            response = stream.opened()
             while True:
                 chunk = self._consume(stream, response)
                 if chunk is not None:
@@ -158,7 +164,7 @@ class StreamingGeneration(Generation):
         pending: dict[asyncio.Future, WorkerStream] = {}
         try:
             for stream in self._streams:
-                chunk = self._consume(stream, stream.first)
+                chunk = self._consume(stream, stream.opened())
                 if chunk is not None:
                     yield chunk
                 if not stream.done:
@@ -199,7 +205,7 @@ class StreamingGeneration(Generation):
             raise UpstreamError(
                 f"worker {stream.worker_id} failed mid-stream: {exc.code().name}: {exc.details()}"
             ) from None
-        if response is grpc.aio.EOF:
+        if not isinstance(response, worker_pb2.GenerateResponse | EngineDelta):  # grpc.aio.EOF
             self._end_stream(stream)
             raise UpstreamError(f"worker {stream.worker_id} closed the stream before finishing")
         return response
@@ -251,7 +257,7 @@ class StreamingGeneration(Generation):
         tops: Sequence[worker_pb2.TopLogprobs] = response.top_logprobs
         out = []
         for i, (token_id, logprob) in enumerate(zip(response.token_ids, response.logprobs, strict=False)):
-            top = ()
+            top: tuple[TokenLogprob, ...] = ()
             if i < len(tops):
                 pairs = zip(tops[i].token_ids, tops[i].logprobs, strict=False)
                 top = tuple(self._token_logprob(t, lp) for t, lp in pairs)
