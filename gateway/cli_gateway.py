@@ -264,7 +264,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     from gateway.forwarding.backends import HttpBackend
     from gateway.forwarding.retry import RetryPolicy, StreamDeadlines
     from gateway.metrics import GatewayMetrics
-    from gateway.pools import Pools
+    from gateway.pools import Pools, check_one_worker_once
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.routing.router import make_policy
     from gateway.worker_client import WorkerClients
@@ -301,10 +301,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         configs = pool_configs(args, _routing_options(args.routing_config))
         policies = [make_policy(config.policy, **config.options) for config in configs]
         specs = [parse_worker_specs(",".join(config.workers)) for config in configs]
-        named = [(spec.engine, spec.address) for pool_specs in specs for spec in pool_specs]
-        if len(set(named)) < len(named):
-            twice = next(key for key in named if named.count(key) > 1)
-            raise ValueError(f"--routing-config: worker {twice[0]}://{twice[1]} is in two pools")
+        check_one_worker_once(specs)
         check_engine_ids([spec for pool_specs in specs for spec in pool_specs])
         tokenizers: dict[str, tuple[Any, Any]] = {}  # --model form -> (source, tokenizer), one per model
         for config in configs:

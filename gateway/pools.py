@@ -23,8 +23,9 @@ its own requests and takes no other model down with it (a load balancer would ot
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.admission.auth import Authenticator
 from gateway.errors import InvalidRequestError, ModelNotFound, quoted
@@ -32,6 +33,9 @@ from gateway.fleet.fleet_state import FleetIdentity, WorkerMember
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest, Generation, TokenizeResult
 from gateway.request_path import RequestPath
+from gateway.worker_spec import WorkerSpec
+
+Resolver = Callable[[str, int], set[tuple[str, int]]]
 
 
 class Pools:
@@ -78,8 +82,8 @@ class Pools:
     async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
         return await self.pool(request.model).tokenize(request)
 
-    def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str:
-        return self.pool(model).detokenize(api_key, model, token_ids)
+    async def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str:
+        return await self.pool(model).detokenize(api_key, model, token_ids)
 
     # -- what one request path would answer, for the only pool ----------------------------------------------
 
@@ -137,3 +141,31 @@ class Pools:
     async def close(self) -> None:
         for path in self._paths:
             await path.close()
+
+
+def resolved_endpoints(host: str, port: int) -> set[tuple[str, int]]:
+    """Every (address, port) `host:port` reaches over TCP; a host that does not resolve is its own spelling."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return {(host.lower(), port)}
+    return {(str(info[4][0]), port) for info in infos}
+
+
+def check_one_worker_once(pools: Sequence[Sequence[WorkerSpec]], resolve: Resolver = resolved_endpoints) -> None:
+    """Refuse a worker listed twice, in one pool or in two, however its address is spelled: two specs are one
+    worker when their hosts resolve to a common address on the same port (`127.0.0.1:P` and `localhost:P`).
+    A worker in two pools would serve both models' requests and be scored on both indexes. Raises ValueError
+    naming both spellings and the address they share."""
+    seen: dict[tuple[str, int], tuple[int, WorkerSpec]] = {}
+    for number, specs in enumerate(pools, 1):
+        for spec in specs:
+            for endpoint in sorted(resolve(spec.host, spec.port)):
+                other = seen.setdefault(endpoint, (number, spec))
+                if other == (number, spec):
+                    continue
+                where = f"in pool {other[0]} and pool {number}" if other[0] != number else "twice in one pool"
+                raise ValueError(
+                    f"worker {other[1].engine}://{other[1].address} and {spec.engine}://{spec.address} are one "
+                    f"worker (both reach {endpoint[0]}:{endpoint[1]}), {where}: list each worker once"
+                )

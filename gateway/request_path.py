@@ -13,13 +13,14 @@
                        another (backoff, breaker)                                gateway.forwarding.backends,
                                                                                  gateway.forwarding.retry
       7. detokenize    incremental, stop strings across token boundaries (a kvroute worker's token ids;
-                       an HTTP engine sends text it cut at stop strings itself)  gateway.forwarding.stop_strings
+                       an HTTP engine sends text it cut at stop strings itself)  gateway.request_stream
     Generation: route known (the first token has come), then Chunks per choice, then usage.
 
 `n` choices are n worker requests. The first is routed; the others go to the same worker once the first
-has its first token, so they find its prompt's blocks cached. After a choice's first token nothing is
-retried: a worker that fails then ends the stream with UpstreamError. Closing a Generation early (a client
-that left) cancels every worker request it holds, which frees their blocks on the workers.
+has its first token, so they find its prompt's blocks cached; if a later one fails, or the client leaves
+before every choice has its first token, every worker request already opened is ended. From the first token
+on, the stream is gateway.request_stream's (StreamingGeneration): nothing is retried, and closing it early
+cancels every worker request it holds, which frees their blocks on the workers.
 
 Every worker request is watched while the gateway waits on it (one watchdog task, a tick of 0.2 s):
   - past its deadline (gateway.forwarding.retry.StreamDeadlines) on a worker that no longer answers its fleet state,
@@ -35,9 +36,11 @@ Errors before any output are GatewayErrors raised from `generate` (the front doo
 status). Nothing here logs prompt text unless `log_prompts` is set.
 
 One request costs its own latency only: the cheap checks come first (auth, limits, the tenant's concurrency
-slot), and templating and tokenizing a prompt of more than INLINE_PROMPT_CHARS characters run in a bounded
-thread pool (the tokenizer releases the GIL while it encodes), so a multi-megabyte prompt neither stalls the
-event loop nor costs anything once its tenant is at its limit; a shorter one is tokenized on the loop.
+slot), and templating and tokenizing a prompt of more than INLINE_PROMPT_CHARS characters, hashing more than
+INLINE_HASH_TOKENS ids and writing more than INLINE_DETOKENIZE_IDS ids out as text (/detokenize) run in a
+bounded thread pool (the tokenizer releases the GIL while it works), so a multi-megabyte prompt neither stalls
+the event loop nor costs anything once its tenant is at its limit; shorter ones run on the loop. /tokenize and
+/detokenize hold the tenant's slot as a generation does.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -70,30 +74,21 @@ from gateway.errors import (
     quoted,
 )
 from gateway.fleet.fleet_state import FleetIdentity, FleetState, WorkerMember
-from gateway.forwarding.backends import Backend, BackendCall, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
+from gateway.forwarding.backends import Backend, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
 from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
-from gateway.forwarding.stop_strings import ChoiceText
-from gateway.metrics import GatewayMetrics, finished_reason_label, label_value
-from gateway.request import (
-    Chunk,
-    GatewayRequest,
-    Generation,
-    RouteInfo,
-    Tenant,
-    TokenizeResult,
-    TokenLogprob,
-    Usage,
-)
+from gateway.metrics import GatewayMetrics, label_value
+from gateway.request import GatewayRequest, Generation, RouteInfo, Tenant, TokenizeResult
+from gateway.request_stream import StreamEnded, StreamingGeneration, WorkerStream
 from gateway.routing.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE, block_hashes, hash_fingerprint
-from kvroute.proto_maps import FINISH_REASON_NAMES
 from kvroute.sampling import InvalidRequest
 from kvroute.tokenizer import PromptTooLong, Tokenizer
 from proto import worker_pb2
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The worker refused the request itself: sending it elsewhere cannot help.
 _CLIENT_FAULTS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
@@ -108,6 +103,13 @@ PROMPT_THREADS = max(2, min(8, os.cpu_count() or 1))
 # to the pool and back costs more CPU than the work (docs/gateway.md, "CPU efficiency"), and its cold encode
 # holds the loop for well under a millisecond.
 INLINE_PROMPT_CHARS = 2048
+# Past these many token ids, hashing a prompt's blocks (about 0.5 ms at 8,192) and writing ids out as text (about
+# 1 ms at 1,024) go to the prompt pool too.
+INLINE_HASH_TOKENS = 8192
+INLINE_DETOKENIZE_IDS = 1024
+# /tokenize requests whose prompts wait for the pool at once, beyond which one is refused (429): the pool is the
+# one generation templates its prompts in, and a tokenizer client is not to queue ahead of them without bound.
+TOKENIZE_BACKLOG = 2 * PROMPT_THREADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +176,7 @@ class RequestPath:
         self.log_prompts = log_prompts
         self.concurrency = concurrency or TenantConcurrency(limits)  # shared by the pools of one gateway
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvroute-prompt")
+        self._tokenize_backlog = 0  # /tokenize jobs in the prompt pool or its queue
         self.vocab_size = tokenizer.vocab_size
         self.identity = fleet_identity(model_id, tokenizer, block_size)
         self.draining = False
@@ -181,7 +184,7 @@ class RequestPath:
         self._starting = 0  # `generate` calls not yet returned (routing, waiting for a first token)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._open_streams: dict[str, set[_WorkerStream]] = {}  # worker id -> its requests not yet done
+        self._open_streams: dict[str, set[WorkerStream]] = {}  # worker id -> its requests not yet done
         self._watchdog: asyncio.Task[None] | None = None
         self._shutdown: str | None = None  # end_streams' message: no worker request starts after it
         metrics.watch(lambda: getattr(fleet, "counters", None), self.breakers.states)
@@ -253,11 +256,11 @@ class RequestPath:
 
     # -- the watchdog over open worker requests ---------------------------------------------------------------
 
-    def _end(self, stream: _WorkerStream, error: GatewayError, worker_fault: bool) -> None:
+    def _end(self, stream: WorkerStream, error: GatewayError, worker_fault: bool) -> None:
         """End a worker request from outside its reader: the reader's pending (or next) read raises
-        _StreamEnded with `error`. `worker_fault`: the worker is at fault (retry, breaker failure)."""
+        StreamEnded with `error`. `worker_fault`: the worker is at fault (retry, breaker failure)."""
         if stream.ended is None and not stream.done:
-            stream.ended = _StreamEnded(error, worker_fault)
+            stream.ended = StreamEnded(error, worker_fault)
             stream.call.cancel()
 
     async def _watch(self) -> None:
@@ -282,20 +285,6 @@ class RequestPath:
                     self._end(
                         stream, UpstreamError(f"worker {worker_id} {why}", code="worker_timeout"), worker_fault=True
                     )
-
-    async def _receive(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta | object:
-        """The worker request's next message (or grpc.aio.EOF), timed by the watchdog. Raises _StreamEnded
-        when the gateway ended it (`_end`), AioRpcError when the worker failed it."""
-        stream.waiting_since = time.monotonic()
-        try:
-            return await stream.call.read()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if stream.ended is None or (task is not None and task.cancelling()):
-                raise  # a real cancellation (the client left), not the gateway's end of the call
-            raise stream.ended from None
-        finally:
-            stream.waiting_since = None
 
     # -- the path -----------------------------------------------------------------------------------------
 
@@ -322,6 +311,7 @@ class RequestPath:
         tenant, salt, prompt_ids, hashes = prepared.tenant, prepared.salt, prepared.prompt_ids, prepared.hashes
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
+        streams: list[WorkerStream] = []
         try:
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
@@ -329,10 +319,13 @@ class RequestPath:
             )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
-            streams = [first]
+            streams.append(first)
             if request.n > 1:
                 streams += await self._open_more(forward, route_request, request.n, prefer=route.worker_id)
         except BaseException as exc:
+            for stream in streams:  # the first choice streams on while a later one failed or the client left
+                stream.call.cancel()
+                self.end_dispatch(stream)
             self.concurrency.release(tenant)
             if isinstance(exc, GatewayError):
                 span.set_status(trace.StatusCode.ERROR, exc.message)
@@ -352,7 +345,7 @@ class RequestPath:
         self.active += 1
         self.metrics.in_flight.set(self.active)
         self._idle.clear()
-        return _StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
+        return StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
 
     async def prepare(self, request: GatewayRequest) -> PreparedPrompt:
         """Steps 1-4 of the path, the part every front door shares (the endpoint picker included): the tenant,
@@ -371,27 +364,48 @@ class RequestPath:
         salt = cache_salt(tenant, request.client_cache_salt)
         self.concurrency.acquire(tenant)
         prompt_ids = await self._prompt_token_ids(request, salt, tenant)  # on an error, the slot is released
-        try:
-            hashes = block_hashes(prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size)
-        except BaseException:
-            self.concurrency.release(tenant)
-            raise
+        hash_blocks = functools.partial(
+            block_hashes, prompt_ids, model_id=self.model_id, cache_salt=salt, block_size=self.block_size
+        )
+        hashes = await self._off_loop(hash_blocks, tenant, inline=len(prompt_ids) <= INLINE_HASH_TOKENS)
         return PreparedPrompt(tenant, salt, prompt_ids, hashes)
 
-    async def _prompt_token_ids(self, request: GatewayRequest, salt: str, tenant: Tenant) -> list[int]:
+    async def _prompt_token_ids(
+        self, request: GatewayRequest, salt: str, tenant: Tenant, backlog: bool = False
+    ) -> list[int]:
         """The prompt's ids within `max_prompt_tokens` (InvalidRequestError or ContextLengthExceeded naming the
-        field): given ids are checked here, text is templated and tokenized in the prompt pool. Raising, it
-        releases the tenant's slot; if the caller is cancelled while the pool works on the prompt, only once that
-        work ends (a client that leaves and sends again cannot pile up work its limit would refuse). `salt`
-        scopes the tokenizer's memory of text runs (one tenant never times another's)."""
+        field): given ids are checked here, text is templated and tokenized in the prompt pool (`_off_loop`:
+        raising, the tenant's slot is released). `salt` scopes the tokenizer's memory of text runs (one tenant
+        never times another's). `backlog`: the job counts against TOKENIZE_BACKLOG (a /tokenize request)."""
+        if request.prompt_token_ids is not None:
+            return await self._off_loop(functools.partial(self._checked_token_ids, request.prompt_token_ids), tenant)
+        try:
+            _check_prompt_fields(request)
+        except GatewayError:
+            self.concurrency.release(tenant)
+            raise
+        tokenize = functools.partial(self._tokenize, request, salt)
+        return await self._off_loop(tokenize, tenant, inline=_small_prompt(request), backlog=backlog)
+
+    async def _off_loop(
+        self, work: Callable[[], T], tenant: Tenant, *, inline: bool = True, backlog: bool = False
+    ) -> T:
+        """`work()`, on the event loop when `inline`, else in the prompt pool. Raising, it releases the tenant's
+        slot; if the caller is cancelled while the pool works, only once that work ends (a client that leaves
+        and sends again cannot pile up work its limit would refuse)."""
         job = None
         try:
-            if request.prompt_token_ids is not None:
-                return self._checked_token_ids(request.prompt_token_ids)
-            _check_prompt_fields(request)
-            if _small_prompt(request):
-                return self._tokenize(request, salt)
-            job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
+            if inline:
+                return work()
+            if backlog and self._tokenize_backlog >= TOKENIZE_BACKLOG:
+                raise RateLimited(
+                    f"this gateway's {TOKENIZE_BACKLOG} /tokenize requests are being tokenized; retry shortly",
+                    retry_after=RETRY_AFTER_SECONDS,
+                )
+            job = asyncio.get_running_loop().run_in_executor(self._prompt_pool, work)
+            if backlog:
+                self._tokenize_backlog += 1
+                job.add_done_callback(self._tokenize_done)
             return await asyncio.shield(job)
         except BaseException:
             if job is not None and not job.done():  # cancelled: the pool still works on it
@@ -399,6 +413,9 @@ class RequestPath:
             else:
                 self.concurrency.release(tenant)
             raise
+
+    def _tokenize_done(self, _: object) -> None:
+        self._tokenize_backlog -= 1
 
     def _tokenize(self, request: GatewayRequest, salt: str) -> list[int]:
         """Template and tokenize `request`'s text (in the prompt pool), refused past the prompt-length limit
@@ -466,21 +483,22 @@ class RequestPath:
     async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
         """The prompt ids `generate` would send for `request`, after the same checks (the key, the model, the
         chat template, the prompt-length limit) and without routing: what vLLM's /tokenize answers, and what a
-        router compares with an engine's to check tokenizer parity. Templating and tokenizing run in the prompt
-        pool, as for `generate`. Raises GatewayError."""
+        router compares with an engine's to check tokenizer parity. It holds a tenant's concurrency slot while it
+        works (429 at the limit), and a long prompt is tokenized in the prompt pool as for `generate`, at most
+        TOKENIZE_BACKLOG of them at once (429 past it). Raises GatewayError."""
         tenant = self.auth.authenticate(request.api_key)
         self._check_model(request.model)
-        if request.prompt_token_ids is not None:
-            return TokenizeResult(self._checked_token_ids(request.prompt_token_ids), self.max_model_len())
-        _check_prompt_fields(request)
         salt = cache_salt(tenant, request.client_cache_salt)
-        ids = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._tokenize, request, salt)
+        self.concurrency.acquire(tenant)
+        ids = await self._prompt_token_ids(request, salt, tenant, backlog=True)  # on an error, the slot is released
+        self.concurrency.release(tenant)
         return TokenizeResult(ids, self.max_model_len())
 
-    def detokenize(self, api_key: str | None, model: str | None, token_ids: Sequence[int]) -> str:
+    async def detokenize(self, api_key: str | None, model: str | None, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`, special tokens written out (vLLM's /detokenize). At most as many ids as
-        a sequence holds (max_prompt_tokens + max_tokens), each in the vocabulary; raises GatewayError."""
-        self.auth.authenticate(api_key)
+        a sequence holds (max_prompt_tokens + max_tokens), each in the vocabulary; raises GatewayError. It holds
+        a tenant's concurrency slot while it works; past INLINE_DETOKENIZE_IDS ids it works in the prompt pool."""
+        tenant = self.auth.authenticate(api_key)
         self._check_model(model)
         limit = self.limits.max_prompt_tokens + self.limits.max_tokens
         if len(token_ids) > limit:
@@ -490,7 +508,11 @@ class RequestPath:
                 raise InvalidRequestError(
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})", param=f"tokens[{i}]"
                 )
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        self.concurrency.acquire(tenant)
+        decode = functools.partial(self.tokenizer.decode, token_ids, skip_special_tokens=False)
+        text = await self._off_loop(decode, tenant, inline=len(token_ids) <= INLINE_DETOKENIZE_IDS)
+        self.concurrency.release(tenant)
+        return text
 
     def max_model_len(self) -> int:
         """The longest sequence every matching worker takes (the smallest of their contexts); without one,
@@ -500,7 +522,7 @@ class RequestPath:
 
     async def _open(
         self, forward: _Forward, route_request: RouteRequest, choice: int, arrival: float, prefer: str | None = None
-    ) -> tuple[_WorkerStream, RouteInfo]:
+    ) -> tuple[WorkerStream, RouteInfo]:
         """Send one choice's worker request and wait for its first message, retrying another worker on a
         failure before it (at most `retry.retries` times). `prefer`: a worker to try first (a later choice
         goes where the first one went)."""
@@ -535,49 +557,18 @@ class RequestPath:
                 # arrive together must each see the ones before it, not wait for their first tokens.
                 self.policy.observe(route_request, decision)
             stream = self._send(forward, member, choice)
-            try:
-                first = await self._receive(stream)
-            except grpc.aio.AioRpcError as exc:
-                self._end_dispatch(stream)
-                cause = self._refused(member.worker_id, exc)
-                busy += cause == "busy"
+            first = await self._first_message(stream)
+            if isinstance(first, _Failed):
+                busy += first.cause == "busy"
                 failed.append(member.worker_id)
-                last_error = f"worker {member.worker_id}: {exc.code().name}: {exc.details()}"
+                last_error = first.message
                 if attempt < self.retry.retries:
-                    self.metrics.retries.labels(cause).inc()
+                    self.metrics.retries.labels(first.cause).inc()
                 left = self.retry.retries - attempt
                 logger.warning(
                     "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
                 )
                 continue
-            except _StreamEnded as ended:  # overdue on a hung worker, or the worker left: retry elsewhere
-                self._end_dispatch(stream)
-                if not ended.worker_fault:
-                    self.breakers.on_abandoned(member.worker_id)
-                    raise ended.error from None
-                self.breakers.on_failure(member.worker_id)
-                self.fleet.on_failure(member.worker_id)
-                failed.append(member.worker_id)
-                last_error = ended.error.message
-                if attempt < self.retry.retries:
-                    self.metrics.retries.labels("timeout").inc()
-                left = self.retry.retries - attempt
-                logger.warning(
-                    "request %s choice %d: %s; %d retries left", forward.request_id, choice, last_error, left
-                )
-                continue
-            except BaseException:
-                stream.call.cancel()
-                self._end_dispatch(stream)
-                self.breakers.on_abandoned(member.worker_id)
-                raise
-            if first is grpc.aio.EOF:  # the stream ended without a message: a worker bug, count as failure
-                self._end_dispatch(stream)
-                self.breakers.on_failure(member.worker_id)
-                failed.append(member.worker_id)
-                last_error = f"worker {member.worker_id}: stream ended without a response"
-                continue
-            self.breakers.on_success(member.worker_id)
             stream.first = first
             skipped = tuple(dict.fromkeys((*failed, *decision.skipped)))
             route = RouteInfo(
@@ -593,6 +584,41 @@ class RequestPath:
             raise NoWorkerAvailable("every live worker's circuit breaker is open; retry shortly", retry_after=1.0)
         raise NoWorkerAvailable("no live worker to route to")
 
+    async def _first_message(self, stream: WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta | _Failed:
+        """The worker request's first message, its breaker booked a success; or, for a failure that another
+        worker may not share, why it failed (_Failed), the request ended and its breaker and fleet state told.
+        Raises what no retry can help: the client's own fault (InvalidRequestError), the gateway's shutdown, a
+        cancellation (the client left), each with the request ended and its breaker not blamed."""
+        worker_id = stream.worker_id
+        try:
+            first = await stream.next_message()
+        except grpc.aio.AioRpcError as exc:
+            self.end_dispatch(stream)
+            cause = self._refused(worker_id, exc)
+            return _Failed(cause, f"worker {worker_id}: {exc.code().name}: {exc.details()}")
+        except StreamEnded as ended:  # overdue on a hung worker, or the worker left: retry elsewhere
+            self.end_dispatch(stream)
+            if not ended.worker_fault:
+                self.breakers.on_abandoned(worker_id)
+                raise ended.error from None
+            self._worker_failed(worker_id)
+            return _Failed("timeout", ended.error.message)
+        except BaseException:
+            stream.call.cancel()
+            self.end_dispatch(stream)
+            self.breakers.on_abandoned(worker_id)
+            raise
+        if first is grpc.aio.EOF:  # the stream ended without a message: a worker bug, a failure
+            self.end_dispatch(stream)
+            self._worker_failed(worker_id)
+            return _Failed("eof", f"worker {worker_id}: stream ended without a response")
+        self.breakers.on_success(worker_id)
+        return first  # type: ignore[return-value]
+
+    def _worker_failed(self, worker_id: str) -> None:
+        self.breakers.on_failure(worker_id)
+        self.fleet.on_failure(worker_id)
+
     def _refused(self, worker_id: str, exc: grpc.aio.AioRpcError) -> str:
         """Book a worker's refusal before its first token and name its cause ("busy": full but healthy; else
         a failure for its breaker). Raises InvalidRequestError when the worker refused the request itself."""
@@ -604,13 +630,12 @@ class RequestPath:
         if code in _BUSY:
             self.breakers.on_abandoned(worker_id)
             return "busy"
-        self.breakers.on_failure(worker_id)
-        self.fleet.on_failure(worker_id)
+        self._worker_failed(worker_id)
         return code.name.lower()
 
     async def _open_more(
         self, forward: _Forward, route_request: RouteRequest, n: int, prefer: str
-    ) -> list[_WorkerStream]:
+    ) -> list[WorkerStream]:
         """Choices 1..n-1, on the first choice's worker (its prompt blocks are cached there now)."""
         tasks = [
             asyncio.ensure_future(self._open(forward, route_request, choice, 0.0, prefer=prefer))
@@ -621,11 +646,13 @@ class RequestPath:
         except BaseException:
             for task in tasks:
                 task.cancel()
+            # Each cancelled `_open` ends its own worker request; one that had opened its stream is ended here.
+            await asyncio.wait(tasks)
             for task in tasks:
-                if task.done() and not task.cancelled() and task.exception() is None:
+                if not task.cancelled() and task.exception() is None:
                     stream, _ = task.result()
                     stream.call.cancel()
-                    self._end_dispatch(stream)
+                    self.end_dispatch(stream)
             raise
         return [stream for stream, _ in opened]
 
@@ -644,18 +671,18 @@ class RequestPath:
             param="max_tokens" if prompt_tokens < member.max_model_len else "messages",
         )
 
-    def _send(self, forward: _Forward, member: WorkerMember, choice: int) -> _WorkerStream:
+    def _send(self, forward: _Forward, member: WorkerMember, choice: int) -> WorkerStream:
         self.fleet.on_dispatch(member.worker_id, len(forward.hashes))
         self.breakers.on_dispatch(member.worker_id)
         self.metrics.routed.labels(label_value(member.worker_id)).inc()
         call = self.backends[member.engine].open(member, forward, choice)
-        stream = _WorkerStream(choice, member.worker_id, call, forward.choice_id(choice), member.incarnation)
+        stream = WorkerStream(choice, member.worker_id, call, forward.choice_id(choice), member.incarnation)
         self._open_streams.setdefault(member.worker_id, set()).add(stream)
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="stream watchdog")
         return stream
 
-    def _end_dispatch(self, stream: _WorkerStream) -> None:
+    def end_dispatch(self, stream: WorkerStream) -> None:
         """The worker request is over (any way): out of the fleet's in-flight count and the watchdog's view."""
         streams = self._open_streams.get(stream.worker_id)
         if streams is not None:
@@ -664,12 +691,20 @@ class RequestPath:
                 del self._open_streams[stream.worker_id]
         self.fleet.on_finish(stream.worker_id)
 
-    def _generation_closed(self, tenant: Tenant) -> None:
+    def generation_closed(self, tenant: Tenant) -> None:
         self.concurrency.release(tenant)
         self.active -= 1
         self.metrics.in_flight.set(self.active)
         if self.active == 0 and self._starting == 0:
             self._idle.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """A worker request that failed before its first message: the retry cause (a metric label) and what to log."""
+
+    cause: str
+    message: str
 
 
 @dataclasses.dataclass
@@ -678,234 +713,6 @@ class _Forward(ForwardJob):
 
     max_tokens_defaulted: bool  # the client set none: cut to the context left rather than refused
     span: trace.Span
-
-
-class _StreamEnded(Exception):
-    """The gateway ended a worker request from outside its reader (RequestPath._end)."""
-
-    def __init__(self, error: GatewayError, worker_fault: bool) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.worker_fault = worker_fault  # the worker is at fault: a breaker failure, and retried before a token
-
-
-@dataclasses.dataclass(eq=False)  # identity: kept in sets
-class _WorkerStream:
-    choice: int
-    worker_id: str
-    call: BackendCall  # a grpc.aio.UnaryStreamCall, or gateway.forwarding.backends.HttpCall
-    request_id: str
-    incarnation: int  # of the worker it was sent to (a restart ends only the old incarnation's requests)
-    first: worker_pb2.GenerateResponse | EngineDelta | None = None
-    done: bool = False  # the worker's stream is over (finished, failed or cancelled): on_finish was called
-    waiting_since: float | None = None  # time.monotonic() since the reader waits on the worker; None otherwise
-    ended: _StreamEnded | None = None  # set when the gateway ended it
-
-
-class _StreamingGeneration(Generation):
-    """A started request: iterate for Chunks (every choice, interleaved), then read `usage`."""
-
-    def __init__(
-        self,
-        path: RequestPath,
-        request: GatewayRequest,
-        tenant: Tenant,
-        request_id: str,
-        route: RouteInfo,
-        prompt_ids: list[int],
-        streams: list[_WorkerStream],
-        span: trace.Span,
-        arrival: float,
-    ) -> None:
-        self.request_id = request_id
-        self.route = route
-        self.prompt_token_ids = prompt_ids
-        self.usage = Usage(prompt_tokens=len(prompt_ids))
-        self._path = path
-        self._tenant = tenant
-        self._streams = streams
-        self._texts = [
-            ChoiceText(path.tokenizer, request.stop, request.skip_special_tokens, request.params.min_tokens)
-            for _ in streams
-        ]
-        self._want_logprobs = request.params.logprobs
-        self._span = span
-        self._arrival = arrival
-        self._finish_reasons: list[str] = []
-        self._closed = False
-        self._iterator: AsyncIterator[Chunk] | None = None
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        if self._iterator is None:
-            self._iterator = self._chunks() if len(self._streams) == 1 else self._merged_chunks()
-        return self._iterator
-
-    async def aclose(self) -> None:
-        """Cancel every worker request still running and release the request's books (idempotent)."""
-        if self._iterator is not None:
-            await self._iterator.aclose()  # type: ignore[attr-defined]
-        self._finish(error=None)
-
-    # -- one choice: read its stream directly (the common case, no task per token) ---------------------------
-
-    async def _chunks(self) -> AsyncIterator[Chunk]:
-        stream = self._streams[0]
-        try:
-            response = stream.first
-            while True:
-                chunk = self._consume(stream, response)
-                if chunk is not None:
-                    yield chunk
-                if stream.done:
-                    break
-                response = await self._read(stream)
-        except GatewayError as exc:
-            self._finish(error=exc)
-            raise
-        finally:
-            self._finish(error=None)
-
-    # -- n choices: whichever stream has a message next -----------------------------------------------------
-
-    async def _merged_chunks(self) -> AsyncIterator[Chunk]:
-        pending: dict[asyncio.Future, _WorkerStream] = {}
-        try:
-            for stream in self._streams:
-                chunk = self._consume(stream, stream.first)
-                if chunk is not None:
-                    yield chunk
-                if not stream.done:
-                    pending[asyncio.ensure_future(self._read(stream))] = stream
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in sorted(done, key=lambda f: pending[f].choice):
-                    stream = pending.pop(future)
-                    chunk = self._consume(stream, future.result())
-                    if chunk is not None:
-                        yield chunk
-                    if not stream.done:
-                        pending[asyncio.ensure_future(self._read(stream))] = stream
-        except GatewayError as exc:
-            self._finish(error=exc)
-            raise
-        finally:
-            for future in pending:
-                future.cancel()
-            self._finish(error=None)
-
-    # -- shared ---------------------------------------------------------------------------------------------
-
-    async def _read(self, stream: _WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta:
-        """The next message; UpstreamError if the worker failed, hung or closed the stream mid-way (or left the
-        fleet); NoWorkerAvailable when the gateway's shutdown ended it."""
-        try:
-            response = await self._path._receive(stream)
-        except _StreamEnded as ended:
-            self._end_stream(stream)
-            if ended.worker_fault:
-                self._path.breakers.on_failure(stream.worker_id)
-                self._path.fleet.on_failure(stream.worker_id)
-            raise ended.error from None
-        except grpc.aio.AioRpcError as exc:
-            self._end_stream(stream)
-            self._path.breakers.on_failure(stream.worker_id)
-            self._path.fleet.on_failure(stream.worker_id)
-            raise UpstreamError(
-                f"worker {stream.worker_id} failed mid-stream: {exc.code().name}: {exc.details()}"
-            ) from None
-        if response is grpc.aio.EOF:
-            self._end_stream(stream)
-            raise UpstreamError(f"worker {stream.worker_id} closed the stream before finishing")
-        return response
-
-    def _consume(self, stream: _WorkerStream, response: worker_pb2.GenerateResponse | EngineDelta) -> Chunk | None:
-        """One worker message -> one Chunk of its choice (None when it adds nothing to say)."""
-        if isinstance(response, EngineDelta):
-            return self._consume_engine(stream, response)
-        text_state = self._texts[stream.choice]
-        token_ids = tuple(response.token_ids)
-        self.usage.completion_tokens += len(token_ids)
-        text = text_state.add(token_ids)
-        finish_reason = None
-        if text_state.stopped:
-            finish_reason = "stop"
-            stream.call.cancel()  # the worker frees the request's blocks now
-            self._end_stream(stream)
-        elif response.finish_reason != worker_pb2.FINISH_REASON_UNSPECIFIED:
-            text += text_state.finish()
-            finish_reason = FINISH_REASON_NAMES.get(response.finish_reason, "abort")
-            self._end_stream(stream)
-        if stream.choice == 0 and response.HasField("usage"):
-            # On the worker's first message and its last: exact even when a stop string cancels it mid-way.
-            self.usage.cached_tokens = response.usage.cached_tokens
-        if finish_reason is not None:
-            self._finish_reasons.append(finish_reason)
-            self._path.metrics.request_success.labels(finish_reason).inc()
-        if not text and not token_ids and finish_reason is None:
-            return None
-        logprobs = self._logprobs(response) if self._want_logprobs else ()
-        return Chunk(stream.choice, text, token_ids, logprobs, finish_reason)
-
-    def _consume_engine(self, stream: _WorkerStream, delta: EngineDelta) -> Chunk | None:
-        """An HTTP engine's message: its text as it is (the engine cut it at stop strings), its usage."""
-        if delta.finish_reason is not None:
-            self._end_stream(stream)
-            self._finish_reasons.append(delta.finish_reason)
-            self._path.metrics.request_success.labels(finished_reason_label(delta.finish_reason)).inc()
-        if delta.completion_tokens is not None:
-            self.usage.completion_tokens += delta.completion_tokens
-        if stream.choice == 0 and delta.cached_tokens is not None:
-            self.usage.cached_tokens = delta.cached_tokens
-        if not delta.text and not delta.extra and not delta.logprobs and delta.finish_reason is None:
-            return None
-        logprobs = delta.logprobs if self._want_logprobs else ()
-        return Chunk(stream.choice, delta.text, (), logprobs, delta.finish_reason, delta.extra)
-
-    def _logprobs(self, response: worker_pb2.GenerateResponse) -> tuple[TokenLogprob, ...]:
-        tops: Sequence[worker_pb2.TopLogprobs] = response.top_logprobs
-        out = []
-        for i, (token_id, logprob) in enumerate(zip(response.token_ids, response.logprobs, strict=False)):
-            top = ()
-            if i < len(tops):
-                pairs = zip(tops[i].token_ids, tops[i].logprobs, strict=False)
-                top = tuple(self._token_logprob(t, lp) for t, lp in pairs)
-            out.append(dataclasses.replace(self._token_logprob(token_id, logprob), top=top))
-        return tuple(out)
-
-    def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
-        raw = self._path.tokenizer.token_bytes(token_id)
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return TokenLogprob(text, token_id, logprob, list(raw))
-
-    def _end_stream(self, stream: _WorkerStream) -> None:
-        if not stream.done:
-            stream.done = True
-            self._path._end_dispatch(stream)
-
-    def _finish(self, error: GatewayError | None) -> None:
-        """Release everything once: cancel running worker requests, the fleet's in-flight counts, the
-        tenant's concurrency slot, the span and the request's metrics."""
-        if error is not None and not self._closed:
-            self._path.metrics.errors.labels(type(error).__name__).inc()
-            self._span.set_status(trace.StatusCode.ERROR, error.message)
-        if self._closed:
-            return
-        self._closed = True
-        finished = True
-        for stream in self._streams:
-            if not stream.done:
-                finished = False
-                stream.call.cancel()
-                self._end_stream(stream)
-        path = self._path
-        if finished and error is None:
-            path.metrics.e2e_request_latency.observe(time.perf_counter() - self._arrival)
-        tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
-        self._span.end()
-        path._generation_closed(self._tenant)
 
 
 def _small_prompt(request: GatewayRequest) -> bool:

@@ -433,6 +433,14 @@ bf16* pack_buffer(std::vector<bf16>& buffer, int64_t size) {
   return buffer.data();
 }
 
+// The kernel reads a table's 256 entries through a raw pointer, one per FP8 byte: anything else reads past it.
+void check_fp8_table(const at::Tensor& lut, const char* name) {
+  TORCH_CHECK(lut.device().is_cpu() && lut.scalar_type() == at::kBFloat16 && lut.dim() == 1 && lut.size(0) == 256 &&
+                  lut.is_contiguous(),
+              name, " must be a contiguous bfloat16 CPU tensor of 256 entries (one per FP8 byte), got ",
+              lut.scalar_type(), " ", lut.sizes(), " on ", lut.device(), lut.is_contiguous() ? "" : ", not contiguous");
+}
+
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double softmax_scale, const std::optional<at::Tensor>& k_lut,
@@ -446,6 +454,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const bool fp8 = k_cache.element_size() == 1;
   TORCH_CHECK(fp8 == (k_lut.has_value() && v_lut.has_value()), "FP8 caches need k_lut and v_lut, others none");
   TORCH_CHECK(fp8 || k_cache.scalar_type() == at::kBFloat16, "the cache must be bfloat16 or FP8");
+  if (fp8) {
+    check_fp8_table(*k_lut, "k_lut");
+    check_fp8_table(*v_lut, "v_lut");
+  }
   const int head_dim = static_cast<int>(q.size(2));
   Step step;
   step.q = reinterpret_cast<const bf16*>(q.data_ptr());

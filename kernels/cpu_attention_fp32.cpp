@@ -332,6 +332,14 @@ void dispatch_cache(const Step& step, bool fp8) {
   }
 }
 
+// The kernel reads a table's 256 entries through a raw pointer, one per FP8 byte: anything else reads past it.
+void check_fp8_table(const at::Tensor& lut, const char* name) {
+  TORCH_CHECK(lut.device().is_cpu() && lut.scalar_type() == at::kFloat && lut.dim() == 1 && lut.size(0) == 256 &&
+                  lut.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor of 256 entries (one per FP8 byte), got ",
+              lut.scalar_type(), " ", lut.sizes(), " on ", lut.device(), lut.is_contiguous() ? "" : ", not contiguous");
+}
+
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double softmax_scale, const std::optional<at::Tensor>& k_lut,
@@ -345,9 +353,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const bool fp8 = k_cache.element_size() == 1;
   TORCH_CHECK(fp8 == (k_lut.has_value() && v_lut.has_value()), "FP8 caches need k_lut and v_lut, others none");
   TORCH_CHECK(fp8 || k_cache.scalar_type() == at::kFloat, "the cache must be float32 or FP8");
-  TORCH_CHECK(!fp8 || (k_lut->scalar_type() == at::kFloat && k_lut->numel() == 256 &&
-                       v_lut->scalar_type() == at::kFloat && v_lut->numel() == 256),
-              "the FP8 tables must be float32 [256]");
+  if (fp8) {
+    check_fp8_table(*k_lut, "k_lut");
+    check_fp8_table(*v_lut, "v_lut");
+  }
   const int head_dim = static_cast<int>(q.size(2));
   Step step;
   step.q = q.data_ptr<float>();

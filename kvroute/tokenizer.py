@@ -481,6 +481,8 @@ class Tokenizer:
         return [*before, *ids, *after]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _DECODE_HOLDING_GIL:  # `decode` holds the GIL throughout; `decode_batch` releases it
+            return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str | None:
@@ -673,6 +675,9 @@ DEFAULT_RUN_CACHE_BYTES = 64 * 2**20
 _SCAN_CHARS = 65536
 _PIECE_CACHE_ENTRIES = 4096
 _PIECE_CACHE_MAX_CHARS = 1024
+# Past this many ids, `decode` goes through `decode_batch`, which lets other threads run while it works (the gateway
+# decodes a long /detokenize in its prompt pool); shorter ones take the cheaper call.
+_DECODE_HOLDING_GIL = 1024
 # Keys whose values a chat template compares or dispatches on: their values get no wrapping sentinels (a
 # template that tests `message['role'] == 'user'` must still see "user"), only broken special-token spellings.
 _CONTROL_KEYS = frozenset({"role", "type"})

@@ -375,6 +375,31 @@ def test_dns_discovery_joins_and_leaves_with_the_records_each_rank_of_each_addre
         assert stack.fleet.counters.joins == 4
 
 
+def test_dns_discovery_forgets_the_state_of_an_address_no_longer_resolved() -> None:
+    """Pod IPs churn: an address that leaves the records takes its per-worker counters with it (here its
+    `no_kv_events` count: its spec names no events endpoint), so the fleet keeps state only for today's."""
+    records: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return list(records)
+
+    def specs(ports: list[int]) -> list[str]:
+        records.append("127.0.0.1")
+        return [f"vllm://engines.test:{ports[0]}?discover=dns"]
+
+    options = EngineStackOptions(
+        workers=1, specs=specs, resolve=resolve,
+        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
+    )  # fmt: skip
+    with EngineStack(options) as stack:
+        worker = stack.worker_id(0)
+        _wait(lambda: stack.fleet.counters.no_kv_events.get(worker) == 1)
+        records.clear()
+        _wait(lambda: not stack.fleet.members())
+        assert stack.fleet.counters.no_kv_events == {} and stack.fleet.counters.parity_mismatches == {}
+        assert not any(key[0] == worker for key in stack.fleet.counters.kv_event_drops)
+
+
 def _wait(condition: object, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:  # type: ignore[operator]

@@ -317,7 +317,13 @@ def test_the_routing_configs_pools_are_checked(tmp_path: Path, capsys: pytest.Ca
         ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1"]}, {"model": "sim", "workers": ["127.0.0.1:2"]}]},
          "two pools serve the model 'sim'"),
         ({"pools": [{"model": "sim", "served_model_name": n, "workers": ["127.0.0.1:1"]} for n in "ab"]},
-         "worker kvroute://127.0.0.1:1 is in two pools"),
+         "worker kvroute://127.0.0.1:1 and kvroute://127.0.0.1:1 are one worker (both reach 127.0.0.1:1), in pool 1 "
+         "and pool 2"),
+        ({"pools": [{"model": "sim", "served_model_name": n, "workers": [w]} for n, w in
+                    (("a", "127.0.0.1:1"), ("b", "vllm://localhost:1"))]},
+         "worker kvroute://127.0.0.1:1 and vllm://localhost:1 are one worker (both reach 127.0.0.1:1), in pool 1"),
+        ({"pools": [{"model": "sim", "workers": ["127.0.0.1:1", "localhost:1"]}]},
+         "kvroute://127.0.0.1:1 and kvroute://localhost:1 are one worker (both reach 127.0.0.1:1), twice in one pool"),
         ({"workers": ["127.0.0.1:1"], "pools": [{"model": "sim", "workers": ["127.0.0.1:2"]}]},
          "each pool names its workers"),
     ]  # fmt: skip

@@ -5,7 +5,7 @@
                    kvroute ──────────────────► gateway
     sim, loadtest, launch, benchmarks, exercises, deploy above them all
     gateway/: request, errors, worker_spec, worker_client ──► routing, admission, tracing, metrics ──► fleet
-              ──► forwarding ──► request_path ──► pools ──► frontdoors ──► cli_gateway, cli_epp
+              ──► forwarding ──► request_stream ──► request_path ──► pools ──► frontdoors ──► cli_gateway, cli_epp
 
 `MAY_IMPORT` is the one table: a row per package (a top-level folder, a room inside one such as
 "gateway/routing", or one module such as "launch/cli") and the packages it may import besides itself. A module
@@ -56,7 +56,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gateway/fleet": {"kvroute", "proto", "gateway/routing", "gateway/metrics"} | _GATEWAY_GROUND,  # fleet states
     "gateway/forwarding": {"kvroute", "proto", "gateway/fleet", "gateway/routing", "gateway/metrics"}
     | _GATEWAY_GROUND,  # backends, retries and deadlines, detokenizing
-    "gateway/request_path": {"kvroute", "proto"} | _GATEWAY_BELOW_PATH,
+    "gateway/request_stream": {"kvroute", "proto"} | _GATEWAY_BELOW_PATH,  # a started request's streams
+    "gateway/request_path": {"kvroute", "proto", "gateway/request_stream"} | _GATEWAY_BELOW_PATH,
     "gateway/pools": {"kvroute", "proto", "gateway/request_path"} | _GATEWAY_BELOW_PATH,
     "gateway/frontdoors": {"kvroute", "proto", "gateway/request_path", "gateway/pools"} | _GATEWAY_BELOW_PATH,
     "gateway/cli_gateway": {"kvroute", "proto", "gateway"},  # builds and serves it all

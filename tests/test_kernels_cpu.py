@@ -154,6 +154,35 @@ def test_bf16_engine_with_the_kernel_agrees_with_the_torch_path():
     assert (logits["cpu"].argmax(-1) == logits["torch"].argmax(-1)).float().mean().item() >= 0.95
 
 
+def bad_fp8_tables(dtype: torch.dtype) -> list[tuple[torch.Tensor, str]]:
+    """FP8 tables a kernel must refuse, each with what its error says."""
+    return [
+        (torch.zeros(256, dtype=torch.float16), "got Half"),
+        (torch.zeros(128, dtype=dtype), "got .* \\[128\\]"),
+        (torch.zeros(16, 16, dtype=dtype), "got .* \\[16, 16\\]"),
+        (torch.zeros(512, dtype=dtype)[::2], "not contiguous"),
+    ]
+
+
+def assert_refuses_bad_fp8_tables(op, dtype: torch.dtype) -> None:
+    batch = written_batch([3, 1], [3, 20], 4, 2, 64, 16, FP8_DTYPE, dtype=dtype)
+    backend, meta = CpuAttentionBackend(), batch.meta
+    good = backend.fp8_lut(batch.k_scale, dtype)
+    for bad, message in bad_fp8_tables(dtype):
+        for k_lut, v_lut, name in ((bad, good, "k_lut"), (good, bad, "v_lut")):
+            args = (batch.k_cache.view(torch.uint8), batch.v_cache.view(torch.uint8), meta.block_tables)
+            with pytest.raises(
+                RuntimeError, match=f"{name} must be a contiguous .* CPU tensor of 256 entries .*{message}"
+            ):
+                op(batch.q, *args, meta.query_start_loc, meta.seq_lens, 0.125, k_lut, v_lut, torch.empty_like(batch.q))
+
+
+@needs_kernel
+def test_bf16_kernel_refuses_an_fp8_table_that_is_not_256_contiguous_bf16_entries():
+    assert cpu_backend.load_kernel()
+    assert_refuses_bad_fp8_tables(torch.ops.kvroute_cpu.paged_attention, torch.bfloat16)
+
+
 @pytest.mark.skipif(not packing_supported(), reason=f"oneDNN packing: {cpu_backend.native_bf16()[1]}")
 def test_packed_linear_matches_f_linear_and_packs_bf16_and_fp32_cpu_linears():
     torch.manual_seed(0)
@@ -285,6 +314,12 @@ def test_fp32_kernel_is_finite_over_a_cache_full_of_nan(cache_dtype):
     out = run_fp32_kernel(batch)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+@needs_fp32_kernel
+def test_fp32_kernel_refuses_an_fp8_table_that_is_not_256_contiguous_float32_entries():
+    assert cpu_backend.load_fp32_kernel()
+    assert_refuses_bad_fp8_tables(torch.ops.kvroute_cpu_fp32.paged_attention, torch.float32)
 
 
 @needs_fp32_kernel

@@ -6,17 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
 from gateway.admission.auth import OPEN_TENANT, Authenticator, cache_salt, key_sha256, tenant_salt
 from gateway.admission.limits import Limits
-from gateway.errors import AuthenticationError
-from gateway.fleet.fleet_state import BookkeepingFleetState
+from gateway.errors import AuthenticationError, RateLimited
+from gateway.fleet.fleet_state import BookkeepingFleetState, FleetIdentity
 from gateway.forwarding.retry import BreakerState, CircuitBreakers, RetryPolicy
 from gateway.forwarding.stop_strings import ChoiceText, StopStringMatcher
 from gateway.metrics import GatewayMetrics
-from gateway.request import Tenant
+from gateway.request import GatewayRequest, Tenant
+from gateway.request_path import TOKENIZE_BACKLOG, RequestPath
+from gateway.routing.router import make_policy
 from kvroute.tokenizer import Tokenizer
 
 # -- stop strings ------------------------------------------------------------------------------------------------
@@ -140,6 +143,82 @@ def test_a_worker_that_leaves_or_restarts_has_its_breaker_and_channel_reset(toke
         assert path.clients.addresses == {"127.0.0.1:2"}, "the old address's channel is closed"
         book.leave("w1", "test")
         assert path.breakers.blocked() == frozenset() and path.clients.addresses == frozenset()
+        await path.close()
+
+    asyncio.run(body())
+
+
+def _tokenizer_path(tokenizer: Tokenizer, limits: Limits | None = None) -> RequestPath:
+    """A request path over no worker (what /tokenize and /detokenize need), with one key held to 1 request."""
+    auth = Authenticator([
+        {"tenant": "small", "key_sha256": key_sha256("sk-small"), "max_concurrency": 1},
+        {"tenant": "big", "key_sha256": key_sha256("sk-big")},
+    ])  # fmt: skip
+    fleet = _BookFleet(FleetIdentity("m", 16, "h", "t"))
+    return RequestPath(
+        fleet, make_policy("round_robin"), tokenizer, "m", "m", auth, limits or Limits(), GatewayMetrics("m")
+    )
+
+
+def test_tokenize_and_detokenize_take_the_tenants_slot(tokenizer_smollm2: Tokenizer) -> None:
+    async def body() -> None:
+        path = _tokenizer_path(tokenizer_smollm2)
+        tenant = path.auth.authenticate("sk-small")
+        request = GatewayRequest(api_key="sk-small", model=None, prompt="hello " * 600)  # tokenized in the pool
+        path.concurrency.acquire(tenant)  # its one request is in flight
+        with pytest.raises(RateLimited, match="1 requests in flight"):
+            await path.tokenize(request)
+        with pytest.raises(RateLimited, match="1 requests in flight"):
+            await path.detokenize("sk-small", None, [1, 2, 3])
+        path.concurrency.release(tenant)
+        ids = (await path.tokenize(request)).token_ids
+        assert await path.detokenize("sk-small", None, ids) == "hello " * 600
+        assert not path.concurrency.in_flight, "each call gave its slot back"
+        await path.close()
+
+    asyncio.run(body())
+
+
+def test_tokenize_requests_waiting_for_the_prompt_pool_are_bounded(tokenizer_smollm2: Tokenizer) -> None:
+    async def body() -> None:
+        path = _tokenizer_path(tokenizer_smollm2)
+        request = GatewayRequest(api_key="sk-big", model=None, prompt="a long prompt " * 300)
+        results = await asyncio.gather(
+            *(path.tokenize(request) for _ in range(TOKENIZE_BACKLOG + 2)), return_exceptions=True
+        )
+        refused = [r for r in results if isinstance(r, RateLimited)]
+        assert len(refused) == 2 and "/tokenize requests are being tokenized" in refused[0].message
+        assert len((await path.tokenize(request)).token_ids) == len(results[0].token_ids), "the bound frees"
+        await path.close()
+
+    asyncio.run(body())
+
+
+def test_long_detokenize_and_block_hashing_leave_the_event_loop_free(tokenizer_smollm2: Tokenizer) -> None:
+    async def body() -> None:
+        count = 400_000
+        path = _tokenizer_path(tokenizer_smollm2, Limits(max_prompt_tokens=count, max_tokens=16))
+        ids = [(i * 7919) % 40_000 + 100 for i in range(count)]
+        gaps = [0.0]
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        await path.detokenize("sk-big", None, ids)
+        prepared = await path.prepare(GatewayRequest("sk-big", None, prompt_token_ids=ids, kind="tokens"))
+        took = time.perf_counter() - started
+        path.concurrency.release(prepared.tenant)
+        ticker.cancel()
+        assert len(prepared.hashes) == count // 16
+        assert max(gaps) < took / 4, f"the loop stalled {max(gaps) * 1e3:.0f} ms of {took * 1e3:.0f} ms"
         await path.close()
 
     asyncio.run(body())

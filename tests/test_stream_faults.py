@@ -6,6 +6,7 @@ talk to them over HTTP (SSE) and gRPC."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -22,9 +23,9 @@ import pytest
 
 from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
-from gateway.errors import NoWorkerAvailable, UpstreamError
+from gateway.errors import NoWorkerAvailable, RateLimited, UpstreamError
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
-from gateway.forwarding.retry import RetryPolicy, StreamDeadlines
+from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest
 from gateway.request_path import RequestPath, fleet_identity
@@ -71,14 +72,14 @@ class Fleet:
 
 @asynccontextmanager
 async def fleet(
-    prefill_us_per_token: float = 1.0, decode_ms: float = 5.0, **path_options: object
+    prefill_us_per_token: float = 1.0, decode_ms: float = 5.0, max_streams: int = 256, **path_options: object
 ) -> AsyncIterator[Fleet]:
     config = EngineConfig(
         model="sim", num_kv_blocks=1024, max_model_len=8192, sim_prefill_us_per_token=prefill_us_per_token,
         sim_decode_ms_per_step=decode_ms,
     )  # fmt: skip
     engine = LLMEngine(config)
-    server = await start_worker_server(engine, port=0, worker_id="w0")
+    server = await start_worker_server(engine, port=0, worker_id="w0", max_concurrent_streams=max_streams)
     state = EmbeddedFleetState(
         [f"127.0.0.1:{server.port}"], fleet_identity(engine.model_id, engine.tokenizer), poll_interval=0.05
     )
@@ -166,6 +167,55 @@ def test_a_worker_that_leaves_lost_ends_its_streams_at_once_and_a_draining_one_k
             assert time.monotonic() - left_at < 0.5
             await lost.aclose()
             assert f.path.active == 0 and (await idle(f)).num_blocks_used == 0
+
+    asyncio.run(body())
+
+
+def test_n_choices_end_every_worker_request_when_a_later_choice_is_refused() -> None:
+    async def body() -> None:
+        async with fleet(decode_ms=20.0, max_streams=1) as f:  # choice 1 finds the worker's one stream taken
+            request = dataclasses.replace(tokens(40, max_tokens=1000), n=2)
+            with pytest.raises(RateLimited, match="every worker tried is at capacity"):
+                await f.path.generate(request)
+            assert f.path.active == 0 and f.state.book.in_flight("w0") == 0
+            stats = await idle(f)
+            assert (stats.num_running, stats.num_blocks_used) == (0, 0)
+
+    asyncio.run(body())
+
+
+def test_n_choices_end_every_worker_request_when_the_client_leaves_before_the_last_first_token() -> None:
+    async def body() -> None:
+        async with fleet(decode_ms=300.0) as f:  # choice 1 waits a whole step for its first token
+            request = dataclasses.replace(tokens(40, max_tokens=1000), n=3)
+            leaving = asyncio.ensure_future(f.path.generate(request))
+            async with asyncio.timeout(5):
+                while f.state.book.in_flight("w0") < 3:  # choice 0 streams, choices 1 and 2 wait on the worker
+                    await asyncio.sleep(0.005)
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+            assert f.path.active == 0 and f.state.book.in_flight("w0") == 0
+            stats = await idle(f)
+            assert (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
+
+    asyncio.run(body())
+
+
+def test_a_stream_cut_after_its_first_token_books_its_breaker_once() -> None:
+    async def body() -> None:
+        # A one-failure breaker: had the cut been booked on top of the first token's success, it would open.
+        deadlines = StreamDeadlines(first_token_s=10.0, inter_token_s=0.05, answering_cap=2)
+        breakers = CircuitBreakers(failure_threshold=1)
+        async with fleet(decode_ms=300.0, deadlines=deadlines, breakers=breakers) as f:
+            cut = await f.path.generate(tokens(20, max_tokens=100))
+            with pytest.raises(UpstreamError, match="worker w0 sent no next token"):
+                async for _ in cut:
+                    pass
+            await cut.aclose()
+            assert breakers.states() == {} and f.path.ready()
+            again = await f.path.generate(tokens(20, max_tokens=1))
+            await again.aclose()
 
     asyncio.run(body())
 

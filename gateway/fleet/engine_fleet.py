@@ -41,8 +41,9 @@ arrives. (An engine started without `--kv-events-config` is the common cause.)
 
 DNS (`discover=dns`): the name is resolved at start and every `resolve_interval` seconds (default 5): each
 address is a worker (its spec with `*` replaced, gateway.worker_spec.WorkerSpec.at); an address that
-disappears leaves at once, its requests going on (a pod being replaced drains); a resolution that fails
-keeps the workers it had (logged once until it succeeds again).
+disappears leaves at once, its requests going on (a pod being replaced drains), and its per-worker state
+(poller, KV entries, counters: FleetBook.forget) goes with it, so churning pod IPs grow nothing; a resolution
+that fails keeps the workers it had (logged once until it succeeds again).
 """
 
 from __future__ import annotations
@@ -443,6 +444,7 @@ class _DnsGroup:
             await stop_pollers([poller], [task] if task else [])
             poller.leave(f"{key[0]} is no longer an address of {self.spec.host}", lost=False)
             await poller.close()
+            poller.book.forget(poller.worker_id)
         for address in sorted(addresses - known):
             for target in self.spec.at(address).ranks():
                 key = (address, target.data_parallel_rank)

@@ -285,6 +285,15 @@ class FleetBook:
         logger.warning("fleet: worker %s left the candidates: %s", worker_id, reason)
         self._changed(old, lost)
 
+    def forget(self, worker_id: str) -> None:
+        """A worker gone for good (a DNS address no longer resolved): after `leave`, its per-worker counters go
+        too, so a fleet whose addresses keep changing holds state only for those it has now."""
+        counters = self.counters
+        counters.parity_mismatches.pop(worker_id, None)
+        counters.no_kv_events.pop(worker_id, None)
+        for key in [key for key in counters.kv_event_drops if key[0] == worker_id]:
+            del counters.kv_event_drops[key]
+
     # -- reports --------------------------------------------------------------------------------------
 
     def heard(self, worker_id: str, incarnation: int) -> None:

@@ -365,7 +365,7 @@ class OpenAIServer:
 
         async def answer(wire: DetokenizeRequest) -> dict[str, Any]:
             api_key = bearer_token(request.headers.get("authorization"))
-            return {"prompt": self.request_path.pool(wire.model).detokenize(api_key, wire.model, wire.tokens)}
+            return {"prompt": await self.request_path.pool(wire.model).detokenize(api_key, wire.model, wire.tokens)}
 
         return await self._tokenizer_endpoint(request, DetokenizeRequest, answer)
 
