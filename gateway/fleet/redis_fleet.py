@@ -42,7 +42,16 @@ from redis.exceptions import RedisError
 
 from gateway.fleet.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet.fleet_state import BookkeepingFleetState, FleetIdentity, WorkerMember
-from kvroute.fleet_keys import DEFAULT_PREFIX, FleetKeys, WorkerRecord, redis_client, seq_of, stream_id, unpack_hashes
+from kvroute.fleet_keys import (
+    DEFAULT_PREFIX,
+    FleetKeys,
+    WorkerRecord,
+    as_text,
+    redis_client,
+    seq_of,
+    stream_id,
+    unpack_hashes,
+)
 from kvroute.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -163,7 +172,7 @@ class RedisFleetState(BookkeepingFleetState):
     # -- registry -------------------------------------------------------------------------------------
 
     async def _read_registry(self) -> None:
-        ids = sorted(raw.decode() for raw in await self._redis.smembers(self.keys.workers))
+        ids = sorted(as_text(raw) for raw in await self._redis.smembers(self.keys.workers))
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in ids:
             pipe.hgetall(self.keys.info(worker_id))
@@ -273,8 +282,9 @@ class RedisFleetState(BookkeepingFleetState):
         raw = await self._redis.hgetall(self.keys.snapshot(member.worker_id, member.incarnation))
         if b"seq" not in raw:
             return  # not written yet (Redis came back empty): the reporter writes one as it re-registers
-        seq = int(raw[b"seq"])
-        self.book.resync(member.worker_id, member.incarnation, seq, unpack_hashes(raw.get(b"h", b"")))
+        seq, packed = int(raw[b"seq"]), raw.get(b"h", b"")
+        assert isinstance(packed, bytes), "redis_client keeps responses as bytes"
+        self.book.resync(member.worker_id, member.incarnation, seq, unpack_hashes(packed))
         logger.info("fleet: worker %s resynced from its snapshot at seq %d", member.worker_id, seq)
 
     # -- the direct fallback ------------------------------------------------------------------------
