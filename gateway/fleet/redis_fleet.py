@@ -267,10 +267,7 @@ class RedisFleetState(BookkeepingFleetState):
         worker_id, incarnation = member.worker_id, member.incarnation
         after = self.book.last_seq(worker_id)
         if entries and seq_of(entries[0][0]) == after + 1:
-            events = [
-                KVEvent(seq_of(i), f[b"k"].decode(), tuple(unpack_hashes(f[b"h"])))  # type: ignore[arg-type]
-                for i, f in entries
-            ]
+            events = [KVEvent(seq_of(i), f[b"k"].decode(), tuple(unpack_hashes(f[b"h"]))) for i, f in entries]
             if self.book.apply_events(worker_id, incarnation, events):
                 return True
         elif not entries and self._published_seq.get(worker_id, 0) <= after:
