@@ -29,6 +29,7 @@ library, so the benchmark needs no download.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import statistics
@@ -42,6 +43,7 @@ from kernels.cpu_backend import cpu_description
 from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.model_runner import ModelRunner
 
 STDLIB_MODULES = [
     "argparse",
@@ -183,12 +185,21 @@ def bf16_quality(fp32: LLMEngine, bf16: LLMEngine, prompts: list[list[int]]) -> 
 # -- transformers -----------------------------------------------------------------------------------
 
 
+def bf16_decode_weights(engine: LLMEngine) -> bool:
+    """Whether the engine's model decodes on bfloat16 copies of its float32 weights."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "the engine bench runs a model, not the sim runner"
+    return runner.bf16_decode_weights
+
+
 def load_transformers(engine: LLMEngine):
     import transformers
 
     from kvroute.model_source import resolve_model
 
     source = resolve_model(engine.config.model)
+    if source.path is None:
+        raise ValueError(f"model {engine.config.model!r}: transformers needs a GGUF file or an HF directory")
     if source.kind == "gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(
             source.path.parent, gguf_file=source.path.name, dtype=torch.float32
@@ -227,11 +238,11 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
 
 def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_name: str = "auto") -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype_name))
-    same = engine.dtype == torch.float32 and not engine.runner.bf16_decode_weights  # plain float32 already
+    same = engine.dtype == torch.float32 and not bf16_decode_weights(engine)  # plain float32 already
     fp32 = engine if same else LLMEngine(EngineConfig(model=model, dtype="float32"))
     corpus = Corpus(fp32.tokenizer.encode(real_text()))
     print(f"corpus: {len(corpus.ids)} tokens; fp32 engine {fp32.runner.num_kv_blocks} KV blocks", flush=True)
-    dtype = str(engine.dtype).removeprefix("torch.") + ("+bf16 decode" if engine.runner.bf16_decode_weights else "")
+    dtype = str(engine.dtype).removeprefix("torch.") + ("+bf16 decode" if bf16_decode_weights(engine) else "")
     report: dict = {
         "model": fp32.model_id,
         "cpu": cpu_description(),
@@ -263,12 +274,18 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
         row["ratio"] = row["kvroute_tok_s"] / row[transformers_key]
         return row
 
+    def fresh_ttft(engine: LLMEngine, n: int) -> float:
+        return ttft(engine, corpus.take(n))[0]
+
+    def hf_fresh_prefill(n: int) -> float:
+        return hf_prefill_seconds(hf, corpus.take(n))
+
     if "prefill" in sections:
         prefill: dict = {}
         for n in (1000, 3000):
             row = interleaved(
-                lambda e, n=n: ttft(e, corpus.take(n))[0],
-                lambda n=n: hf_prefill_seconds(hf, corpus.take(n)),
+                functools.partial(fresh_ttft, n=n),
+                functools.partial(hf_fresh_prefill, n),
                 n,
                 "transformers_fp32_tok_s",
             )

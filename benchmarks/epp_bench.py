@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kvroute gateway": (f"http://127.0.0.1:{gateway_port}", [gateway.pid]),
             }
             _measure(paths, args.requests)
-        _decision_time(grpc_addresses, endpoints)
+        decision_time(grpc_addresses, endpoints)
     finally:
         for process in processes:
             process.terminate()
@@ -184,7 +184,7 @@ def _measure(paths: dict[str, tuple[str, list[int]]], requests: int) -> None:
         client.close()
 
 
-def _decision_time(grpc_addresses: list[str], endpoints: list[str]) -> None:
+def decision_time(grpc_addresses: list[str], endpoints: list[str]) -> None:
     from gateway import cli_epp as cli
 
     parser = argparse.ArgumentParser()
@@ -193,11 +193,12 @@ def _decision_time(grpc_addresses: list[str], endpoints: list[str]) -> None:
     args = parser.parse_args(["--model", "sim", "--workers", ",".join(grpc_addresses), "--endpoints", mapping,
                               "--max-prompt-tokens", str(MODEL_LEN), "--metrics-port", "0"])  # fmt: skip
     picker = cli.build_picker(args)
+    (path,) = picker.pools.pools()  # --model sim: one pool
 
     async def run() -> None:
-        await picker.path.fleet.start()
+        await path.fleet.start()
         try:
-            tokenizer = picker.path.tokenizer
+            tokenizer = path.tokenizer
             text = " ".join(f"w{i}" for i in range(8000))
             ids = tokenizer.encode(text, add_special_tokens=False)[:4096]
             prompt = tokenizer.decode(ids)
@@ -215,8 +216,8 @@ def _decision_time(grpc_addresses: list[str], endpoints: list[str]) -> None:
                 f"p50 {statistics.median(samples) * 1e3:.2f} ms, max {max(samples) * 1e3:.2f} ms"
             )
         finally:
-            await picker.path.fleet.stop()
-            await picker.path.close()
+            await path.fleet.stop()
+            await path.close()
 
     asyncio.run(run())
 

@@ -135,6 +135,11 @@ class Request:
     hashes: list[bytes]
     output_tokens: int
 
+    def sim_request(self) -> SimRequest:
+        return SimRequest(
+            self.arrival, lambda: self.tokens, len(self.tokens), self.output_tokens, block_hashes=self.hashes
+        )
+
 
 def hot_prompt_workload(n: int, seed: int, rate: float) -> list[Request]:
     """One 2,000-token prompt on every request, a distinct 100-token question each (DESIGN §7's hot prefix)."""
@@ -181,12 +186,7 @@ def simulate(
     timing = ViewTiming(LAYOUTS[index_mode], LOADS[load_mode], publish_s=PUBLISH_S, poll_s=POLL_S)
     config = FleetConfig(tuple(f"w{i}" for i in range(num_workers)), capacity_blocks, BLOCK, MODEL_ID, timing=timing)
     fleet = FleetSim(config, [make_policy(policy_name) for _ in range(num_gateways)])
-    run = fleet.run(
-        [
-            SimRequest(r.arrival, lambda r=r: r.tokens, len(r.tokens), r.output_tokens, block_hashes=r.hashes)
-            for r in requests
-        ]
-    )
+    run = fleet.run([r.sim_request() for r in requests])
     prompt_tokens = sum(len(r.tokens) for r in requests)
     return {
         "hit_rate": sum(run.cached_tokens) / prompt_tokens,
@@ -204,14 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
 
-    server = None
-    if args.redis is None:
+    server, url = None, args.redis
+    if url is None:
         from launch.redis_server import RedisServer
 
         server = RedisServer()
         server.start()
+        url = server.url
     try:
-        costs = asyncio.run(lookup_costs(args.redis or server.url, args.workers, 2000, 4096, args.iterations))
+        costs = asyncio.run(lookup_costs(url, args.workers, 2000, 4096, args.iterations))
     finally:
         if server is not None:
             server.close()

@@ -14,7 +14,6 @@ import http.client
 import json
 import multiprocessing
 import statistics
-import sys
 import time
 
 import orjson
@@ -171,10 +170,10 @@ def main() -> None:
         print(f"{path:10} {q(s, 50):18.0f} {q(f, 50):16.0f} {q(f, 50) / q(s, 50):7.2f}   {q(s, 99):.0f}/{q(f, 99):.0f}")
     print("in-process ASGI call, no sockets (median µs of 3000)")
     for path in ("/json", "/post", "/stream"):
-        s = asgi_inprocess(starlette_app(), path, 3000)
-        f = asgi_inprocess(fastapi_app(), path, 3000)
-        print(f"{path:10} {s:18.1f} {f:16.1f} {f / s:7.2f}")
+        s_us = asgi_inprocess(starlette_app(), path, 3000)
+        f_us = asgi_inprocess(fastapi_app(), path, 3000)
+        print(f"{path:10} {s_us:18.1f} {f_us:16.1f} {f_us / s_us:7.2f}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

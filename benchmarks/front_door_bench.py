@@ -29,6 +29,7 @@ def serve(kind: str, port: int) -> None:
     from starlette.applications import Starlette
     from starlette.responses import Response
     from starlette.routing import Route
+    from starlette.types import ASGIApp
 
     from gateway.admission.auth import Authenticator
     from gateway.frontdoors.http_protocol import HttpLimits
@@ -71,6 +72,7 @@ def serve(kind: str, port: int) -> None:
         def pools(self):
             return [self]
 
+    app: ASGIApp
     if kind == "bare":
 
         async def ok(request):

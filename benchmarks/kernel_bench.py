@@ -213,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     prefill = []
     for sequences, new_tokens, prefix in PREFILL_CASES:
-        result = bench_prefill(sequences, new_tokens, prefix)
+        timing = bench_prefill(sequences, new_tokens, prefix)
         torch.cuda.empty_cache()
-        prefill.append(result)
+        prefill.append(timing)
         print(
-            f"prefill seqs={sequences:<2} new={new_tokens:<5} prefix={prefix:<5} triton {result.triton_ms:7.3f} ms "
-            f"{result.triton_tflops:6.1f} TFLOP/s  sdpa {result.sdpa_tflops:6.1f} TFLOP/s  "
-            f"err {result.max_abs_error:.2e}"
+            f"prefill seqs={sequences:<2} new={new_tokens:<5} prefix={prefix:<5} triton {timing.triton_ms:7.3f} ms "
+            f"{timing.triton_tflops:6.1f} TFLOP/s  sdpa {timing.sdpa_tflops:6.1f} TFLOP/s  "
+            f"err {timing.max_abs_error:.2e}"
         )
     if args.json:
         report = {

@@ -58,7 +58,7 @@ def step_batches(
     next_hash, live = 1, []
     tails: list[int | None] = [None] * 8
     for _ in range(count):
-        events = []
+        events: list[BlockStored | BlockRemoved] = []
         for _ in range(4):
             lane = rng.randrange(len(tails))
             hashes = list(range(next_hash, next_hash + run_pages))

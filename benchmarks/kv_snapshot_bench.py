@@ -23,7 +23,6 @@ from proto import worker_pb2
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.service import KV_SNAPSHOT_PAGE_BLOCKS, start_worker_server
-from worker.sim_runner import SimCostModel
 
 MAX_MODEL_LEN = 4096
 
@@ -31,10 +30,10 @@ MAX_MODEL_LEN = 4096
 def filled_engine(num_blocks: int) -> LLMEngine:
     """A sim engine whose whole pool holds cached blocks (distinct chains of full blocks)."""
     config = EngineConfig(
-        model="sim", num_kv_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=8192
-    )
+        model="sim", num_kv_blocks=num_blocks, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=8192,
+        sim_prefill_us_per_token=0.0, sim_decode_ms_per_step=0.0,
+    )  # fmt: skip
     engine = LLMEngine(config)
-    engine.runner.cost = SimCostModel(prefill_us_per_token=0.0, decode_ms_per_step=0.0)
     prompt_len = MAX_MODEL_LEN - config.block_size
     chains = num_blocks // (prompt_len // config.block_size) + 1
     engine.generate([[k + 1] + [100 + i % 40000 for i in range(prompt_len - 1)] for k in range(chains)],

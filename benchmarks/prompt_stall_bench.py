@@ -133,7 +133,7 @@ def scenario(port: int, prompt: tuple[str, int] | None, clients: int, seconds: f
     late = noise_out.get(timeout=60)
     noise.join(30)
     stats = percentiles(health, (50, 99))
-    result = {
+    result: dict[str, Any] = {
         "health_samples": len(health),
         "health_p50_ms": stats["p50"],
         "health_p99_ms": stats["p99"],

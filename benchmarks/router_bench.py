@@ -40,7 +40,7 @@ def bench(num_tokens: int, num_replicas: int, iterations: int, seed: int = 0) ->
     base = [rng.randrange(32_000) for _ in range(num_tokens)]
     fleet = warm_fleet(num_replicas, base, rng)
     policies = {name: make_policy(name) for name in POLICY_NAMES}
-    samples: dict[str, list[float]] = {"hash": []} | {name: [] for name in POLICY_NAMES}
+    samples: dict[str, list[float]] = {name: [] for name in ("hash", *POLICY_NAMES)}
     for i in range(iterations):
         tokens = base[: num_tokens // 2] + [(t + i) % 32_000 for t in base[num_tokens // 2 :]]
         start = time.perf_counter()

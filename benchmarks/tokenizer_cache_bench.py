@@ -63,7 +63,7 @@ def measure(repeats: int) -> dict[str, float]:
         turns.append({"role": "user", "content": f"Turn {k}: " + WORDS * 2})
         turns.append({"role": "assistant", "content": f"Answer {k}: " + WORDS * 2})
 
-    def conversation() -> object:
+    def conversation() -> list[int]:
         return tokenizer.encode_chat([*turns, question()], cache_scope="tenant")
 
     rendered = tokenizer.apply_chat_template([{"role": "system", "content": system}, question()])

@@ -60,6 +60,7 @@ def worker_token(token_file: str | None = None, flag: str = "", environ: Mapping
     """The worker token: from `token_file` (given with `flag`) if set, else from the environment (see the
     module docstring); None when none is configured. Raises ValueError for an unreadable file or a token
     that is too short or not printable ASCII (gRPC metadata carries nothing else)."""
+    token: str | None
     if token_file:
         token, source = read_secret_file(token_file, flag), flag
     else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
@@ -35,6 +36,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
 
 from kvroute.hashing import HASH_BYTES
+from kvroute.kv_events import BlockKey
 
 DEFAULT_PREFIX = "kvroute"
 DATA_TTL_S = 600
@@ -108,7 +110,7 @@ class WorkerRecord(WorkerDescription):
     @classmethod
     def from_fields(cls, raw: Mapping[bytes | str, bytes | str]) -> WorkerRecord:
         """Parse an info hash; raises ValueError naming the missing or malformed field."""
-        text = {_text(k): _text(v) for k, v in raw.items()}
+        text = {as_text(k): as_text(v) for k, v in raw.items()}
         values: dict[str, object] = {}
         for f in fields(cls):
             if f.name not in text:
@@ -127,11 +129,16 @@ class WorkerRecord(WorkerDescription):
         return record
 
 
-def pack_hashes(block_hashes: Sequence[bytes]) -> bytes:
+def pack_hashes(block_hashes: Sequence[BlockKey]) -> bytes:
+    """Block hashes as one string; ValueError for a key that is not a block hash (a replay's ids are not)."""
+    checked: list[bytes] = []
     for block_hash in block_hashes:
+        if not isinstance(block_hash, bytes):
+            raise ValueError(f"block hashes must be {HASH_BYTES} bytes, got a {type(block_hash).__name__}")
         if len(block_hash) != HASH_BYTES:
             raise ValueError(f"block hashes must be {HASH_BYTES} bytes, got {len(block_hash)}")
-    return b"".join(block_hashes)
+        checked.append(block_hash)
+    return b"".join(checked)
 
 
 def unpack_hashes(packed: bytes) -> list[bytes]:
@@ -140,7 +147,7 @@ def unpack_hashes(packed: bytes) -> list[bytes]:
     return [packed[i : i + HASH_BYTES] for i in range(0, len(packed), HASH_BYTES)]
 
 
-def redis_client(url: str, *, password: str | None = None, **options: object) -> aioredis.Redis | RedisCluster:
+def redis_client(url: str, *, password: str | None = None, **options: Any) -> aioredis.Redis | RedisCluster:
     """An asyncio client for a fleet-state URL (see the module docstring); raises ValueError for a bad URL.
     `password` authenticates to Redis (to a Sentinel service's master) for a URL that carries none, so that no
     command line shows it ($KVROUTE_REDIS_PASSWORD_FILE, kvroute.credentials); a URL with a password as well is
@@ -160,7 +167,7 @@ def redis_client(url: str, *, password: str | None = None, **options: object) ->
     raise ValueError(f"--redis: unsupported URL scheme {scheme!r} in {url!r}; use {schemes}")
 
 
-def _sentinel_client(url: str, scheme: str, options: dict[str, object], password: str | None) -> aioredis.Redis:
+def _sentinel_client(url: str, scheme: str, options: dict[str, Any], password: str | None) -> aioredis.Redis:
     """The master of a Sentinel URL's service; `password` is the master's when the URL names none."""
     parts = urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
@@ -174,11 +181,12 @@ def _sentinel_client(url: str, scheme: str, options: dict[str, object], password
         if not host or not port.isdigit():
             raise ValueError(f"--redis: Sentinel address {node!r} is not host:port")
         sentinels.append((host.strip("[]"), int(port)))
-    auth = {"username": unquote(parts.username) if parts.username else None,
-            "password": unquote(parts.password) if parts.password else password}  # fmt: skip
-    ssl = {"ssl": True} if scheme.startswith("rediss") else {}
+    connection: dict[str, Any] = {"username": unquote(parts.username) if parts.username else None,
+                                  "password": unquote(parts.password) if parts.password else password}  # fmt: skip
+    if scheme.startswith("rediss"):
+        connection["ssl"] = True
     sentinel = Sentinel(sentinels, sentinel_kwargs=options, **options)
-    return sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, **auth, **ssl)
+    return sentinel.master_for(path[0], db=int(path[1]) if len(path) == 2 else 0, **connection)
 
 
 def stream_id(seq: int) -> str:
@@ -186,8 +194,9 @@ def stream_id(seq: int) -> str:
 
 
 def seq_of(entry_id: bytes | str) -> int:
-    return int(_text(entry_id).partition("-")[0])
+    return int(as_text(entry_id).partition("-")[0])
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
+    """A Redis response as text: bytes from kvroute's clients (redis_client), str from one that decodes."""
     return value.decode() if isinstance(value, bytes) else value

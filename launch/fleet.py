@@ -188,7 +188,7 @@ class Fleet:
         all; returns once every child is reaped."""
         started = [c for c in self.children if c.process is not None]
         for child in started:
-            if child.running:
+            if child.process is not None and child.running:
                 child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in started:

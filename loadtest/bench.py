@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -288,7 +288,12 @@ class GrpcSender:
         await self._channel.close()
 
 
-Sender = HttpSender | GrpcSender
+class Sender(Protocol):
+    """What `run_requests` sends through: HttpSender, GrpcSender, or the soak's failover over several gateways."""
+
+    async def send(self, request: BenchRequest, t0: float) -> RequestRecord: ...
+
+    async def close(self) -> None: ...
 
 
 async def run_requests(

@@ -109,10 +109,12 @@ def vocabulary(model: str = "smollm2") -> Vocabulary:
     """The vocabulary of a model spec's tokenizer (`tiny` and `sim` share SmolLM2's)."""
     try:
         source = resolve_model(model)
-        if source.kind == "hf":
+        if source.path is None:  # tiny and sim
+            tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+        elif source.kind == "hf":
             tokenizer = Tokenizer.from_hf_dir(source.path)
         else:
-            tokenizer = Tokenizer.from_gguf(source.path if source.kind == "gguf" else smollm2_gguf_path())
+            tokenizer = Tokenizer.from_gguf(source.path)
     except (ValueError, FileNotFoundError) as exc:
         raise RenderError(str(exc)) from None
     return Vocabulary(tokenizer)

@@ -29,6 +29,7 @@ from gateway.fleet.fleet_state import FleetIdentity
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.router import RouteRequest, RoutingPolicy
 from kvroute.hashing import block_hashes as hash_blocks
+from kvroute.kv_events import BlockKey
 from sim.gateway import LoadReport, SimGateway, ViewTiming
 from sim.replica import SimReplica
 from worker.sim_runner import SimCostModel
@@ -49,7 +50,7 @@ class SimRequest:
     answer: Sequence[int] = ()
     cache_salt: str = ""
     session_id: str | None = None
-    block_hashes: Sequence[bytes] | None = None
+    block_hashes: Sequence[BlockKey] | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ display and changes no global backend of the caller.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ def cdf_line(ax: Axes, values: list[float], label: str) -> None:
 
 
 def grouped_bars(
-    ax: Axes, series: dict[str, list[float]], categories: list[str], xlabel: str, ylabel: str, title: str
+    ax: Axes, series: Mapping[str, Sequence[float]], categories: list[str], xlabel: str, ylabel: str, title: str
 ) -> None:
     """One bar per (series, category), the series side by side within each category."""
     width = 0.8 / max(len(series), 1)

@@ -27,6 +27,7 @@ through one gateway with the exact fleet index.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import multiprocessing
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -298,7 +299,7 @@ def _sim_requests(trace: Trace, prepared: list[_Prepared]) -> list[SimRequest]:
             ids = req.token_ids
             out.append(
                 SimRequest(
-                    p.arrival_ms / 1e3, lambda ids=ids: list(ids), p.input_length, p.output_length,
+                    p.arrival_ms / 1e3, functools.partial(list, ids), p.input_length, p.output_length,
                     answer=req.output_token_ids or (), cache_salt=req.cache_salt, session_id=req.session_id,
                     block_hashes=p.route.block_hashes,
                 )

@@ -106,7 +106,7 @@ def multiturn(
     """Chats sharing one 1,000-token system prompt; with `keep_turns`, only that many past turns stay."""
     system = gen.tokens(1000)
     chats = -(-n // turns)
-    out = []
+    out: list[TraceRequest] = []
     for chat, at in enumerate(gen.gaps(chats)):
         history: list[list[int]] = []
         for _ in range(turns):
@@ -146,7 +146,7 @@ def agents(n: int, gen: _Gen, block_size: int, num_agents: int = 8, think_ms: fl
     """Agents sharing a 2,000-token tool-schema prefix; each step appends a tool result and the answer."""
     schema = gen.tokens(2000)
     steps = -(-n // num_agents)
-    out = []
+    out: list[TraceRequest] = []
     for agent, at in enumerate(gen.gaps(num_agents)):
         history = schema + gen.tokens(200)  # the agent's own instructions
         for _ in range(steps):

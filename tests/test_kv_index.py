@@ -127,6 +127,8 @@ def test_fleet_view_membership_keeps_loads_index_and_retry_views_aligned():
     assert view.loads["c"].in_flight == 4 and view.total_in_flight == 4
     retry = view.without(frozenset({"b"}))
     assert retry.replicas == ("ab", "c") and retry.kv_index.match(["x0"]) == [0, 1]
+    second_retry = retry.without(frozenset({"ab"}))  # a narrowed view narrows again, over the same index
+    assert second_retry.replicas == ("c",) and second_retry.kv_index.match(["x0"]) == [1]
 
 
 def test_learned_index_follows_membership():

@@ -36,7 +36,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -260,7 +260,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs; the last has `finished` set.
 
         Raises what `check_admission` raises at the first iteration, before the engine sees the request;

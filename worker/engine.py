@@ -16,7 +16,6 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +30,10 @@ from worker.kv_cache_manager import KVCacheManager
 from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model_runner import StepRunner
+from worker.sampler import TopLogprobs
 from worker.scheduler import Scheduler
 from worker.sequence import RequestTimings, Sequence
-
-if TYPE_CHECKING:
-    from worker.sim_runner import SimRunner
+from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +43,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float]  # logprob of each chosen token (empty unless params.logprobs)
-    # one (token_ids, logprobs) per new token, most likely first (empty unless params.top_logprobs)
-    new_top_logprobs: list[tuple[list[int], list[float]]]
+    # one per new token, most likely first (empty unless params.top_logprobs)
+    new_top_logprobs: list[TopLogprobs]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     prompt_tokens: int
@@ -103,6 +101,7 @@ class LLMEngine:
             raise ValueError(f"a sim runner needs model 'sim', got {config.model!r}")
         self.model_id = model_id or source.model_id
         self.runner: StepRunner
+        self._tokenizer: Tokenizer | None
         self.dtype: torch.dtype
         self.dtype_reason: str  # why this dtype, e.g. "auto: float32, the CPU has no native bf16 (...)"
         self.attention_backend: str  # the attention path taken, and why, e.g. "cpu: torch path (...)"
@@ -128,31 +127,38 @@ class LLMEngine:
         self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
         decode_copies = uses_bf16_decode_weights(self.config, self.dtype)
         model, model_config = _load_model(source, self.dtype, self.config.device, decode_copies)
-        self.tokenizer: Tokenizer = _load_tokenizer(source)
+        self._tokenizer = tokenizer = _load_tokenizer(source)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
             self.config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
         )
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.runner = ModelRunner(self.config, model, model_config)
         self.attention_backend = self.runner.attention_path
 
     def _init_sim(self, source: ModelSource, runner: SimRunner | None) -> None:
         from worker.model_runner import resolve_dtype
-        from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
 
         self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
         self.attention_backend = "none (sim: no model)"
         self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN
         self.eos_token_ids = frozenset()  # sim outputs run to max_tokens, like the replay's output lengths
         if runner is not None:
-            self.tokenizer = None
+            self._tokenizer = None
             self.vocab_size = 2**32  # token ids as uint32 (kvroute.hashing): any id a trace carries
             self.runner = runner
             return
-        self.tokenizer = _load_tokenizer(source)
-        self.vocab_size = self.tokenizer.vocab_size
-        self.runner = SimRunner(self.config, tokenizer=self.tokenizer, clock=self.clock)
+        self._tokenizer = tokenizer = _load_tokenizer(source)
+        self.vocab_size = tokenizer.vocab_size
+        self.runner = SimRunner(self.config, tokenizer=tokenizer, clock=self.clock)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer; ValueError for an engine given its sim runner (a fleet simulator's replica),
+        which has none."""
+        if self._tokenizer is None:
+            raise ValueError("this engine runs a given sim runner on token ids only: it has no tokenizer")
+        return self._tokenizer
 
     def warm_up(self) -> None:
         """Build kernels and JIT code now, before a worker reports SERVING, not in its first request's TTFT.
@@ -207,7 +213,7 @@ class LLMEngine:
     def decode_steps_ahead(self) -> int:
         """How many of the next steps are plain decode steps (worker.scheduler) that `step(n)` can take at once:
         0 unless the runner is the sim runner."""
-        if not hasattr(self.runner, "spend_decode_steps") or self._pending:
+        if not isinstance(self.runner, SimRunner) or self._pending:
             return 0
         return self.scheduler.decode_steps_ahead()
 
@@ -250,10 +256,11 @@ class LLMEngine:
         return outputs
 
     def _plain_decode_steps(self, num_steps: int) -> list[RequestOutput]:
-        if num_steps > self.decode_steps_ahead():
+        runner = self.runner
+        if not isinstance(runner, SimRunner) or num_steps > self.decode_steps_ahead():
             raise ValueError(f"{num_steps} plain decode steps asked, {self.decode_steps_ahead()} ahead")
-        self.runner.spend_decode_steps(num_steps)
-        advanced = self.scheduler.advance_decodes(num_steps, self.runner.sample_run)
+        runner.spend_decode_steps(num_steps)
+        advanced = self.scheduler.advance_decodes(num_steps, runner.sample_run)
         now = self.clock.now()
         for seq in advanced:
             seq.timings.decode_steps += num_steps

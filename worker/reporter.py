@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,6 +37,7 @@ from kvroute.fleet_keys import (
     redis_client,
     stream_id,
 )
+from kvroute.kv_events import BlockKey
 
 if TYPE_CHECKING:
     from worker.async_engine import KVEventsSince
@@ -165,7 +166,7 @@ class WorkerReporter:
         since = await self.engine.kv_events_since(_AHEAD_OF_ANY_ENGINE, 1)
         await self._put_snapshot(since.latest_seq, since.snapshot or [])
 
-    async def _put_snapshot(self, seq: int, block_hashes: list[bytes]) -> None:
+    async def _put_snapshot(self, seq: int, block_hashes: Sequence[BlockKey]) -> None:
         previous = self._snapshot_seq if self._registered else seq
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(self._snapshot_key, mapping={"seq": str(seq), "h": pack_hashes(block_hashes)})
@@ -186,8 +187,9 @@ class WorkerReporter:
                 return
             pipe = self._redis.pipeline(transaction=False)
             for event in since.events:
-                fields = {"k": event.kind, "h": pack_hashes(event.block_hashes)}
-                pipe.xadd(self._stream_key, fields, id=stream_id(event.seq))
+                pipe.xadd(
+                    self._stream_key, {"k": event.kind, "h": pack_hashes(event.block_hashes)}, id=stream_id(event.seq)
+                )
             await pipe.execute()
             self._published_seq = since.events[-1].seq
             if self._published_seq - self._snapshot_seq >= self.snapshot_every:
@@ -221,7 +223,8 @@ class WorkerReporter:
             kv_event_seq=self._published_seq,
         )
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(self._info_key, mapping=record.to_fields())
+        # redis-py's mapping is invariant in its key type (FieldT, a union that str is one of)
+        pipe.hset(self._info_key, mapping=record.to_fields())  # type: ignore[arg-type]
         pipe.pexpire(self._info_key, int(ttl * 1000))
         pipe.expire(self._stream_key, DATA_TTL_S)
         pipe.expire(self._snapshot_key, DATA_TTL_S)

@@ -31,7 +31,7 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -125,7 +125,7 @@ def stats_to_proto(
     stats: EngineStats,
     kv_event_seq: int,
     identity: WorkerIdentity,
-    engine_state: worker_pb2.EngineState.ValueType,
+    engine_state: worker_pb2.EngineState,
     engine_error: str = "",
 ) -> worker_pb2.WorkerStats:
     return worker_pb2.WorkerStats(
@@ -331,7 +331,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._warned_hash_mismatch = False
 
     @property
-    def engine_state(self) -> worker_pb2.EngineState.ValueType:
+    def engine_state(self) -> worker_pb2.EngineState:
         if self.engine.state is Lifecycle.DEAD:
             return worker_pb2.ENGINE_STATE_DEAD
         if self.draining or self.engine.state is not Lifecycle.RUNNING:
@@ -348,7 +348,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except GENERATE_ERRORS as exc:
             await context.abort(status_code(exc), str(exc))
 
-    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         """Generate's stream without its transport, for a front door in this process (launch.worker): the same
         admission, metrics, spans and block-hash check. Raises one of GENERATE_ERRORS (`status_code` names its
         gRPC status) before or while it streams; closing it (or cancelling its task) aborts the request, which
@@ -384,7 +384,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         params: SamplingParams,
         timer: RequestTimer,
         span: trace.Span,
-    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         completion_tokens = 0
         finished = False
         first = True

@@ -308,8 +308,12 @@ class WorkerPoller(PollLoop):
 
     def _on_failure(self, exc: grpc.aio.AioRpcError | TimeoutError) -> None:
         now = asyncio.get_running_loop().time()
-        refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
-        if refused and not self._refused_logged:  # a wrong token is a setup error, not an outage: say so once
+        # A wrong token is a setup error, not an outage: say so once.
+        if (
+            isinstance(exc, grpc.aio.AioRpcError)
+            and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            and not self._refused_logged
+        ):
             self._refused_logged = True
             logger.error(
                 "fleet: the worker at %s refuses this gateway's worker token (%s); check --worker-token-file / "

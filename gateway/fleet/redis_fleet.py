@@ -42,7 +42,16 @@ from redis.exceptions import RedisError
 
 from gateway.fleet.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet.fleet_state import BookkeepingFleetState, FleetIdentity, WorkerMember
-from kvroute.fleet_keys import DEFAULT_PREFIX, FleetKeys, WorkerRecord, redis_client, seq_of, stream_id, unpack_hashes
+from kvroute.fleet_keys import (
+    DEFAULT_PREFIX,
+    FleetKeys,
+    WorkerRecord,
+    as_text,
+    redis_client,
+    seq_of,
+    stream_id,
+    unpack_hashes,
+)
 from kvroute.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -163,7 +172,7 @@ class RedisFleetState(BookkeepingFleetState):
     # -- registry -------------------------------------------------------------------------------------
 
     async def _read_registry(self) -> None:
-        ids = sorted(raw.decode() for raw in await self._redis.smembers(self.keys.workers))
+        ids = sorted(as_text(raw) for raw in await self._redis.smembers(self.keys.workers))
         pipe = self._redis.pipeline(transaction=False)
         for worker_id in ids:
             pipe.hgetall(self.keys.info(worker_id))
@@ -258,10 +267,7 @@ class RedisFleetState(BookkeepingFleetState):
         worker_id, incarnation = member.worker_id, member.incarnation
         after = self.book.last_seq(worker_id)
         if entries and seq_of(entries[0][0]) == after + 1:
-            events = [
-                KVEvent(seq_of(i), f[b"k"].decode(), tuple(unpack_hashes(f[b"h"])))  # type: ignore[arg-type]
-                for i, f in entries
-            ]
+            events = [KVEvent(seq_of(i), f[b"k"].decode(), tuple(unpack_hashes(f[b"h"]))) for i, f in entries]
             if self.book.apply_events(worker_id, incarnation, events):
                 return True
         elif not entries and self._published_seq.get(worker_id, 0) <= after:
@@ -273,8 +279,9 @@ class RedisFleetState(BookkeepingFleetState):
         raw = await self._redis.hgetall(self.keys.snapshot(member.worker_id, member.incarnation))
         if b"seq" not in raw:
             return  # not written yet (Redis came back empty): the reporter writes one as it re-registers
-        seq = int(raw[b"seq"])
-        self.book.resync(member.worker_id, member.incarnation, seq, unpack_hashes(raw.get(b"h", b"")))
+        seq, packed = int(raw[b"seq"]), raw.get(b"h", b"")
+        assert isinstance(packed, bytes), "redis_client keeps responses as bytes"
+        self.book.resync(member.worker_id, member.incarnation, seq, unpack_hashes(packed))
         logger.info("fleet: worker %s resynced from its snapshot at seq %d", member.worker_id, seq)
 
     # -- the direct fallback ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ same shapes as plain dicts (gateway.frontdoors.http_server), which is several ti
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -362,9 +363,11 @@ class TokenizeRequest(OpenAIModel):
             raise InvalidRequestError("is not supported by this server (only false)", param="continue_final_message")
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("send exactly one of prompt and messages", param="prompt")
-        common = {"api_key": headers.api_key, "model": self.model, "add_special_tokens": self.add_special_tokens}
+        request = functools.partial(
+            GatewayRequest, api_key=headers.api_key, model=self.model, add_special_tokens=self.add_special_tokens
+        )
         if self.prompt is not None:
-            return GatewayRequest(prompt=self.prompt, kind="completion", **common)
+            return request(prompt=self.prompt, kind="completion")
         assert self.messages is not None
         if not self.messages:
             raise InvalidRequestError("is empty; send at least one message", param="messages")
@@ -372,7 +375,7 @@ class TokenizeRequest(OpenAIModel):
         if self.tools is not None:
             template_kwargs["tools"] = self.tools
         messages = [_template_message(i, message) for i, message in enumerate(self.messages)]
-        return GatewayRequest(messages=messages, template_kwargs=template_kwargs, kind="chat", **common)
+        return request(messages=messages, template_kwargs=template_kwargs, kind="chat")
 
 
 class TokenizeResponse(BaseModel):

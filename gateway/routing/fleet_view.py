@@ -3,13 +3,36 @@
 The live gateway fills it from heartbeats and KV events (embedded or through Redis); the replay fills it
 from its simulated replicas. A policy only reads it, so two gateways with equal views decide alike.
 The fleet state changes its membership in place (`add_replica`, `remove_replica`), between two picks.
+A view's KV index is any `KVIndexView`; the fleet state's own view holds a `KVIndex` (`FleetView[KVIndex]`,
+as `empty` makes), the one whose membership and entries change.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol
+
+from typing_extensions import TypeVar  # a default for the type variable: in `typing` from Python 3.13
 
 from gateway.routing.kv_index import KVIndex
+from kvroute.kv_events import BlockKey
+
+
+class KVIndexView(Protocol):
+    """What a router reads of a fleet KV index: the replicas it covers (in order) and, per replica, how many
+    leading blocks of a request it holds; `narrowed` to some of them for a retry. KVIndex, its
+    NarrowedKVIndex and the engine fleet's WeightedKVIndex are such views."""
+
+    @property
+    def replicas(self) -> tuple[str, ...]: ...
+
+    def match(self, block_hashes: Sequence[BlockKey]) -> list[int]: ...
+
+    def narrowed(self, replicas: Sequence[str]) -> KVIndexView: ...
+
+
+IndexT = TypeVar("IndexT", bound=KVIndexView, default=KVIndexView, covariant=True)
 
 
 @dataclass
@@ -22,12 +45,12 @@ class ReplicaLoad:
 
 
 @dataclass
-class FleetView:
+class FleetView(Generic[IndexT]):
     """The replicas (sorted ids), the load of each, and the fleet KV index over the same replicas."""
 
     replicas: tuple[str, ...]
     loads: dict[str, ReplicaLoad]
-    kv_index: KVIndex
+    kv_index: IndexT
     index_of: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -38,23 +61,23 @@ class FleetView:
         self.index_of = {r: i for i, r in enumerate(self.replicas)}
 
     @classmethod
-    def empty(cls, replicas: list[str] | tuple[str, ...], kv_index: KVIndex | None = None) -> FleetView:
+    def empty(cls, replicas: list[str] | tuple[str, ...], kv_index: KVIndex | None = None) -> FleetView[KVIndex]:
         ids = tuple(sorted(replicas))
-        return cls(ids, {r: ReplicaLoad() for r in ids}, kv_index or KVIndex(ids))
+        return FleetView(ids, {r: ReplicaLoad() for r in ids}, kv_index or KVIndex(ids))
 
     def without(self, exclude: frozenset[str]) -> FleetView:
         """The view less some replicas (a retry's failed workers): same loads, the index narrowed to match."""
         kept = tuple(r for r in self.replicas if r not in exclude)
         return FleetView(kept, {r: self.loads[r] for r in kept}, self.kv_index.narrowed(kept))
 
-    def add_replica(self, replica: str, load: ReplicaLoad | None = None) -> None:
+    def add_replica(self: FleetView[KVIndex], replica: str, load: ReplicaLoad | None = None) -> None:
         """A worker joins: in `replicas` (sorted), `loads` and the KV index (with no entries)."""
         self.kv_index.add_replica(replica)
         self.loads[replica] = load or ReplicaLoad()
         self.replicas = self.kv_index.replicas
         self.index_of = {r: i for i, r in enumerate(self.replicas)}
 
-    def remove_replica(self, replica: str) -> None:
+    def remove_replica(self: FleetView[KVIndex], replica: str) -> None:
         """A worker leaves: out of `replicas`, `loads` and the KV index; the others' entries stay."""
         self.kv_index.remove_replica(replica)
         del self.loads[replica]

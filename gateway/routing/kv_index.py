@@ -196,6 +196,9 @@ class NarrowedKVIndex:
         matched = self._index.match(block_hashes)
         return [matched[i] for i in self._positions]
 
+    def narrowed(self, replicas: Sequence[str]) -> NarrowedKVIndex:
+        return NarrowedKVIndex(self._index, replicas)
+
 
 class LearnedKVIndex(KVIndex):
     """A gateway's own guess of the fleet's cache, learned from its routing decisions only.

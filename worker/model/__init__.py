@@ -24,10 +24,10 @@ def load_model(
     source: ModelSource, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[LlamaForCausalLM, LlamaConfig]:
     """The model in eval mode with weights in `dtype` on `device`, and its config."""
-    if source.kind == "gguf":
+    if source.kind == "gguf" and source.path is not None:
         reader, config = open_gguf(source.path)
         weights: Iterable[tuple[str, torch.Tensor]] = iter_gguf_weights(reader, config)
-    elif source.kind == "hf":
+    elif source.kind == "hf" and source.path is not None:
         config = read_hf_config(source.path)
         weights = iter_hf_weights(source.path)
     elif source.kind == "tiny":

@@ -107,6 +107,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (HF layout) with a float32 cos/sin table for every position up to the maximum."""
 
+    cos_sin_cache: torch.Tensor  # a registered buffer
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -174,6 +176,7 @@ class LlamaAttention(nn.Module):
         """x [T, hidden] -> [T, hidden], or [N, hidden] for `output`'s rows (their meta must not be None)."""
         q = self.write_kv(x, rope, kv_cache, meta, backend)
         if output is not None:
+            assert output.meta is not None, "LlamaDecoderLayer only writes K/V when no row is wanted"
             q, meta = q[output.rows], output.meta
         k_cache, v_cache = kv_cache
         out = backend.attend(q, k_cache, v_cache, meta, self.scaling, self.k_scale, self.v_scale)

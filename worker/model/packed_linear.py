@@ -83,6 +83,8 @@ class Bf16DecodeLinear(nn.Module):
     on the copy (kernels.cpu_linear.bf16_linear: float32 activations, products accumulated in float32), larger
     ones on the float32 weight. The float32 weight is the linear's own tensor, so a tied lm_head stays tied."""
 
+    weight_panels: torch.Tensor  # a registered buffer
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
