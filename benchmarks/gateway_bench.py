@@ -406,11 +406,13 @@ def measure_routing_decision(prompt_tokens: int = 4096, replicas: int = 8, repea
     # it, which the gateway must never do with client text), and of the text alone.
     from kvroute.chat_template import render_chat_template
 
-    rendered = render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True)
+    template = tokenizer.chat_template
+    assert template is not None  # SmolLM2's GGUF carries one
+    rendered = render_chat_template(template, messages, add_generation_prompt=True)
     floor_ids = tokenizer.backend.encode(rendered, add_special_tokens=False).ids
     library_encode = median_us(lambda: tokenizer.backend.encode(rendered, add_special_tokens=False))
     library_encode_fast = median_us(lambda: tokenizer.backend.encode_batch_fast([rendered], add_special_tokens=False))
-    render = median_us(lambda: render_chat_template(tokenizer.chat_template, messages, add_generation_prompt=True))
+    render = median_us(lambda: render_chat_template(template, messages, add_generation_prompt=True))
     hashing = median_us(lambda: block_hashes(ids, model_id=source.model_id))
     request = RouteRequest("r", hashes, len(ids))
     pick = median_us(lambda: policy.observe(request, policy.pick(request, view)))
@@ -581,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
             results["overhead_ratio_p50_gateway_over_smg"] = ours / theirs if theirs > 0 else float("inf")
         pids = {"gateway_http": "gateway", "baseline_http": "baseline", "worker_http": "worker-0", "smg_http": "smg"}
         by_name = {child.name: child.pid for child in fleet.children}
-        targets = [name for name in ("gateway_http", "baseline_http", "worker_http", "smg_http") if name in ports]
+        targets: list[str] = [
+            name for name in ("gateway_http", "baseline_http", "worker_http", "smg_http") if name in ports
+        ]
         slices = max(1, round(args.duration))
 
         def throughput_slice(name: str, k: int) -> dict[str, float]:

@@ -230,7 +230,7 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
             raise ValueError(f"{where} has the unknown key {unknown[0]!r}; choose from {', '.join(POOL_KEYS)}")
         model = pool.get("model")
         served = pool.get("served_model_name", model)
-        names = served if isinstance(served, list) else [served]
+        names: list[Any] = served if isinstance(served, list) else [served]
         if not isinstance(model, str) or not model or not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(f"{where}: model and served_model_name (a name or a list of names) must be non-empty")
         specs = pool.get("workers", [])
@@ -318,7 +318,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     concurrency = TenantConcurrency(limits)
     clients = WorkerClients(token)
     metrics = GatewayMetrics(configs[0].served_model_name, tenant_labels=args.metrics_tenant_labels)
-    paths = []
+    paths: list[RequestPath] = []
     for config, policy, pool_specs in zip(configs, policies, specs, strict=True):
         if not pool_specs and not args.redis:
             raise UserError("name the fleet: --workers host:port,... and/or --redis URL")
@@ -536,7 +536,8 @@ class HttpServer:
         sock = listen_socket(host, port, reuse_port)
         config = uvicorn.Config(
             app, loop="none", http=limits.protocol_factory(), ws="none", lifespan="off", access_log=False,
-            log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=limits.keep_alive_timeout,
+            log_level="warning", timeout_graceful_shutdown=5,
+            timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # typed int, read as call_later's float
             server_header=False,
         )  # fmt: skip
         server = _Server(config)

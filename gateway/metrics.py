@@ -91,7 +91,7 @@ class _LiveCollector(Collector):
     state's counters (`gateway.fleet.fleet_state.FleetCounters`), summed over every source (one per pool)."""
 
     def __init__(self) -> None:
-        self.sources: list[tuple[Callable[[], Any], Callable[[], dict[str, int]]]] = []
+        self.sources: list[tuple[Callable[[], Any], Callable[[], Mapping[str, int]]]] = []
 
     def collect(self) -> Iterator[Metric]:
         breakers = GaugeMetricFamily(
@@ -259,7 +259,7 @@ class GatewayMetrics:
         """The metrics of the pool serving `model_name`, in this registry."""
         return GatewayMetrics(model_name, _shared=self._shared)
 
-    def watch(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], dict[str, int]]) -> None:
+    def watch(self, fleet_counters: Callable[[], Any], breaker_states: Callable[[], Mapping[str, int]]) -> None:
         """Read these at every scrape (each pool's request path calls this once with its fleet state and
         breakers; the series sum over the pools)."""
         self._shared.live.sources.append((fleet_counters, breaker_states))

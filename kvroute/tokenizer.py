@@ -154,9 +154,11 @@ class Tokenizer:
     @classmethod
     def for_model(cls, source: ModelSource) -> Tokenizer:
         """The tokenizer of a resolved model; `tiny` and `sim` use SmolLM2's (their vocabulary is its)."""
-        if source.kind == "hf":
-            return cls.from_hf_dir(source.path)
-        return cls.from_gguf(source.path if source.kind == "gguf" else smollm2_gguf_path())
+        if source.kind not in ("hf", "gguf"):
+            return cls.from_gguf(smollm2_gguf_path())
+        if source.path is None:
+            raise ValueError(f"a {source.kind} model source without a path: {source}")
+        return cls.from_hf_dir(source.path) if source.kind == "hf" else cls.from_gguf(source.path)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -228,8 +230,7 @@ class Tokenizer:
 
         named = {"bos_token": self.bos_token or None, "eos_token": self.eos_token or None}
         special_map: dict[str, Any] = {
-            key: token_entry(added[self.backend.token_to_id(content)]) if self.backend.token_to_id(content) in added
-            else content
+            key: token_entry(added[token_id]) if (token_id := self.backend.token_to_id(content)) in added else content
             for key, content in named.items()
             if content
         }  # fmt: skip
@@ -355,6 +356,7 @@ class Tokenizer:
             if run_ids is None:
                 encoding = _encode_ids(self._text_backend, text, False)
                 if room is not None and len(encoding) > room:  # counted without building the list of ids
+                    assert max_tokens is not None  # room is counted from it
                     raise PromptTooLong(
                         len(ids) + len(encoding) + (special_id is not None), max_tokens, exact=special_id is None
                     )
@@ -362,6 +364,7 @@ class Tokenizer:
                 if cache_scope is not None:
                     fresh[text] = array("I", run_ids)
             elif room is not None and len(run_ids) > room:
+                assert max_tokens is not None  # room is counted from it
                 raise PromptTooLong(
                     len(ids) + len(run_ids) + (special_id is not None), max_tokens, exact=special_id is None
                 )
@@ -502,11 +505,11 @@ class Tokenizer:
 
     @property
     def bos_token(self) -> str:
-        return self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        return (self.backend.id_to_token(self.bos_token_id) or "") if self.bos_token_id is not None else ""
 
     @property
     def eos_token(self) -> str:
-        return self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return (self.backend.id_to_token(self.eos_token_ids[0]) or "") if self.eos_token_ids else ""
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

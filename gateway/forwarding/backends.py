@@ -415,7 +415,8 @@ def _completion_logprobs(logprobs: dict[str, Any] | None) -> tuple[TokenLogprob,
     tops: Sequence[dict[str, float] | None] = logprobs.get("top_logprobs") or ()
     out = []
     for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
-        top = tops[i] if i < len(tops) and tops[i] else {}
+        top = tops[i] if i < len(tops) else None
+        top = top or {}
         alternatives = tuple(TokenLogprob(t, -1, float(lp), list(t.encode())) for t, lp in top.items() if t != token)
         out.append(TokenLogprob(token, -1, float(value), list(token.encode()), alternatives))
     return tuple(out)

@@ -77,7 +77,10 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-INFERENCE_PATHS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+INFERENCE_PATHS: dict[str, type[ChatCompletionRequest | CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 BODY_CHUNK_BYTES = 62_000  # a streamed body response stays under Envoy's default 64 KiB gRPC frame budget
 USAGE_TAIL_BYTES = 16_384  # of an SSE stream: enough for its last events (usage, [DONE])
 JSON_KEEP_BYTES = 1 << 20  # of a whole JSON response: parsed for usage at its end, past this not kept
@@ -389,7 +392,7 @@ def immediate(error: GatewayError, request_id: str | None) -> ext_pb2.Processing
     headers.update(error.http_headers())
     return ext_pb2.ProcessingResponse(
         immediate_response=ext_pb2.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=error.http_status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=error.http_status),
             headers=ext_pb2.HeaderMutation(set_headers=header_options(headers)),
             body=orjson.dumps(error.to_openai()),
             details=f"kvroute_epp_{error.code or type(error).__name__}",

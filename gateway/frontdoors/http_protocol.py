@@ -203,13 +203,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if isinstance(cycle, HotCycle):
                 cycle.lost()
         if isinstance(self.cycle, HotCycle):
-            self.cycle = None  # type: ignore[assignment]  # uvicorn's own cleanup is for its own cycles
+            self.cycle = None  # uvicorn's own cleanup is for its own cycles
         super().connection_lost(exc)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         if self._lingering:
             self.transport.close()
-        return None
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -308,7 +307,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
         self.cycle = HotCycle(self, endpoint, self.headers, keep_alive, self.expect_100_continue)  # type: ignore[assignment]
         if existing is None or existing.response_complete:
-            self._start_asgi_task(self.cycle, None)  # type: ignore[arg-type]
+            self._start_asgi_task(self.cycle, None)
         else:  # pipelined: it waits for the response before it, as uvicorn's own cycles do
             self.flow.pause_reading()
             self.pipeline.appendleft((self.cycle, None))  # type: ignore[arg-type]
@@ -595,11 +594,11 @@ class HotCycle:
         self.waiting_for_100_continue = False
         if self.more_body:
             self.keep_alive = False  # answered before the body's end: the connection ends after this answer
-        parts = [STATUS_LINE[status]]
+        parts: list[bytes] = [STATUS_LINE[status]]
         for name, value in self.protocol.server_state.default_headers:
             parts += [name, b": ", value, b"\r\n"]
-        for name, value in zip(headers, values, strict=True):
-            parts += [name.encode("latin-1"), b": ", value, b"\r\n"]
+        for header, value in zip(headers, values, strict=True):
+            parts += [header.encode("latin-1"), b": ", value, b"\r\n"]
         parts.append(fixed)
         parts.append(b"\r\n" if self.keep_alive else b"connection: close\r\n\r\n")
         return b"".join(parts)

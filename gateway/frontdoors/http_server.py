@@ -96,7 +96,7 @@ class ServesModel(Protocol):
 
     async def tokenize(self, request: GatewayRequest) -> TokenizeResult: ...
 
-    def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str: ...
+    async def detokenize(self, api_key: str | None, model: str | None, token_ids: list[int]) -> str: ...
 
     def max_model_len(self) -> int: ...
 
@@ -427,7 +427,7 @@ async def read_body(receive: Receive, content_length: str | None, limit: int) ->
     Content-Length header's value, else while it streams in (chunked), so an oversize body is never held
     whole. ClientDisconnect if the client leaves before its end."""
     check_content_length(content_length, limit)
-    parts = []
+    parts: list[bytes] = []
     size = 0
     while True:
         message = await receive()
@@ -579,9 +579,9 @@ class Renderer:
             for event in self.opening():
                 yield sse(event)
             async for chunk in self.generation:
-                event = self.chunk_event(chunk)
-                if event is not None:
-                    yield sse(event)
+                chunk_event = self.chunk_event(chunk)
+                if chunk_event is not None:
+                    yield sse(chunk_event)
             if self.include_usage:
                 yield sse({**self.head, "choices": [], "usage": usage_body(self.generation.usage)})
         except GatewayError as exc:
