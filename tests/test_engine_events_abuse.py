@@ -177,7 +177,8 @@ def test_a_message_over_the_socket_cap_is_never_delivered() -> None:
 
 def test_the_block_map_forgets_its_oldest_in_constant_time() -> None:
     """Past its bound the map forgets the oldest block, in order, for each new one; the blocks stored past it
-    cost about what the first did (before, each eviction walked the slots deleted before it)."""
+    cost about what the first did, an eviction included (before, each walked the slots deleted before it:
+    27 times as long here)."""
     book = pool_book()
     subscriber = EngineEventSubscriber(book, EngineEventSource("w", None))
     bound, batch = 1 << 18, 8192
@@ -194,16 +195,17 @@ def test_the_block_map_forgets_its_oldest_in_constant_time() -> None:
         return time.perf_counter() - began
 
     seq, times = 0, []
-    for start in range(0, bound + 8 * batch, batch):
+    for start in range(0, bound + 10 * batch, batch):
         times.append(store(seq, start))
         seq += 1
-    before, past = sorted(times[:8])[4], sorted(times[-8:])[4]
-    assert past < 3 * before, f"a batch past the bound took {past * 1e3:.0f} ms, one before it {before * 1e3:.0f} ms"
+    before, past = sorted(times[:8])[4], sorted(times[-4:])[2]
+    print(f"a batch before the bound {before * 1e3:.0f} ms, past it {past * 1e3:.0f} ms")
+    assert past < 6 * before, f"a batch past the bound took {past * 1e3:.0f} ms, one before it {before * 1e3:.0f} ms"
     index = book.fleet.kv_index
     assert index.num_blocks("w") == bound and subscriber.counters.dropped == {}
-    tokens = [i % 100 for i in range((bound + 8 * batch) * BLOCK)]
+    tokens = [i % 100 for i in range((bound + 10 * batch) * BLOCK)]
     hashes = block_hashes(tokens, model_id="m", block_size=BLOCK)
-    assert index.held("w") == set(hashes[8 * batch :])  # the oldest 8 batches forgotten, the rest held
+    assert index.held("w") == set(hashes[10 * batch :])  # the oldest 10 batches forgotten, the rest held
 
 
 def test_batches_held_during_a_replay_are_bounded_by_bytes() -> None:
