@@ -24,7 +24,7 @@ import zmq
 from prometheus_client import generate_latest
 
 from gateway.admission.auth import key_sha256
-from gateway.fleet.engine_fleet import EngineOptions
+from gateway.fleet.engine_fleet import EngineOptions, subscribe
 from gateway.forwarding.retry import StreamDeadlines
 from gateway.frontdoors.http_server import merge_delta
 from gateway.metrics import label_value
@@ -629,3 +629,17 @@ def test_a_tool_call_index_out_of_bounds_is_a_malformed_event() -> None:
         finally:
             stack.call(session.close())
             stack.call(runner.cleanup())
+
+
+def test_the_engines_capacity_from_its_metrics_reaches_its_kv_event_subscriber() -> None:
+    """`vllm:cache_config_info`'s num_gpu_blocks (the sim workers': 256) is what sizes the worker's engine-block
+    map (docs/engines.md, "Bounds"), where before no capacity was passed."""
+    capacities: list[int | None] = []
+
+    def recording(spec: Any, worker_id: str, book: Any, on_restart: Any, options: Any, capacity: Any) -> Any:
+        capacities.append(capacity)
+        return subscribe(spec, worker_id, book, on_restart, options, capacity)
+
+    with EngineStack(EngineStackOptions(workers=1, api_keys=None, kv_events=True, events=recording)) as stack:
+        _wait(lambda: len(stack.fleet.members()) == 1)
+    assert capacities == [256]

@@ -34,9 +34,11 @@ Caller contract:
      counted in `counters.dropped[reason]` and in the book's `FleetCounters.kv_event_drops` (served by the
      gateway as `kvroute:gateway_kv_event_drops{worker, reason}`). A malformed frame, a batch for a worker not
      in the book, a foreign rank or topic, a stored run whose parent it never saw: dropped, entries kept. A
-     malformed batch in sequence (not msgpack, an unknown tag, wrong types, over `MAX_BATCH_BYTES` or
-     `MAX_EVENTS_PER_BATCH`) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
-     follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches").
+     malformed batch in sequence (not msgpack, an unknown tag, wrong types, over a bound of
+     `kvroute.engine_kv_events`: bytes, events, blocks or token ids per event or per batch, each checked before
+     what it bounds is decoded) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
+     follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches"). A frame
+     over `MAX_MESSAGE_BYTES` is never read (ZMQ_MAXMSGSIZE): the link drops, as in item 4.
   6. `medium`: a block held only on tiers other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) is in the
      index when `medium_weights` gives one of its tiers a weight > 0, and `weights` maps it to the largest
      such weight (a block with a GPU copy, weight 1, is not in `weights`); a tier not named weighs 0: its
@@ -44,6 +46,10 @@ Caller contract:
   7. `EngineEventHub` is the llm-d layout: one SUB socket the gateway binds, that the engines' publishers
      connect to, keyed by topic (`kv@<ip>:<port>@<model>`): `hub.add(topic, subscriber)` for a subscriber
      made with `events_endpoint=None`.
+  8. No batch holds the event loop: `receive(frames)` (what the reader and the hub call) decodes a batch one
+     event at a time and applies it in slices of `SLICE_BLOCKS` blocks, the loop run between them, one batch at
+     a time per subscriber (a replay's end waits its turn); `handle(frames)` applies it at once, for a caller
+     off the loop. Live batches held during a replay are bounded by `MAX_HELD_BATCHES` and `MAX_HELD_BYTES`.
 """
 
 from __future__ import annotations
