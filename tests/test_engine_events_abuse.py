@@ -51,12 +51,13 @@ def chain(num_blocks: int, per_event: int, first_hash: int = 1) -> bytes:
 
 
 async def loop_gaps(gaps: list[float]) -> None:
-    """Records how late a 1 ms sleep wakes: the longest the event loop was held."""
-    last = time.perf_counter()
+    """Records the loop thread's CPU time between two wake-ups of a 1 ms sleep: how long the event loop was
+    held each time, whatever else the machine runs (a wall clock counts the time other processes had too)."""
+    last = time.thread_time()
     while True:
         await asyncio.sleep(0.001)
-        now = time.perf_counter()
-        gaps.append(now - last - 0.001)
+        now = time.thread_time()
+        gaps.append(now - last)
         last = now
 
 
@@ -104,11 +105,10 @@ def test_a_batch_of_625k_blocks_applies_in_slices_while_the_loop_runs() -> None:
         assert index.held("w") >= set(block_hashes(tokens, model_id="m", block_size=BLOCK)[-10:])
         gaps.sort()
         p99, worst = gaps[int(len(gaps) * 0.99)], gaps[-1]
-        print(f"625k blocks applied in {took:.2f} s; loop late p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
-        # Slices of ~3 ms; the bounds leave room for a loaded 2-core machine (docs/engines.md has the figures).
-        assert took < 30
-        assert p99 < 0.060, f"the loop was held: p99 {p99 * 1e3:.1f} ms"
-        assert worst < 1.0, f"the loop was held {worst * 1e3:.0f} ms at once"
+        print(f"625k blocks applied in {took:.2f} s; loop held p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
+        assert took < 60
+        assert p99 < 0.020, f"the loop was held: p99 {p99 * 1e3:.1f} ms"
+        assert worst < 0.5, f"the loop was held {worst * 1e3:.0f} ms at once"
 
     run(main(), timeout=90)
 

@@ -62,6 +62,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -105,9 +106,9 @@ MAX_HELD_BYTES = 4 * MAX_BATCH_BYTES
 # ZMQ_MAXMSGSIZE on every socket that reads events: a larger frame is never delivered (the peer is
 # disconnected, as for a lost link), so no more than one batch's bound is ever read into memory.
 MAX_MESSAGE_BYTES = MAX_BATCH_BYTES
-# Blocks decoded, hashed or booked between two yields to the event loop while one batch is applied (about
-# 2-3 ms of work on a 2-core Zen 3); messages handled per wake-up.
-SLICE_BLOCKS = 2048
+# Blocks decoded, hashed and told to the book between two yields to the event loop while one batch is applied (about
+# 1 ms of work, a few on a loaded 2-core machine); messages handled per wake-up.
+SLICE_BLOCKS = 512
 _BURST = 64
 
 Steps = Generator[None, None, None]  # a piece of work that yields wherever the event loop may run between slices
@@ -171,6 +172,17 @@ class _Partial:
     anchor: BlockHash
     tokens: tuple[int, ...]
     foreign: tuple = ()
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What a batch changed in the ingest's holdings since the book was last told (`to_book`: it is told;
+    a replay's batches are not, the book mirrored at its end)."""
+
+    to_book: bool
+    added: list[BlockHash] = field(default_factory=list)
+    removed: list[BlockHash] = field(default_factory=list)
+    cleared: bool = False
 
 
 class _Ingest:
@@ -515,12 +527,10 @@ class EngineEventSubscriber:
             self._drop("foreign_rank", f"rank {rank}'s batch; this subscriber reads {self.source.data_parallel_rank}'s")
             return False
         try:
-            added, removed, cleared = yield from self._ingest_batch(head)
+            yield from self._ingest_batch(head, _Pending(to_book=to_book))
         except KVEventDecodeError as exc:
             yield from self._lost(seq, exc, to_book)
             return False
-        if to_book:
-            yield from self._book(cleared, removed, added)
         self.last_event_at = time.monotonic()
         self.counters.batches += 1  # counted once the book has it
         return True
@@ -533,42 +543,55 @@ class EngineEventSubscriber:
         if to_book:
             yield from self._mirror()
 
-    def _book(self, cleared: bool, removed: list[BlockHash], added: list[BlockHash]) -> Steps:
-        """A batch's net changes into the book, `SLICE_BLOCKS` hashes per event."""
-        changes = [("cleared", 0, [])] if cleared else []
-        for kind, hashes in (("removed", removed), ("stored", added)):
-            changes += [(kind, i, hashes) for i in range(0, len(hashes), SLICE_BLOCKS)]
-        for kind, start, hashes in changes:
+    def _flush(self, pending: _Pending) -> Steps:
+        """Tell the book what the ingest's holdings became since the last flush, then yield: the book follows
+        the ingest slice by slice, never a batch's whole change at once."""
+        held = self._ingest.refs
+        gone = tuple(h for h in pending.removed if h not in held)  # stored then removed within the slice: gone
+        kept = tuple(h for h in pending.added if h in held)  # and the reverse: held
+        changes = [(kind, hashes) for kind, hashes in (("removed", gone), ("stored", kept)) if hashes]
+        if pending.cleared:
+            changes.insert(0, ("cleared", ()))
+        pending.added.clear()
+        pending.removed.clear()
+        pending.cleared = False
+        for kind, hashes in changes if pending.to_book else ():
             member = self.book.member(self.worker_id)
             if member is None:
-                return
+                break
             if member.incarnation != self._book_incarnation:
                 yield from self._mirror()  # a (re)admission reset the book's entries for this worker
-                return
-            event = KVEvent(self.book.last_seq(self.worker_id) + 1, kind, tuple(hashes[start : start + SLICE_BLOCKS]))
+                break
+            event = KVEvent(self.book.last_seq(self.worker_id) + 1, kind, hashes)
             if not self.book.apply_events(self.worker_id, member.incarnation, [event]):
                 if not self._link_lost:  # marked stale meanwhile for a lost link: its replay mirrors it
                     yield from self._mirror()
-                return
-            yield
+                break
+        yield
 
-    def _ingest_batch(self, head: BatchHead) -> Generator[None, None, tuple[list[BlockHash], list[BlockHash], bool]]:
-        """The batch's events decoded one at a time into the ingest; the net holdings it added and removed, and
-        whether it began with a clear (everything before it gone). KVEventDecodeError for a bad event."""
+    def _flushing(self, steps: Generator[None, None, Any], pending: _Pending) -> Generator[None, None, Any]:
+        """`steps`, with a flush wherever it yields; returns what it returns."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+            yield from self._flush(pending)
+
+    def _ingest_batch(self, head: BatchHead, pending: _Pending) -> Steps:
+        """The batch's events decoded one at a time into the ingest, flushed to the book (`pending.to_book`) at
+        every slice. KVEventDecodeError for a bad event."""
         ingest, counters = self._ingest, self.counters
-        added: list[BlockHash] = []
-        removed: list[BlockHash] = []
-        cleared = False
         budget = BatchBudget()
-        since_yield = 0
+        since_flush = 0
         for raw in head.events:
             event = decode_event(raw, budget)
             if isinstance(event, BlockStored):
-                since_yield += len(event.block_hashes)
+                since_flush += len(event.block_hashes)
                 if event.group_idx:
                     counters.drop("kv_cache_group")
                     continue
-                reason = yield from ingest.stored(event, added, removed)
+                reason = yield from self._flushing(ingest.stored(event, pending.added, pending.removed), pending)
                 if reason == "block_size":
                     self._parity_failure(event.block_size)
                 elif reason is not None:
@@ -576,34 +599,23 @@ class EngineEventSubscriber:
                 else:
                     counters.stored_blocks += len(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                since_yield += len(event.block_hashes)
+                since_flush += len(event.block_hashes)
                 if event.group_idx:
                     counters.drop("kv_cache_group")
                     continue
-                yield from ingest.removed(event, removed)
+                yield from self._flushing(ingest.removed(event, pending.removed), pending)
                 counters.removed_blocks += len(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 ingest.clear()
-                added.clear()
-                removed.clear()
-                cleared = True
+                pending.added.clear()
+                pending.removed.clear()
+                pending.cleared = True
                 counters.cleared += 1
-            since_yield += 1
-            if since_yield >= SLICE_BLOCKS:
-                since_yield = 0
-                yield
-        if added and removed:  # a block stored then removed within the batch, or the reverse: settle by the end
-            held = ingest.refs
-            gone: set[BlockHash] = set()
-            for i in range(0, len(removed), SLICE_BLOCKS):
-                gone.update(h for h in removed[i : i + SLICE_BLOCKS] if h not in held)
-                yield
-            kept: list[BlockHash] = []
-            for i in range(0, len(added), SLICE_BLOCKS):
-                kept += [h for h in added[i : i + SLICE_BLOCKS] if h in held]
-                yield
-            added, removed = kept, list(gone)
-        return added, removed, cleared
+            since_flush += 1
+            if since_flush >= SLICE_BLOCKS:
+                since_flush = 0
+                yield from self._flush(pending)
+        yield from self._flush(pending)
 
     def _parity_failure(self, block_size: int) -> None:
         self.counters.parity_failures += 1

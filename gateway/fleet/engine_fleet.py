@@ -86,8 +86,9 @@ CANARIES: tuple[str | list[dict[str, str]], ...] = (
 START_TIME = "process_start_time_seconds"  # prometheus_client's, on vLLM's and SGLang's pages: a change is a restart
 UNVERIFIED = "unverified"  # the tokenizer fingerprint of an engine whose /tokenize could not be compared
 MAX_METRICS_BYTES = 4 * 1024 * 1024
-# The most KV blocks an engine's word is taken for when its KV-event map is sized (a 256 M-token cache of 16).
-MAX_ENGINE_BLOCKS = 1 << 24
+# The most KV blocks an engine's word is taken for when its KV-event map is sized (a 64 M-token cache of 16):
+# the map's memory, and the pause of its own resizes under churn, grow with it.
+MAX_ENGINE_BLOCKS = 1 << 22
 
 
 class EventSource(Protocol):
