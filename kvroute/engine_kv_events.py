@@ -170,6 +170,9 @@ class _Head(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 _UINT32 = "I" if array("I").itemsize == 4 else "L"
 _decoder = msgspec.msgpack.Decoder()
 _head_decoder = msgspec.msgpack.Decoder(_Head)
+# An event this small cannot carry more than the per-event bounds (an id or a hash is at least a byte), so it is
+# decoded whole; a larger one field by field, its arrays' lengths read from their headers first.
+_WHOLE_EVENT_BYTES = 64 * 1024
 _event_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw] | list[msgspec.Raw])
 _encoder = msgspec.msgpack.Encoder()
 _SEQ_BYTES = 8
@@ -213,7 +216,8 @@ def decode_event(raw: msgspec.Raw, budget: BatchBudget) -> KVCacheEvent:
     """One event of an `open_batch` head; its blocks and tokens counted in `budget` (one per batch) before
     they are decoded. KVEventDecodeError for bad input or past a bound."""
     try:
-        return _decode_event(_event_decoder.decode(raw), budget)
+        event = _decoder.decode(raw) if len(raw) <= _WHOLE_EVENT_BYTES else _event_decoder.decode(raw)
+        return _decode_event(event, budget)
     except KVEventDecodeError:
         raise
     except (msgspec.DecodeError, TypeError, ValueError, KeyError, IndexError, RecursionError) as exc:
@@ -236,9 +240,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _fields(
-    event: dict[str, msgspec.Raw] | list[msgspec.Raw], names: Sequence[str], tag: str
-) -> dict[str, msgspec.Raw]:
+def _fields(event: dict[str, Any] | list[Any], names: Sequence[str], tag: str) -> dict[str, Any]:
     if isinstance(event, dict):
         return event
     if len(event) - 1 > len(names):
@@ -246,12 +248,14 @@ def _fields(
     return dict(zip(names, event[1:], strict=False))
 
 
-def _array_length(raw: msgspec.Raw | None) -> int:
-    """The element count in a msgpack array's header, read without decoding the array (0 for anything else:
-    its decoding then fails on its type)."""
-    if raw is None:
+def _array_length(value: Any) -> int:
+    """An array's length: a decoded one's, or the count in an undecoded one's header, read without decoding it
+    (0 for anything else: its decoding then fails on its type)."""
+    if isinstance(value, list):
+        return len(value)
+    if not isinstance(value, msgspec.Raw):
         return 0
-    view = memoryview(raw)
+    view = memoryview(value)
     first = view[0] if len(view) else 0
     if 0x90 <= first <= 0x9F:
         return first & 0x0F
@@ -260,16 +264,21 @@ def _array_length(raw: msgspec.Raw | None) -> int:
     return 0
 
 
-def _decoded(f: dict[str, msgspec.Raw], name: str) -> Any:
-    raw = f.get(name)
-    return None if raw is None else _decoder.decode(raw)
+def _value(value: Any) -> Any:
+    """A field's value, decoded where it is still msgpack."""
+    return _decoder.decode(value) if isinstance(value, msgspec.Raw) else value
 
 
-def _decode_event(event: dict[str, msgspec.Raw] | list[msgspec.Raw], budget: BatchBudget) -> KVCacheEvent:
+def _decoded(f: dict[str, Any], name: str) -> Any:
+    return _value(f.get(name))
+
+
+def _decode_event(event: Any, budget: BatchBudget) -> KVCacheEvent:
+    """`event`: a map or array whose values are decoded, or still msgpack (`msgspec.Raw`)."""
     if isinstance(event, dict):
         tag = _decoded(event, "type")
-    elif event:
-        tag = _decoder.decode(event[0])
+    elif isinstance(event, list) and event:
+        tag = _value(event[0])
     else:
         raise KVEventDecodeError("an event is a map tagged by 'type' or an array with its tag first")
     if tag == "BlockStored":
@@ -280,7 +289,7 @@ def _decode_event(event: dict[str, msgspec.Raw] | list[msgspec.Raw], budget: Bat
         f = _fields(event, BLOCK_REMOVED_FIELDS, tag)
         budget.take(_array_length(f.get("block_hashes")), 0)
         return BlockRemoved(
-            _hashes(_decoder.decode(f["block_hashes"])), _opt_str(_decoded(f, "medium"), "medium"),
+            _hashes(_value(f["block_hashes"])), _opt_str(_decoded(f, "medium"), "medium"),
             _opt_int(_decoded(f, "group_idx"), "group_idx"),
         )  # fmt: skip
     if tag == "AllBlocksCleared":
@@ -288,19 +297,19 @@ def _decode_event(event: dict[str, msgspec.Raw] | list[msgspec.Raw], budget: Bat
     raise KVEventDecodeError(f"unknown event tag {str(tag)[:40]!r}")
 
 
-def _block_stored(f: dict[str, msgspec.Raw]) -> BlockStored:
-    hashes = _hashes(_decoder.decode(f["block_hashes"]))
+def _block_stored(f: dict[str, Any]) -> BlockStored:
+    hashes = _hashes(_value(f["block_hashes"]))
     parent = _decoded(f, "parent_block_hash")
     if parent is not None and not _is_hash(parent):
         raise KVEventDecodeError("BlockStored.parent_block_hash must be an integer, bytes or null")
-    tokens = _decoder.decode(f["token_ids"])
+    tokens = _value(f["token_ids"])
     try:
         array(_UINT32, tokens)  # checks every id in C: an integer in [0, 2**32)
     except (TypeError, OverflowError):
         raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)") from None
     if not isinstance(tokens, list):
         raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)")
-    block_size = _decoder.decode(f["block_size"])
+    block_size = _value(f["block_size"])
     if not _is_int(block_size) or block_size < 1:
         raise KVEventDecodeError(f"BlockStored.block_size must be an integer >= 1, got {block_size!r}"[:120])
     if len(tokens) != len(hashes) * block_size:

@@ -217,7 +217,7 @@ class _Ingest:
     def stored(
         self, event: BlockStored, added: list[BlockHash], removed: list[BlockHash]
     ) -> Generator[None, None, str | None]:
-        """Take one BlockStored, yielding every `SLICE_BLOCKS` blocks; new holdings go to `added` (and forgotten
+        """Take one BlockStored, yielding between slices of `SLICE_BLOCKS` blocks; new holdings go to `added` (and forgotten
         ones to `removed`). Returns the reason it was dropped, or None."""
         size = event.block_size
         if size != self.block_size and self.block_size % size:
@@ -238,12 +238,13 @@ class _Ingest:
         hashes, tokens = event.block_hashes, event.token_ids
         if size == self.block_size and not pending and not event.extra_keys:
             for start in range(0, len(hashes), SLICE_BLOCKS):
+                if start:
+                    yield
                 run = hashes[start : start + SLICE_BLOCKS]
                 ours_run = extend_block_hashes(anchor, tokens[start * size : (start + len(run)) * size], size)
                 for engine_hash, ours in zip(run, ours_run, strict=True):
                     self._hold(engine_hash, ours, counts, medium, added, removed)
                 anchor = ours_run[-1]
-                yield
             return None
         for i, engine_hash in enumerate(hashes):
             if i % SLICE_BLOCKS == SLICE_BLOCKS - 1:
@@ -296,7 +297,7 @@ class _Ingest:
             removed.append(ours)
 
     def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> Steps:
-        """Take one BlockRemoved, yielding every `SLICE_BLOCKS` blocks. A block's mapping goes with its last
+        """Take one BlockRemoved, yielding between slices of `SLICE_BLOCKS` blocks. A block's mapping goes with its last
         counted copy, so the map holds the engine's live blocks only and its bound is never reached by churn."""
         counts = self._weight(event.medium) > 0
         medium = None if event.medium in GPU_MEDIA else event.medium
