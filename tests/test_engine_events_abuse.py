@@ -248,3 +248,68 @@ def test_the_engines_capacity_bounds_its_block_map_where_it_is_larger() -> None:
     subscriber = subscribe(spec, "w", book, lambda _: None, EngineOptions(), 300_000)
     subscriber.handle([b"", encode_seq(0), chain(300_000, 1_000)])  # over the default 262,144
     assert book.fleet.kv_index.num_blocks("w") == 300_000
+
+
+FLOODER = """
+import sys, time, msgspec, zmq
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+pub = zmq.Context().socket(zmq.PUB)
+pub.bind(f"tcp://127.0.0.1:{port}")
+print("bound", flush=True)
+sys.stdin.readline()
+seq, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:  # a new sequence of 4,096 blocks every 5 ms, far more than the gateway can take
+    hashes = list(range(seq * 4096, (seq + 1) * 4096))
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+             "token_ids": [(seq + i) % 100 for i in range(4096 * 16)], "block_size": 16}
+    pub.send_multipart([b"", seq.to_bytes(8, "big", signed=True), msgspec.msgpack.encode([time.time(), [event], 0])])
+    seq += 1
+    time.sleep(0.005)
+print("done", seq, flush=True)
+"""
+
+
+def test_a_flooding_publisher_does_not_starve_the_gateways_health() -> None:
+    """A real gateway (tests/engine_stack.py) whose one engine's events come from a publisher sending more than
+    it can ingest: `/health` keeps answering (before, 64 messages were applied per wake-up, each whole)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from launch.fleet import free_port
+    from tests.engine_stack import EngineStack, EngineStackOptions
+
+    events = free_port()
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, str(events), "6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert flooder.stdout is not None and flooder.stdin is not None
+        assert flooder.stdout.readline().strip() == "bound"
+        options = EngineStackOptions(
+            workers=1, api_keys=None, specs=lambda http: [f"vllm://127.0.0.1:{http[0]}?events=tcp://127.0.0.1:{events}"]
+        )
+        with EngineStack(options) as stack, httpx.Client(timeout=30) as client:
+            deadline = time.monotonic() + 20
+            while not stack.fleet.members() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # subscribed
+            flooder.stdin.write("go\n")
+            flooder.stdin.flush()
+            latencies = []
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                began = time.perf_counter()
+                assert client.get(f"{stack.http_url}/health").status_code == 200
+                latencies.append(time.perf_counter() - began)
+                time.sleep(0.02)
+            worker = stack.fleet.members()[0].worker_id
+            assert stack.fleet.view().kv_index.num_blocks(worker) > 0  # the flood was being ingested
+        latencies.sort()
+        p99, worst = latencies[int(len(latencies) * 0.99)], latencies[-1]
+        print(f"/health under a flood: {len(latencies)} answers, p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
+        assert p99 < 0.2, f"/health p99 {p99 * 1e3:.0f} ms while one publisher floods"
+    finally:
+        flooder.kill()
+        flooder.wait()
