@@ -1,19 +1,22 @@
 """A hostile or broken engine's KV events against the gateway's subscriber (gateway.fleet.engine_events): huge
 batches apply in slices while the event loop keeps running, batches over a bound are refused before they are
-decoded, a message over the socket's cap is never delivered, the engine-block map forgets in O(1), and the
-batches held during a replay are bounded by bytes. Real ZMQ sockets on loopback; every wait bounded."""
+decoded, a message over the socket's cap is never delivered, the engine-block map forgets in O(1) (sized by
+the engine's capacity where larger), the batches held during a replay are bounded by bytes, and a real gateway's
+`/health` answers while one publisher floods it. Real ZMQ sockets on loopback; every wait bounded."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import time
 import tracemalloc
 
+import httpx
 import msgspec
 import zmq
 import zmq.asyncio
-from test_engine_events import held, run, until
 
 from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
 from gateway.fleet.engine_fleet import EngineOptions, subscribe
@@ -28,6 +31,9 @@ from kvroute.engine_kv_events import (
 )
 from kvroute.hashing import block_hashes, hash_fingerprint
 from kvroute.heap import freeze_start_up_heap
+from launch.fleet import free_port
+from tests.engine_stack import EngineStack, EngineStackOptions
+from tests.test_engine_events import held, run, until
 
 BLOCK = 16
 
@@ -272,14 +278,6 @@ print("done", seq, flush=True)
 def test_a_flooding_publisher_does_not_starve_the_gateways_health() -> None:
     """A real gateway (tests/engine_stack.py) whose one engine's events come from a publisher sending more than
     it can ingest: `/health` keeps answering (before, 64 messages were applied per wake-up, each whole)."""
-    import subprocess
-    import sys
-
-    import httpx
-
-    from launch.fleet import free_port
-    from tests.engine_stack import EngineStack, EngineStackOptions
-
     events = free_port()
     flooder = subprocess.Popen(
         [sys.executable, "-c", FLOODER, str(events), "6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
