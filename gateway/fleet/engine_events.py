@@ -217,8 +217,8 @@ class _Ingest:
     def stored(
         self, event: BlockStored, added: list[BlockHash], removed: list[BlockHash]
     ) -> Generator[None, None, str | None]:
-        """Take one BlockStored, yielding between slices of `SLICE_BLOCKS` blocks; new holdings go to `added` (and forgotten
-        ones to `removed`). Returns the reason it was dropped, or None."""
+        """Take one BlockStored, yielding between slices of `SLICE_BLOCKS` blocks; new holdings go to `added`
+        (and forgotten ones to `removed`). Returns the reason it was dropped, or None."""
         size = event.block_size
         if size != self.block_size and self.block_size % size:
             return "block_size"
