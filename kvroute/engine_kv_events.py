@@ -28,8 +28,12 @@ seq >= start_seq, as `[b"", topic, seq, payload]` (vLLM 0.33, SGLang) or `[b"", 
 then an end marker whose seq is -1.
 
 Contract: `decode_batch(payload)` returns an `EventBatch` or raises `KVEventDecodeError` (the one error type
-for bad input: not msgpack, wrong shapes or types, an unknown tag, more than `MAX_BATCH_BYTES` or
-`MAX_EVENTS_PER_BATCH`); nothing else escapes it for any bytes. `encode_batch` writes vLLM 0.33's shape.
+for bad input: not msgpack, wrong shapes or types, an unknown tag, over a bound); nothing else escapes it for
+any bytes. The same, one event at a time (a subscriber that must not hold its event loop while a large batch
+is decoded): `head = open_batch(payload)`, then `decode_event(raw, budget)` for each of `head.events` with one
+`BatchBudget` per batch. Every bound is checked before what it bounds is decoded: the batch's bytes, then its
+event count (from the array's header), then each event's blocks and tokens, and the batch's running totals
+(from the headers of the event's arrays). `encode_batch` writes vLLM 0.33's shape.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -46,6 +50,13 @@ EngineHash = int | bytes
 # one BlockRemoved per eviction; SGLang one BlockStored per page), so only a broken or hostile sender hits them.
 MAX_BATCH_BYTES = 16 * 1024 * 1024
 MAX_EVENTS_PER_BATCH = 100_000
+# One BlockStored is one request's new blocks in one engine step: at most a step's token budget, which is the
+# context length when chunked prefill is off (128k for most long-context models).
+MAX_TOKENS_PER_EVENT = 1 << 17
+MAX_BLOCKS_PER_EVENT = 1 << 17  # a block is at least one token (SGLang's pages)
+# A batch's whole work, however it is packed: one-byte ids and hashes would let 16 MiB carry 8 M blocks.
+MAX_TOKENS_PER_BATCH = 1 << 24
+MAX_BLOCKS_PER_BATCH = 1 << 20
 END_SEQ = -1
 
 BLOCK_STORED_FIELDS = (
@@ -118,8 +129,51 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class BatchHead:
+    """A batch whose events are still undecoded: each is decoded with `decode_event`."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+@dataclass(slots=True)
+class BatchBudget:
+    """Blocks and token ids one batch's events have carried so far (for the per-batch bounds)."""
+
+    blocks: int = 0
+    tokens: int = 0
+
+    def take(self, blocks: int, tokens: int) -> None:
+        """Count one event's blocks and tokens; KVEventDecodeError past a bound, before they are decoded."""
+        if blocks > MAX_BLOCKS_PER_EVENT or tokens > MAX_TOKENS_PER_EVENT:
+            raise KVEventDecodeError(
+                f"an event of {blocks} blocks and {tokens} token ids is over the bound of {MAX_BLOCKS_PER_EVENT} "
+                f"blocks and {MAX_TOKENS_PER_EVENT} token ids"
+            )
+        self.blocks += blocks
+        self.tokens += tokens
+        if self.blocks > MAX_BLOCKS_PER_BATCH or self.tokens > MAX_TOKENS_PER_BATCH:
+            raise KVEventDecodeError(
+                f"the batch's events carry over the bound of {MAX_BLOCKS_PER_BATCH} blocks or "
+                f"{MAX_TOKENS_PER_BATCH} token ids"
+            )
+
+
+class _Head(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)]
+    data_parallel_rank: int | None = None
+
+
 _UINT32 = "I" if array("I").itemsize == 4 else "L"
 _decoder = msgspec.msgpack.Decoder()
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+# An event this small cannot carry more than the per-event bounds (an id or a hash is at least a byte), so it is
+# decoded whole; a larger one field by field, its arrays' lengths read from their headers first.
+_WHOLE_EVENT_BYTES = 64 * 1024
+_event_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw] | list[msgspec.Raw])
 _encoder = msgspec.msgpack.Encoder()
 _SEQ_BYTES = 8
 
@@ -137,31 +191,37 @@ def encode_seq(seq: int) -> bytes:
 
 def decode_batch(payload: bytes | memoryview) -> EventBatch:
     """One EventBatch from its msgpack bytes; KVEventDecodeError for anything else (see the module contract)."""
+    head = open_batch(payload)
+    budget = BatchBudget()
+    return EventBatch(head.ts, tuple(decode_event(e, budget) for e in head.events), head.data_parallel_rank)
+
+
+def open_batch(payload: bytes | memoryview) -> BatchHead:
+    """A batch's timestamp, rank and undecoded events; KVEventDecodeError past `MAX_BATCH_BYTES` (before it is
+    read) or `MAX_EVENTS_PER_BATCH` (from the events array's header), or for any other shape."""
     if len(payload) > MAX_BATCH_BYTES:
         raise KVEventDecodeError(f"batch of {len(payload)} bytes is over the {MAX_BATCH_BYTES}-byte bound")
     try:
-        raw = _decoder.decode(payload)
+        head = _head_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise KVEventDecodeError(
+            f"an EventBatch is an array [ts, events, dp_rank?] of at most {MAX_EVENTS_PER_BATCH} events: {exc}"
+        ) from None
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise KVEventDecodeError(f"not msgpack: {exc}") from None
-    if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
-        raise KVEventDecodeError("an EventBatch is an array [ts, events, dp_rank?]")
-    ts, events = raw[0], raw[1]
-    rank = raw[2] if len(raw) == 3 else None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        raise KVEventDecodeError(f"EventBatch.ts must be a number, got {type(ts).__name__}")
-    if not isinstance(events, list):
-        raise KVEventDecodeError(f"EventBatch.events must be an array, got {type(events).__name__}")
-    if len(events) > MAX_EVENTS_PER_BATCH:
-        raise KVEventDecodeError(f"batch of {len(events)} events is over the {MAX_EVENTS_PER_BATCH}-event bound")
-    if rank is not None and not _is_int(rank):
-        raise KVEventDecodeError(f"EventBatch.data_parallel_rank must be an integer, got {type(rank).__name__}")
+    return BatchHead(head.ts, head.events, head.data_parallel_rank)
+
+
+def decode_event(raw: msgspec.Raw, budget: BatchBudget) -> KVCacheEvent:
+    """One event of an `open_batch` head; its blocks and tokens counted in `budget` (one per batch) before
+    they are decoded. KVEventDecodeError for bad input or past a bound."""
     try:
-        decoded = tuple(_decode_event(e) for e in events)
+        event = _decoder.decode(raw) if len(raw) <= _WHOLE_EVENT_BYTES else _event_decoder.decode(raw)
+        return _decode_event(event, budget)
     except KVEventDecodeError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, RecursionError) as exc:
+    except (msgspec.DecodeError, TypeError, ValueError, KeyError, IndexError, RecursionError) as exc:
         raise KVEventDecodeError(f"malformed event: {exc!r}"[:200]) from None
-    return EventBatch(float(ts), decoded, rank)
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -180,7 +240,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _fields(event: Any, names: Sequence[str], tag: str) -> dict[str, Any]:
+def _fields(event: dict[str, Any] | list[Any], names: Sequence[str], tag: str) -> dict[str, Any]:
     if isinstance(event, dict):
         return event
     if len(event) - 1 > len(names):
@@ -188,54 +248,86 @@ def _fields(event: Any, names: Sequence[str], tag: str) -> dict[str, Any]:
     return dict(zip(names, event[1:], strict=False))
 
 
-def _decode_event(event: Any) -> KVCacheEvent:
+def _array_length(value: Any) -> int:
+    """An array's length: a decoded one's, or the count in an undecoded one's header, read without decoding it
+    (0 for anything else: its decoding then fails on its type)."""
+    if isinstance(value, list):
+        return len(value)
+    if not isinstance(value, msgspec.Raw):
+        return 0
+    view = memoryview(value)
+    first = view[0] if len(view) else 0
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F
+    if first in (0xDC, 0xDD):
+        return int.from_bytes(view[1 : 3 if first == 0xDC else 5], "big")
+    return 0
+
+
+def _value(value: Any) -> Any:
+    """A field's value, decoded where it is still msgpack."""
+    return _decoder.decode(value) if isinstance(value, msgspec.Raw) else value
+
+
+def _decoded(f: dict[str, Any], name: str) -> Any:
+    return _value(f.get(name))
+
+
+def _decode_event(event: Any, budget: BatchBudget) -> KVCacheEvent:
+    """`event`: a map or array whose values are decoded, or still msgpack (`msgspec.Raw`)."""
     if isinstance(event, dict):
-        tag = event.get("type")
+        tag = _decoded(event, "type")
     elif isinstance(event, list) and event:
-        tag = event[0]
+        tag = _value(event[0])
     else:
         raise KVEventDecodeError("an event is a map tagged by 'type' or an array with its tag first")
     if tag == "BlockStored":
-        return _block_stored(_fields(event, BLOCK_STORED_FIELDS, tag))
+        f = _fields(event, BLOCK_STORED_FIELDS, tag)
+        budget.take(_array_length(f.get("block_hashes")), _array_length(f.get("token_ids")))
+        return _block_stored(f)
     if tag == "BlockRemoved":
         f = _fields(event, BLOCK_REMOVED_FIELDS, tag)
-        return BlockRemoved(_hashes(f["block_hashes"]), _opt_str(f.get("medium"), "medium"), _opt_int(f, "group_idx"))
+        budget.take(_array_length(f.get("block_hashes")), 0)
+        return BlockRemoved(
+            _hashes(_value(f["block_hashes"])), _opt_str(_decoded(f, "medium"), "medium"),
+            _opt_int(_decoded(f, "group_idx"), "group_idx"),
+        )  # fmt: skip
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise KVEventDecodeError(f"unknown event tag {str(tag)[:40]!r}")
 
 
 def _block_stored(f: dict[str, Any]) -> BlockStored:
-    hashes = _hashes(f["block_hashes"])
-    parent = f.get("parent_block_hash")
+    hashes = _hashes(_value(f["block_hashes"]))
+    parent = _decoded(f, "parent_block_hash")
     if parent is not None and not _is_hash(parent):
         raise KVEventDecodeError("BlockStored.parent_block_hash must be an integer, bytes or null")
-    tokens = f["token_ids"]
+    tokens = _value(f["token_ids"])
     try:
         array(_UINT32, tokens)  # checks every id in C: an integer in [0, 2**32)
     except (TypeError, OverflowError):
         raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)") from None
     if not isinstance(tokens, list):
         raise KVEventDecodeError("BlockStored.token_ids must be an array of integers in [0, 2**32)")
-    block_size = f["block_size"]
+    block_size = _value(f["block_size"])
     if not _is_int(block_size) or block_size < 1:
         raise KVEventDecodeError(f"BlockStored.block_size must be an integer >= 1, got {block_size!r}"[:120])
     if len(tokens) != len(hashes) * block_size:
         raise KVEventDecodeError(
             f"BlockStored has {len(hashes)} blocks of {block_size} tokens but {len(tokens)} token ids"
         )
-    extra = f.get("extra_keys")
+    extra = _decoded(f, "extra_keys")
     if extra is not None:
         if not isinstance(extra, list) or not all(k is None or isinstance(k, list) for k in extra):
             raise KVEventDecodeError("BlockStored.extra_keys must be an array of arrays or nulls")
         extra = tuple(None if k is None else tuple(_freeze(x) for x in k) for k in extra)
-    lora_id = f.get("lora_id")
+    lora_id = _decoded(f, "lora_id")
     if lora_id is not None and not _is_int(lora_id):
         raise KVEventDecodeError("BlockStored.lora_id must be an integer or null")
     return BlockStored(
-        hashes, parent, tuple(tokens), block_size, lora_id, _opt_str(f.get("medium"), "medium"),
-        _opt_str(f.get("lora_name"), "lora_name"), extra, _opt_int(f, "group_idx"),
-        _opt_str(f.get("cache_salt"), "cache_salt"),
+        hashes, parent, tuple(tokens), block_size, lora_id, _opt_str(_decoded(f, "medium"), "medium"),
+        _opt_str(_decoded(f, "lora_name"), "lora_name"), extra, _opt_int(_decoded(f, "group_idx"), "group_idx"),
+        _opt_str(_decoded(f, "cache_salt"), "cache_salt"),
     )  # fmt: skip
 
 
@@ -255,8 +347,7 @@ def _opt_str(value: Any, name: str) -> str | None:
     return value
 
 
-def _opt_int(f: dict[str, Any], name: str) -> int | None:
-    value = f.get(name)
+def _opt_int(value: Any, name: str) -> int | None:
     if value is not None and not _is_int(value):
         raise KVEventDecodeError(f"{name} must be an integer or null, got {type(value).__name__}")
     return value

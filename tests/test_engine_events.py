@@ -674,3 +674,27 @@ def test_churn_past_the_map_bound_keeps_a_long_lived_block() -> None:
         subscriber.handle(_message(1 + 2 * i, _stored([h], None, 100 + BLOCK * i)))
         subscriber.handle(_message(2 + 2 * i, BlockRemoved((h,))))
     assert held(book, "w", set(block_hashes(hot, model_id="m", block_size=BLOCK)))
+
+
+def test_an_endpoint_spelled_as_a_host_address_connects_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's rule: `tcp://127.0.0.1:N` connects (only `*`, `::`, ipc and inproc bind), so nobody hears the
+    events until a subscriber binds there: the publisher logs it as a warning and `--help` says it."""
+
+    async def main() -> None:
+        hub = EngineEventHub("tcp://127.0.0.1:0")
+        await hub.start()
+        assert hub.endpoint is not None
+        with caplog.at_level("WARNING", logger="worker.kv_event_publisher"):
+            server, publisher = await start_worker(endpoint=hub.endpoint, bind=None, replay_endpoint=None)
+        try:
+            assert not publisher.binds
+            assert f"CONNECTED to {hub.endpoint}" in caplog.text and '"bind": true' in caplog.text
+        finally:
+            await stop_worker(server, publisher)
+            await hub.stop()
+
+    run(main())
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "worker", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert "CONNECTS" in " ".join(result.stdout.split())

@@ -24,7 +24,7 @@ import zmq
 from prometheus_client import generate_latest
 
 from gateway.admission.auth import key_sha256
-from gateway.fleet.engine_fleet import EngineOptions
+from gateway.fleet.engine_fleet import EngineOptions, subscribe
 from gateway.forwarding.retry import StreamDeadlines
 from gateway.frontdoors.http_server import merge_delta
 from gateway.metrics import label_value
@@ -626,3 +626,45 @@ def test_an_engines_own_finish_reason_reaches_the_client_and_a_bounded_series() 
             stack.call(runner.cleanup())
         text = generate_latest(stack.request_path.metrics.registry).decode()
         assert 'finished_reason="other"' in text and "engine-own" not in text
+
+
+def test_a_tool_call_index_out_of_bounds_is_a_malformed_event() -> None:
+    """An engine's tool-call `index` names the call a delta continues; one that is not an integer in
+    [0, 128) is a malformed event, answered as an error (an index of 2**40 had the gateway merge that many
+    calls for a whole message, and reached a streaming client as sent)."""
+    proxy_port, seen, index = free_port(), [], [b"1099511627776"]
+
+    def rewrite(body: bytes) -> bytes:  # each generation's first delta carries a tool call of that index
+        delta = b'"delta":{'
+        call = b'"tool_calls":[{"index":' + index[0] + b',"function":{"name":"f","arguments":""}}],'
+        return body.replace(delta, delta + call, 1) if delta in body else body
+
+    options = EngineStackOptions(workers=1, api_keys=None, specs=lambda _: [f"vllm://127.0.0.1:{proxy_port}"])
+    with EngineStack(options) as stack:
+        runner, session = stack.call(_recording_proxy(proxy_port, stack.http_ports[0], seen, rewrite))
+        try:
+            _wait(lambda: len(stack.fleet.members()) == 1)
+            chat = {"messages": [{"role": "user", "content": "why " + LONG}], "max_tokens": 2}
+            response = post(stack, "/v1/chat/completions", {**chat, "stream": True})
+            assert response.status_code >= 500 and "tool_calls index" in response.text, response.text
+            assert "1099511627776" in response.text
+            index[0] = b"-1"
+            response = post(stack, "/v1/chat/completions", chat)
+            assert response.status_code >= 500 and "tool_calls index" in response.text, response.text
+        finally:
+            stack.call(session.close())
+            stack.call(runner.cleanup())
+
+
+def test_the_engines_capacity_from_its_metrics_reaches_its_kv_event_subscriber() -> None:
+    """`vllm:cache_config_info`'s num_gpu_blocks (the sim workers': 256) is what sizes the worker's engine-block
+    map (docs/engines.md, "Bounds"), where before no capacity was passed."""
+    capacities: list[int | None] = []
+
+    def recording(spec: Any, worker_id: str, book: Any, on_restart: Any, options: Any, capacity: Any) -> Any:
+        capacities.append(capacity)
+        return subscribe(spec, worker_id, book, on_restart, options, capacity)
+
+    with EngineStack(EngineStackOptions(workers=1, api_keys=None, kv_events=True, events=recording)) as stack:
+        _wait(lambda: len(stack.fleet.members()) == 1)
+    assert capacities == [256]

@@ -101,7 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="publish KV events as vLLM does, vLLM's JSON: "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-        '"replay_endpoint": "tcp://*:5558", "topic": "kv@IP:PORT@MODEL"}\'',
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv@IP:PORT@MODEL"}\'. As in vLLM, the endpoint is bound '
+        "only with a wildcard host (tcp://*:PORT) or an ipc/inproc address; one spelled tcp://HOST:PORT "
+        'CONNECTS to a subscriber that binds it (llm-d\'s layout), unless "bind": true',
     )
     parser.add_argument(
         "--sim-prefill-us-per-token", type=float, default=defaults.sim_prefill_us_per_token, help="--model sim only"
@@ -279,7 +281,8 @@ async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callab
             await server.stop(drain_timeout=0)
             raise UserError(str(exc)) from exc
         replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-        print(f"kvroute worker: KV events on {publisher.endpoint}{replay}", flush=True)
+        attached = "on" if publisher.binds else "connected to (waiting for a subscriber to bind)"
+        print(f"kvroute worker: KV events {attached} {publisher.endpoint}{replay}", flush=True)
     reporter = None
     if args.redis:
         from kvroute.credentials import redis_password

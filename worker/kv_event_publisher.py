@@ -143,7 +143,9 @@ class KVEventPublisher:
     """Publishes one AsyncEngine's KV events per `config` from a thread of its own, until `stop()`.
 
     `start()` binds (or connects) the sockets and raises ValueError naming the endpoint when it cannot;
-    `endpoint` / `replay_endpoint` are as bound (a `:0` port filled in). `published` counts batches sent,
+    `endpoint` / `replay_endpoint` are as bound (a `:0` port filled in); `binds` says whether the PUB socket
+    was bound, or connected (then nobody hears it until a subscriber binds that address: logged as a
+    warning, since an endpoint spelled as a host address connects by vLLM's rule). `published` counts batches sent,
     `published_seq` is the engine's last event seq they covered (it equals `engine.kv_event_seq` when the
     publisher has caught up)."""
 
@@ -153,6 +155,7 @@ class KVEventPublisher:
         self.block_size = block_size
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
+        self.binds = True
         self.published = 0
         self.published_seq = engine.kv_event_seq
         self._ctx = zmq.Context()
@@ -170,8 +173,8 @@ class KVEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, 0)
             pub.set_hwm(config.hwm)
-            binds = _binds(config.endpoint) if config.bind is None else config.bind
-            self.endpoint = self._attach(pub, config.endpoint, binds)
+            self.binds = _binds(config.endpoint) if config.bind is None else config.bind
+            self.endpoint = self._attach(pub, config.endpoint, self.binds)
             self._pub = pub
             if config.replay_endpoint is not None:
                 replay = self._ctx.socket(zmq.ROUTER)
@@ -187,6 +190,13 @@ class KVEventPublisher:
         logger.info(
             "kv events: publishing on %s (replay %s, topic %r)", self.endpoint, self.replay_endpoint, config.topic
         )
+        if not self.binds:
+            logger.warning(
+                "kv events: the publisher CONNECTED to %s and waits for a subscriber that binds it (llm-d's "
+                "layout); until one does, nobody receives the events. By vLLM's rule only a wildcard host "
+                "(tcp://*:PORT) or an ipc/inproc address is bound: to bind %s, add \"bind\": true",
+                self.endpoint, self.endpoint,
+            )  # fmt: skip
 
     @staticmethod
     def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:

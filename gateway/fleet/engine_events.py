@@ -34,9 +34,11 @@ Caller contract:
      counted in `counters.dropped[reason]` and in the book's `FleetCounters.kv_event_drops` (served by the
      gateway as `kvroute:gateway_kv_event_drops{worker, reason}`). A malformed frame, a batch for a worker not
      in the book, a foreign rank or topic, a stored run whose parent it never saw: dropped, entries kept. A
-     malformed batch in sequence (not msgpack, an unknown tag, wrong types, over `MAX_BATCH_BYTES` or
-     `MAX_EVENTS_PER_BATCH`) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
-     follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches").
+     malformed batch in sequence (not msgpack, an unknown tag, wrong types, over a bound of
+     `kvroute.engine_kv_events`: bytes, events, blocks or token ids per event or per batch, each checked before
+     what it bounds is decoded) is a lost batch: dropped, and the worker's entries dropped and rebuilt from what
+     follows (what it changed is unknown), as are batches the replay cannot give back ("lost_batches"). A frame
+     over `MAX_MESSAGE_BYTES` is never read (ZMQ_MAXMSGSIZE): the link drops, as in item 4.
   6. `medium`: a block held only on tiers other than the GPU ("CPU", "CPU_PINNED", "DISK", ...) is in the
      index when `medium_weights` gives one of its tiers a weight > 0, and `weights` maps it to the largest
      such weight (a block with a GPU copy, weight 1, is not in `weights`); a tier not named weighs 0: its
@@ -44,16 +46,23 @@ Caller contract:
   7. `EngineEventHub` is the llm-d layout: one SUB socket the gateway binds, that the engines' publishers
      connect to, keyed by topic (`kv@<ip>:<port>@<model>`): `hub.add(topic, subscriber)` for a subscriber
      made with `events_endpoint=None`.
+  8. No batch holds the event loop: `receive(frames)` (what the reader and the hub call) decodes a batch one
+     event at a time and applies it in slices of `SLICE_BLOCKS` blocks, the loop run between them, one batch at
+     a time per subscriber (a replay's end waits its turn); `handle(frames)` applies it at once, for a caller
+     off the loop. Live batches held during a replay are bounded by `MAX_HELD_BATCHES` and `MAX_HELD_BYTES`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -63,15 +72,18 @@ from gateway.fleet.fleet_state import FleetBook
 from kvroute.engine_kv_events import (
     END_SEQ,
     GPU_MEDIA,
+    MAX_BATCH_BYTES,
     AllBlocksCleared,
+    BatchBudget,
+    BatchHead,
     BlockRemoved,
     BlockStored,
     EngineHash,
-    EventBatch,
     KVEventDecodeError,
-    decode_batch,
+    decode_event,
     decode_seq,
     encode_seq,
+    open_batch,
 )
 from kvroute.hashing import HASH_BYTES, BlockHash, extend_block_hashes, hash_block, root_hash
 from kvroute.kv_events import KVEvent
@@ -87,10 +99,19 @@ DEFAULT_MAX_BLOCKS = 1 << 18
 # publisher that never ends one.
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_BATCHES = 20_000
-# Live batches kept while a replay is in flight; past it they are lost too, and the worker rebuilt after.
+# Live batches kept while a replay is in flight, by count and by bytes; past either they are lost too, and the
+# worker rebuilt after.
 MAX_HELD_BATCHES = 20_000
-# Messages handled per wake-up before the loop yields to requests.
+MAX_HELD_BYTES = 4 * MAX_BATCH_BYTES
+# ZMQ_MAXMSGSIZE on every socket that reads events: a larger frame is never delivered (the peer is
+# disconnected, as for a lost link), so no more than one batch's bound is ever read into memory.
+MAX_MESSAGE_BYTES = MAX_BATCH_BYTES
+# Blocks decoded, hashed and told to the book between two yields to the event loop while one batch is applied (about
+# 1 ms of work, a few on a loaded 2-core machine); messages handled per wake-up.
+SLICE_BLOCKS = 512
 _BURST = 64
+
+Steps = Generator[None, None, None]  # a piece of work that yields wherever the event loop may run between slices
 
 
 def check_medium_weights(weights: Mapping[str, float]) -> None:
@@ -153,6 +174,17 @@ class _Partial:
     foreign: tuple = ()
 
 
+@dataclass(slots=True)
+class _Pending:
+    """What a batch changed in the ingest's holdings since the book was last told (`to_book`: it is told;
+    a replay's batches are not, the book mirrored at its end)."""
+
+    to_book: bool
+    added: list[BlockHash] = field(default_factory=list)
+    removed: list[BlockHash] = field(default_factory=list)
+    cleared: bool = False
+
+
 class _Ingest:
     """One engine stream's blocks re-hashed with kvroute's hash: the truth the book's entries mirror."""
 
@@ -161,8 +193,10 @@ class _Ingest:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.medium_weights = medium_weights
-        self.ours: dict[EngineHash, BlockHash] = {}  # the engine's live blocks; insertion order = age, for the bound
-        self.partial: dict[EngineHash, _Partial] = {}
+        # The engine's live blocks, oldest first, for the bound: an OrderedDict forgets its oldest in O(1), where a
+        # dict's first key is found by walking the slots deleted before it (quadratic past the bound).
+        self.ours: OrderedDict[EngineHash, BlockHash] = OrderedDict()
+        self.partial: OrderedDict[EngineHash, _Partial] = OrderedDict()
         self.refs: dict[BlockHash, int] = {}  # copies held (an engine may hold two physical copies of one hash)
         self.offloaded: dict[BlockHash, dict[str, int]] = {}  # of those, the copies on each tier but the GPU
         self.weights: dict[BlockHash, float] = {}  # held blocks without a GPU copy -> their best tier's weight
@@ -180,9 +214,11 @@ class _Ingest:
     def _weight(self, medium: str | None) -> float:
         return 1.0 if medium in GPU_MEDIA else self.medium_weights.get(medium or "", 0.0)
 
-    def stored(self, event: BlockStored, added: list[BlockHash], removed: list[BlockHash]) -> str | None:
-        """Take one BlockStored; new holdings go to `added` (and forgotten ones to `removed`). Returns the
-        reason it was dropped, or None."""
+    def stored(
+        self, event: BlockStored, added: list[BlockHash], removed: list[BlockHash]
+    ) -> Generator[None, None, str | None]:
+        """Take one BlockStored, yielding between slices of `SLICE_BLOCKS` blocks; new holdings go to `added`
+        (and forgotten ones to `removed`). Returns the reason it was dropped, or None."""
         size = event.block_size
         if size != self.block_size and self.block_size % size:
             return "block_size"
@@ -201,10 +237,18 @@ class _Ingest:
         counts = self._weight(event.medium) > 0
         hashes, tokens = event.block_hashes, event.token_ids
         if size == self.block_size and not pending and not event.extra_keys:
-            for engine_hash, ours in zip(hashes, extend_block_hashes(anchor, tokens, size), strict=True):
-                self._hold(engine_hash, ours, counts, medium, added, removed)
+            for start in range(0, len(hashes), SLICE_BLOCKS):
+                if start:
+                    yield
+                run = hashes[start : start + SLICE_BLOCKS]
+                ours_run = extend_block_hashes(anchor, tokens[start * size : (start + len(run)) * size], size)
+                for engine_hash, ours in zip(run, ours_run, strict=True):
+                    self._hold(engine_hash, ours, counts, medium, added, removed)
+                anchor = ours_run[-1]
             return None
         for i, engine_hash in enumerate(hashes):
+            if i % SLICE_BLOCKS == SLICE_BLOCKS - 1:
+                yield
             pending = pending + tokens[i * size : (i + 1) * size]
             foreign = foreign + event.foreign_keys(i)
             if len(pending) < self.block_size:
@@ -244,21 +288,22 @@ class _Ingest:
 
     def _forget_oldest(self, removed: list[BlockHash]) -> None:
         if self.partial:
-            del self.partial[next(iter(self.partial))]
+            self.partial.popitem(last=False)
             return
-        oldest = next(iter(self.ours))
-        ours = self.ours.pop(oldest)
+        _, ours = self.ours.popitem(last=False)
         self.offloaded.pop(ours, None)
         self.weights.pop(ours, None)
         if self.refs.pop(ours, 0):
             removed.append(ours)
 
-    def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> None:
-        """Take one BlockRemoved. A block's mapping goes with its last counted copy, so the map holds the
-        engine's live blocks only and its bound is never reached by churn."""
+    def removed(self, event: BlockRemoved, removed: list[BlockHash]) -> Steps:
+        """Take one BlockRemoved, yielding between slices of `SLICE_BLOCKS` blocks. A block's mapping goes with its last
+        counted copy, so the map holds the engine's live blocks only and its bound is never reached by churn."""
         counts = self._weight(event.medium) > 0
         medium = None if event.medium in GPU_MEDIA else event.medium
-        for engine_hash in event.block_hashes:
+        for i, engine_hash in enumerate(event.block_hashes):
+            if i % SLICE_BLOCKS == SLICE_BLOCKS - 1:
+                yield
             if self.partial.pop(engine_hash, None) is not None:
                 continue
             ours = self.ours.get(engine_hash)
@@ -315,6 +360,7 @@ class EngineEventSubscriber:
         self._topic = source.topic.encode()
         self._expected: int | None = None  # the next engine seq; None before the first batch or after a restart
         self._held: list[tuple[int, bytes]] | None = None  # live batches kept while a replay runs
+        self._held_bytes = 0
         self._held_overflow = False
         self._book_incarnation: int | None = None
         self._link_lost = False  # the SUB connection dropped and has not come back yet
@@ -323,6 +369,8 @@ class EngineEventSubscriber:
         self._logged: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
+        # Held by whatever changes the ingest across yields (a message, a replay's end): one at a time.
+        self._applying = asyncio.Lock()
 
     @property
     def weights(self) -> Mapping[BlockHash, float]:
@@ -340,6 +388,7 @@ class EngineEventSubscriber:
             return
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.source.events_endpoint)
@@ -363,41 +412,67 @@ class EngineEventSubscriber:
     async def _watch(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         """A lost connection: the engine may have restarted behind it, and its first batches gone out before
         the socket reconnects (contract item 4). Routed by load until the connection is back; then its
-        replay from 0 tells: the same process still has the last batch applied here, a new one does not."""
+        replay from 0 tells: the same process still has the last batch applied, a new one does not."""
         try:
             while True:
                 event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._reconnect(sock)
                 if event["event"] == zmq.EVENT_DISCONNECTED and self._expected is not None:
                     self._link_lost = True
                     member = self.book.member(self.worker_id)
                     if member is not None:
                         self.book.mark_stale(self.worker_id, member.incarnation)
                     if self._held is None:  # what arrives before the replay has told is held, not applied
-                        self._held, self._held_overflow = [], False
+                        self._held, self._held_bytes, self._held_overflow = [], 0, False
                 elif event["event"] == zmq.EVENT_CONNECTED and self._link_lost:
                     self._link_lost = False
                     if not self._replaying:
-                        self._begin_replay(0, check=self._last)
+                        await self._run(self._begin_replay(0, check=self._last))
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
 
+    def _reconnect(self, sock: zmq.asyncio.Socket) -> None:
+        """Connect again: libzmq retries a connection that failed, but not one it cut for a protocol error (a
+        frame over ZMQ_MAXMSGSIZE), which would leave the worker unheard for good."""
+        assert self.source.events_endpoint is not None
+        with contextlib.suppress(zmq.ZMQError):  # already gone with the session the error ended
+            sock.disconnect(self.source.events_endpoint)
+        sock.connect(self.source.events_endpoint)
+
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart(copy=True)
-            self.handle(frames)
+            await self.receive(frames)
             for _ in range(_BURST):
                 try:
                     frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.handle(frames)
+                await self.receive(frames)
             await asyncio.sleep(0)
+
+    async def _run(self, steps: Steps) -> None:
+        """Run `steps` to the end, letting the event loop run between its slices, alone on the ingest."""
+        async with self._applying:
+            for _ in steps:
+                await asyncio.sleep(0)
 
     # -- one message ---------------------------------------------------------------------------------------
 
     def handle(self, frames: list[bytes]) -> None:
-        """One PUB message `[topic, seq, payload]` (the hub and the reader call this; so may a test)."""
+        """One PUB message `[topic, seq, payload]`, applied at once (for a caller off the event loop, e.g. a
+        test); the reader and the hub use `receive`."""
+        for _ in self._handle(frames):
+            pass
+
+    async def receive(self, frames: list[bytes]) -> None:
+        """As `handle`, a large batch applied in slices of `SLICE_BLOCKS` blocks with the event loop run
+        between them, so that no batch holds the gateway's requests for longer than one slice."""
+        await self._run(self._handle(frames))
+
+    def _handle(self, frames: list[bytes]) -> Steps:
         if len(frames) != 3:
             self._drop("frames", f"a message is 3 frames [topic, seq, payload], got {len(frames)}")
             return
@@ -415,84 +490,109 @@ class EngineEventSubscriber:
             return
         expected = self._expected
         if expected is not None and seq < expected:
-            self._restarted(f"its sequence went back to {seq} after {expected - 1}")
+            yield from self._restarted(f"its sequence went back to {seq} after {expected - 1}")
             expected = None
         if expected is None and seq != 0:
-            self._begin_replay(0, (seq, payload))
+            yield from self._begin_replay(0, (seq, payload))
         elif expected is not None and seq > expected:
             self.counters.gaps += 1
-            self._begin_replay(expected, (seq, payload))
+            yield from self._begin_replay(expected, (seq, payload))
         else:
-            self._apply(seq, payload)
+            yield from self._apply(seq, payload)
 
-    def _restarted(self, why: str) -> None:
+    def _restarted(self, why: str) -> Steps:
         self.counters.restarts += 1
         logger.warning("kv events: %s restarted (%s): its entries are dropped", self.worker_id, why)
         self._ingest.clear()
         self._expected = None
-        self._mirror()
+        yield from self._mirror()
         if self.on_restart is not None:
             self.on_restart(self.worker_id)
 
-    def _apply(self, seq: int, payload: bytes, *, to_book: bool = True) -> bool:
+    def _apply(self, seq: int, payload: bytes, *, to_book: bool = True) -> Generator[None, None, bool]:
         """Decode and apply one batch as the next in sequence, to the ingest and (`to_book`) the book; False
         (counted) when it was dropped."""
         self._expected = seq + 1
         self._last = (seq, payload)
         try:
-            batch = decode_batch(payload)
+            head = open_batch(payload)
         except KVEventDecodeError as exc:
-            # What the batch changed is unknown (a removal in it would leave a block we no longer hold): drop
-            # the entries and rebuild from what follows, as for a batch the replay cannot give back.
-            self._drop("malformed", str(exc))
-            self._rebuild(seq, seq + 1)
-            if to_book:
-                self._mirror()
+            yield from self._lost(seq, exc, to_book)
             return False
         member = self.book.member(self.worker_id)
         if member is None:
             self._drop("unknown_worker", f"{self.worker_id} is not in the fleet")
             return False
-        rank = batch.data_parallel_rank
+        rank = head.data_parallel_rank
         if rank is not None and rank != self.source.data_parallel_rank:
             self._drop("foreign_rank", f"rank {rank}'s batch; this subscriber reads {self.source.data_parallel_rank}'s")
             return False
+        try:
+            yield from self._ingest_batch(head, _Pending(to_book=to_book))
+        except KVEventDecodeError as exc:
+            yield from self._lost(seq, exc, to_book)
+            return False
         self.last_event_at = time.monotonic()
-        added, removed, cleared = self._ingest_batch(batch)
-        self.counters.batches += 1
-        if not to_book:
-            return True
-        if member.incarnation != self._book_incarnation:
-            self._mirror()  # a (re)admission reset the book's entries for this worker
-            return True
-        changes = []
-        seq_out = self.book.last_seq(self.worker_id)
-        if cleared:
-            seq_out += 1
-            changes.append(KVEvent(seq_out, "cleared"))
-        if removed:
-            seq_out += 1
-            changes.append(KVEvent(seq_out, "removed", tuple(removed)))
-        if added:
-            seq_out += 1
-            changes.append(KVEvent(seq_out, "stored", tuple(added)))
-        if changes and not self.book.apply_events(self.worker_id, member.incarnation, changes):
-            self._mirror()
+        self.counters.batches += 1  # counted once the book has it
         return True
 
-    def _ingest_batch(self, batch: EventBatch) -> tuple[list[BlockHash], list[BlockHash], bool]:
-        """The batch into the ingest; the net holdings it added and removed, and whether it began with a
-        clear (everything before it gone)."""
+    def _lost(self, seq: int, exc: KVEventDecodeError, to_book: bool) -> Steps:
+        # What the batch changed is unknown (a removal in it would leave a block we no longer hold): drop the
+        # entries and rebuild from what follows, as for a batch the replay cannot give back.
+        self._drop("malformed", str(exc))
+        self._rebuild(seq, seq + 1)
+        if to_book:
+            yield from self._mirror()
+
+    def _flush(self, pending: _Pending) -> Steps:
+        """Tell the book what the ingest's holdings became since the last flush, then yield: the book follows
+        the ingest slice by slice, never a batch's whole change at once."""
+        held = self._ingest.refs
+        gone = tuple(h for h in pending.removed if h not in held)  # stored then removed within the slice: gone
+        kept = tuple(h for h in pending.added if h in held)  # and the reverse: held
+        changes = [(kind, hashes) for kind, hashes in (("removed", gone), ("stored", kept)) if hashes]
+        if pending.cleared:
+            changes.insert(0, ("cleared", ()))
+        pending.added.clear()
+        pending.removed.clear()
+        pending.cleared = False
+        for kind, hashes in changes if pending.to_book else ():
+            member = self.book.member(self.worker_id)
+            if member is None:
+                break
+            if member.incarnation != self._book_incarnation:
+                yield from self._mirror()  # a (re)admission reset the book's entries for this worker
+                break
+            event = KVEvent(self.book.last_seq(self.worker_id) + 1, kind, hashes)
+            if not self.book.apply_events(self.worker_id, member.incarnation, [event]):
+                if not self._link_lost:  # marked stale meanwhile for a lost link: its replay mirrors it
+                    yield from self._mirror()
+                break
+        yield
+
+    def _flushing(self, steps: Generator[None, None, Any], pending: _Pending) -> Generator[None, None, Any]:
+        """`steps`, with a flush wherever it yields; returns what it returns."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+            yield from self._flush(pending)
+
+    def _ingest_batch(self, head: BatchHead, pending: _Pending) -> Steps:
+        """The batch's events decoded one at a time into the ingest, flushed to the book (`pending.to_book`) at
+        every slice. KVEventDecodeError for a bad event."""
         ingest, counters = self._ingest, self.counters
-        added: list[BlockHash] = []
-        removed: list[BlockHash] = []
-        cleared = False
-        for event in batch.events:
+        budget = BatchBudget()
+        since_flush = 0
+        for raw in head.events:
+            event = decode_event(raw, budget)
             if isinstance(event, BlockStored):
+                since_flush += len(event.block_hashes)
                 if event.group_idx:
                     counters.drop("kv_cache_group")
                     continue
-                reason = ingest.stored(event, added, removed)
+                reason = yield from self._flushing(ingest.stored(event, pending.added, pending.removed), pending)
                 if reason == "block_size":
                     self._parity_failure(event.block_size)
                 elif reason is not None:
@@ -500,23 +600,23 @@ class EngineEventSubscriber:
                 else:
                     counters.stored_blocks += len(event.block_hashes)
             elif isinstance(event, BlockRemoved):
+                since_flush += len(event.block_hashes)
                 if event.group_idx:
                     counters.drop("kv_cache_group")
                     continue
-                ingest.removed(event, removed)
+                yield from self._flushing(ingest.removed(event, pending.removed), pending)
                 counters.removed_blocks += len(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 ingest.clear()
-                added.clear()
-                removed.clear()
-                cleared = True
+                pending.added.clear()
+                pending.removed.clear()
+                pending.cleared = True
                 counters.cleared += 1
-        if added and removed:  # a block stored then removed within the batch, or the reverse: settle by the end
-            held = ingest.refs
-            gone = {h for h in removed if h not in held}
-            added = [h for h in added if h in held]
-            removed = list(gone)
-        return added, removed, cleared
+            since_flush += 1
+            if since_flush >= SLICE_BLOCKS:
+                since_flush = 0
+                yield from self._flush(pending)
+        yield from self._flush(pending)
 
     def _parity_failure(self, block_size: int) -> None:
         self.counters.parity_failures += 1
@@ -529,13 +629,21 @@ class EngineEventSubscriber:
                 self.worker_id, block_size, self._ingest.block_size, self._ingest.block_size,
             )  # fmt: skip
 
-    def _mirror(self) -> None:
-        """Make the book's entries for this worker exactly the ingest's holdings."""
+    def _mirror(self) -> Steps:
+        """Make the book's entries for this worker exactly the ingest's holdings (a resync with the first
+        `SLICE_BLOCKS`, the rest added as stored events, a slice at a time)."""
         member = self.book.member(self.worker_id)
         if member is None:
             return
-        self.book.resync(self.worker_id, member.incarnation, self.book.last_seq(self.worker_id), self._ingest.held())
-        self._book_incarnation = member.incarnation
+        held = self._ingest.held()
+        incarnation = member.incarnation
+        self.book.resync(self.worker_id, incarnation, self.book.last_seq(self.worker_id), held[:SLICE_BLOCKS])
+        self._book_incarnation = incarnation
+        for i in range(SLICE_BLOCKS, len(held), SLICE_BLOCKS):
+            yield
+            event = KVEvent(self.book.last_seq(self.worker_id) + 1, "stored", tuple(held[i : i + SLICE_BLOCKS]))
+            if not self.book.apply_events(self.worker_id, incarnation, [event]):
+                return  # readmitted or marked stale meanwhile: what did that mirrors it again
 
     def _drop(self, reason: str, message: str) -> None:
         self.counters.drop(reason)
@@ -547,35 +655,38 @@ class EngineEventSubscriber:
 
     def _begin_replay(
         self, start: int, first: tuple[int, bytes] | None = None, *, check: tuple[int, bytes] | None = None
-    ) -> None:
+    ) -> Steps:
         """Replay from `start`, holding live batches (`first` the one that showed the gap) until it ends.
         `check` (after a reconnect): the last batch applied, which the same engine process replays unchanged."""
         member = self.book.member(self.worker_id)
         if member is not None:
             self.book.mark_stale(self.worker_id, member.incarnation)
         if self._held is None:
-            self._held, self._held_overflow = [], False
+            self._held, self._held_bytes, self._held_overflow = [], 0, False
         if first is not None:
-            self._held.append(first)
+            self._hold_live(*first)
         self._replaying = True
         if self.source.replay_endpoint is None:
-            self._finish_replay(start, [], check)
+            yield from self._finish_replay(start, [], check)
             return
         task = asyncio.create_task(self._replay(start, check), name=f"kv-replay {self.worker_id}")
         self._tasks.append(task)
 
     def _hold_live(self, seq: int, payload: bytes) -> None:
         assert self._held is not None
-        if len(self._held) >= MAX_HELD_BATCHES:
+        if len(self._held) >= MAX_HELD_BATCHES or self._held_bytes + len(payload) > MAX_HELD_BYTES:
             self._held_overflow = True
             self._held.clear()
+            self._held_bytes = 0
         self._held.append((seq, payload))
+        self._held_bytes += len(payload)
 
     async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
         complete = False  # the end marker came
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             sock.connect(self.source.replay_endpoint)
             await sock.send_multipart([b"", encode_seq(start)])
@@ -599,7 +710,7 @@ class EngineEventSubscriber:
         finally:
             sock.close(linger=0)
             self._tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        self._finish_replay(start, replayed, check, complete)
+        await self._run(self._finish_replay(start, replayed, check, complete))
 
     def _finish_replay(
         self,
@@ -607,13 +718,14 @@ class EngineEventSubscriber:
         replayed: list[tuple[int, bytes]],
         check: tuple[int, bytes] | None = None,
         complete: bool = False,
-    ) -> None:
+    ) -> Steps:
         """Apply the replayed batches and the live ones held meanwhile, in order from `start`; wherever one is
         missing, drop the entries and rebuild from what follows; then mirror the result into the book. With
         `check`, the replay (from 0) follows a reconnect: the same process goes on after its last batch
         applied here; any other is a restart, applied from its first batch."""
         held, overflow = self._held or [], self._held_overflow
         self._held = [] if self._link_lost else None  # lost again meanwhile: hold on until it is back
+        self._held_bytes = 0
         self._held_overflow = False
         self._replaying = False
         batches = dict(replayed)
@@ -624,7 +736,9 @@ class EngineEventSubscriber:
                 start = last_seq + 1
             else:
                 if replayed and complete:
-                    self._restarted("a new process behind its endpoint: its replay lacks the last batch applied")
+                    yield from self._restarted(
+                        "a new process behind its endpoint: its replay lacks the last batch applied"
+                    )
                 else:  # no whole replay to tell by: what it holds now is unknown
                     self.counters.rebuilds += 1
                     self._ingest.clear()
@@ -638,10 +752,11 @@ class EngineEventSubscriber:
                 continue
             if seq > expected:
                 self._rebuild(expected, seq)
-            self._apply(seq, batches[seq], to_book=False)
+            yield from self._apply(seq, batches[seq], to_book=False)
             expected = seq + 1
+            yield
         self._expected = expected
-        self._mirror()
+        yield from self._mirror()
 
     def _rebuild(self, expected: int, seq: int) -> None:
         self.counters.rebuilds += 1
@@ -680,6 +795,7 @@ class EngineEventHub:
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         if self.bind_endpoint.endswith(":0"):
             port = sock.bind_to_random_port(self.bind_endpoint.rsplit(":", 1)[0])
@@ -706,18 +822,18 @@ class EngineEventHub:
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            self._dispatch(await sock.recv_multipart())
+            await self._dispatch(await sock.recv_multipart())
             for _ in range(_BURST):
                 try:
                     frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._dispatch(frames)
+                await self._dispatch(frames)
             await asyncio.sleep(0)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    async def _dispatch(self, frames: list[bytes]) -> None:
         subscriber = self._subscribers.get(frames[0]) if frames else None
         if subscriber is None:
             self.dropped["unknown_topic"] = self.dropped.get("unknown_topic", 0) + 1
             return
-        subscriber.handle(frames)
+        await subscriber.receive(frames)

@@ -56,7 +56,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -87,6 +87,9 @@ CANARIES: tuple[str | list[dict[str, str]], ...] = (
 START_TIME = "process_start_time_seconds"  # prometheus_client's, on vLLM's and SGLang's pages: a change is a restart
 UNVERIFIED = "unverified"  # the tokenizer fingerprint of an engine whose /tokenize could not be compared
 MAX_METRICS_BYTES = 4 * 1024 * 1024
+# The most KV blocks an engine's word is taken for when its KV-event map is sized (a 64 M-token cache of 16):
+# the map's memory, and the pause of its own resizes under churn, grow with it.
+MAX_ENGINE_BLOCKS = 1 << 22
 
 
 class EventSource(Protocol):
@@ -101,9 +104,11 @@ class EventSource(Protocol):
     async def stop(self) -> None: ...
 
 
-# (spec, worker id, book, on_restart, options) -> the worker's subscriber, started when it joins, stopped when it
-# leaves.
-EventSourceFactory = Callable[[WorkerSpec, str, FleetBook, Callable[[str], None], "EngineOptions"], EventSource]
+# (spec, worker id, book, on_restart, options, capacity) -> the worker's subscriber, started when it joins, stopped
+# when it leaves. `capacity`: the KV blocks the engine says it has, None where it does not say.
+EventSourceFactory = Callable[
+    [WorkerSpec, str, FleetBook, Callable[[str], None], "EngineOptions", int | None], EventSource
+]
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
@@ -135,13 +140,24 @@ class EngineOptions:
 
 
 def subscribe(
-    spec: WorkerSpec, worker_id: str, book: FleetBook, on_restart: Callable[[str], None], options: EngineOptions
+    spec: WorkerSpec,
+    worker_id: str,
+    book: FleetBook,
+    on_restart: Callable[[str], None],
+    options: EngineOptions,
+    capacity: int | None = None,
 ) -> EventSource:
-    """The default EventSourceFactory: gateway.fleet.engine_events' ZMQ subscriber to the spec's endpoints."""
-    from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
+    """The default EventSourceFactory: gateway.fleet.engine_events' ZMQ subscriber to the spec's endpoints. Its
+    map of the engine's blocks is bounded at the engine's capacity where that is above the default (an engine
+    never holds more live blocks than that; offloaded tiers make it more than its GPU's), up to a ceiling an
+    engine's say-so cannot pass."""
+    from gateway.fleet.engine_events import DEFAULT_MAX_BLOCKS, EngineEventSource, EngineEventSubscriber
 
     source = EngineEventSource(worker_id, spec.events, spec.replay, spec.topic, spec.data_parallel_rank or 0)
-    return EngineEventSubscriber(book, source, on_restart=on_restart, medium_weights=options.medium_weights)
+    max_blocks = min(max(DEFAULT_MAX_BLOCKS, capacity or 0), MAX_ENGINE_BLOCKS)
+    return EngineEventSubscriber(
+        book, source, on_restart=on_restart, max_blocks=max_blocks, medium_weights=options.medium_weights
+    )
 
 
 async def resolve_all(host: str, port: int) -> list[str]:
@@ -222,7 +238,8 @@ class EnginePoller(PollLoop):
         if not isinstance(max_model_len, int) or max_model_len < 1:
             max_model_len = 2**31 - 1  # the engine says none: it refuses an over-long request itself
         identity = self.book.identity
-        block_size = await self._block_size() or identity.block_size
+        cache = await self._cache_config()
+        block_size = cache.block_size or identity.block_size
         tokenizer_fingerprint = await self._tokenizer_parity(served)
         incarnation = secrets.randbits(63)
         await self._stop_source()
@@ -234,7 +251,9 @@ class EnginePoller(PollLoop):
         if self.spec.events is None:
             self._flag_silent("its spec names no events= endpoint")
         else:
-            self.source = self.events_factory(self.spec, self.worker_id, self.book, self._restarted, self.options)
+            self.source = self.events_factory(
+                self.spec, self.worker_id, self.book, self._restarted, self.options, cache.num_blocks
+            )
             await self.source.start()
 
     def _restarted(self, worker_id: str) -> None:
@@ -276,15 +295,15 @@ class EnginePoller(PollLoop):
                 return f"engine-mismatch-{self.worker_id}"
         return self.book.identity.tokenizer_fingerprint
 
-    async def _block_size(self) -> int | None:
+    async def _cache_config(self) -> CacheConfig:
+        """The block size and capacity (GPU and CPU blocks) the engine's `vllm:cache_config_info` says."""
         text = await self._metrics_text()
-        if text is None:
-            return None
-        for sample in _samples(text, ("vllm:cache_config_info",)):
-            value = sample.labels.get("block_size", "")
-            if value.isdigit():
-                return int(value)
-        return None
+        for sample in _samples(text, ("vllm:cache_config_info",)) if text is not None else ():
+            labels = sample.labels
+            size = labels.get("block_size", "")
+            blocks = [int(labels[k]) for k in ("num_gpu_blocks", "num_cpu_blocks") if labels.get(k, "").isdigit()]
+            return CacheConfig(int(size) if size.isdigit() else None, sum(blocks) if blocks else None)
+        return CacheConfig(None, None)
 
     async def _report_load(self) -> None:
         member = self.book.member(self.worker_id)
@@ -383,6 +402,13 @@ class EnginePoller(PollLoop):
         source, self.source = self.source, None
         if source is not None:
             await source.stop()
+
+
+class CacheConfig(NamedTuple):
+    """What an engine's metrics say of its KV cache; None where they do not say."""
+
+    block_size: int | None
+    num_blocks: int | None
 
 
 class _Failing(Exception):

@@ -61,6 +61,9 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024  # one SSE event of an engine's stream; past 
 _QUEUE_DEPTH = 8  # engine events read ahead of the client: a slow client slows the read, nothing piles up
 _DELTA_TEXT = ("content",)
 _DELTA_PASSED = ("tool_calls", "reasoning_content", "reasoning", "function_call")
+# Tool calls in one choice: a delta's `index` names the call it continues, and the gateway (merging a whole
+# message) and the client keep a call per index, so an index is an engine's claim on their memory.
+MAX_TOOL_CALLS = 128
 
 
 @dataclasses.dataclass
@@ -341,6 +344,7 @@ class HttpCall(QueuedCall):
             delta = choice.get("delta") or {}
             text = "".join(delta.get(k) or "" for k in _DELTA_TEXT)
             extra = {k: delta[k] for k in _DELTA_PASSED if delta.get(k)}
+            _check_tool_calls(extra.get("tool_calls", []))
             logprobs = _chat_logprobs(choice.get("logprobs"))
         else:
             text, extra, logprobs = choice.get("text") or "", {}, _completion_logprobs(choice.get("logprobs"))
@@ -348,6 +352,17 @@ class HttpCall(QueuedCall):
         if finish_reason is not None and not isinstance(finish_reason, str):
             raise ValueError(f"finish_reason is {type(finish_reason).__name__}, not a string")
         return EngineDelta(text, extra, logprobs, finish_reason)
+
+
+def _check_tool_calls(calls: Any) -> None:
+    """ValueError (a malformed event) unless each tool-call delta is an object whose `index`, where given, is
+    an integer in [0, MAX_TOOL_CALLS)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"tool_calls is {type(calls).__name__}, not an array")
+    for call in calls:
+        index = call.get("index", 0) if isinstance(call, dict) else None
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_TOOL_CALLS:
+            raise ValueError(f"a tool_calls index must be an integer in [0, {MAX_TOOL_CALLS}), got {index!r}"[:120])
 
 
 _JSON = {"content-type": "application/json", "accept": "text/event-stream"}
