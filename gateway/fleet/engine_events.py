@@ -86,7 +86,7 @@ from kvroute.engine_kv_events import (
     open_batch,
 )
 from kvroute.hashing import HASH_BYTES, BlockHash, extend_block_hashes, hash_block, root_hash
-from kvroute.kv_events import KVEvent
+from kvroute.kv_events import KVEvent, KVEventKind
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +224,8 @@ class _Ingest:
             return "block_size"
         parent = event.parent_block_hash
         lora = event.lora_name
+        pending: tuple[int, ...]
+        foreign: tuple[Any, ...]
         if parent is None:
             anchor, pending, foreign = root_hash(lora or self.model_id, event.cache_salt()), (), ()
         elif parent in self.ours:
@@ -550,7 +552,8 @@ class EngineEventSubscriber:
         held = self._ingest.refs
         gone = tuple(h for h in pending.removed if h not in held)  # stored then removed within the slice: gone
         kept = tuple(h for h in pending.added if h in held)  # and the reverse: held
-        changes = [(kind, hashes) for kind, hashes in (("removed", gone), ("stored", kept)) if hashes]
+        both: tuple[tuple[KVEventKind, tuple[bytes, ...]], ...] = (("removed", gone), ("stored", kept))
+        changes = [(kind, hashes) for kind, hashes in both if hashes]
         if pending.cleared:
             changes.insert(0, ("cleared", ()))
         pending.added.clear()
@@ -684,11 +687,13 @@ class EngineEventSubscriber:
     async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
         complete = False  # the end marker came
+        endpoint = self.source.replay_endpoint
+        assert endpoint is not None  # _begin_replay replays without one in place
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
-            sock.connect(self.source.replay_endpoint)
+            sock.connect(endpoint)
             await sock.send_multipart([b"", encode_seq(start)])
             async with asyncio.timeout(self.replay_timeout):
                 while len(replayed) < MAX_REPLAY_BATCHES:
