@@ -467,15 +467,16 @@ class EventParity:
         """The canary behind `unique` (first, so its first block is new to the engine), repeated until it
         fills at least two blocks: its path, body and the gateway's ids for it."""
         tokenizer = self.poller.tokenizer
+        body: dict[str, Any]
         for repeat in range(1, 65):
             if isinstance(canary, str):
                 text = unique + canary * repeat
                 path, body = "/v1/completions", {"prompt": text}
                 ours = tokenizer.encode(text, add_special_tokens=True)
             else:
-                first = {**canary[0], "content": unique + canary[0]["content"] * repeat}
-                path, body = "/v1/chat/completions", {"messages": [first, *canary[1:]]}
-                ours = tokenizer.encode_chat(body["messages"], True)
+                messages = [{**canary[0], "content": unique + canary[0]["content"] * repeat}, *canary[1:]]
+                path, body = "/v1/chat/completions", {"messages": messages}
+                ours = tokenizer.encode_chat(messages, True)
             if len(ours) >= 2 * self.block_size:
                 break
         return path, body, ours
