@@ -6,10 +6,11 @@ gRPC ports), the same in vLLM mode (`POLICY@vllm`: the workers also publish thei
 format, `--kv-events-config`, and the gateway names them `vllm://HOST:HTTP?events=...&replay=...`, so it
 routes from their ZMQ events and forwards over their OpenAI HTTP ports, as in front of `vllm serve`), or
 `smg:POLICY` / `vllm-router:POLICY` (that router over the workers' own OpenAI HTTP ports, `kvroute worker
---http-port`). A peer whose binary is not installed is skipped with one line. The worker mode is a part of the
-entry, not a flag over all of them, because it is a property of one fleet: one entry is one fleet and one
-column, `kv_aware` and `kv_aware@vllm` stand side by side in one run, and the peers, which reach the workers
-over HTTP only, take no mode.
+--http-port`; for vllm-router's `kv_aware` the workers also publish their KV events, and the router is given
+every worker's event and replay source, as its `--help` asks). A peer whose binary is not installed is skipped
+with one line. The worker mode is a part of the entry, not a flag over all of them, because it is a property of
+one fleet: one entry is one fleet and one column, `kv_aware` and `kv_aware@vllm` stand side by side in one run,
+and the peers, which reach the workers over HTTP only, take no mode.
 
 Every router is measured alike, from the workers' own Prometheus counters read before and after the
 run: prefill tokens = prompt tokens received - prefix-cache hits, the cached-token share, and requests
