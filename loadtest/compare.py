@@ -185,7 +185,7 @@ class RouterFleet:
         self.fleet = Fleet(log_dir)
         self.workers: list[WorkerProcess] = []
         self.router_port = free_port()
-        self.router_metrics_port = free_port()  # our gateway's /metrics, apart from its API port
+        self.router_metrics_port = free_port()  # the router's /metrics, apart from its API port
 
     @property
     def url(self) -> str:
@@ -262,6 +262,8 @@ class RouterFleet:
         urls = [w.http_url for w in self.workers]
         prefix = [binary, "launch"] if self.entry.router == "smg" else [binary]
         argv = [*prefix, "--host", "127.0.0.1", "--port", port, "--worker-urls", *urls, "--policy", self.entry.policy]
+        # Both serve their metrics on port 29000 of every interface unless told: two runs at once would collide.
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics_port)]
         return argv + self._peer_kv_event_args()
 
     def _peer_kv_event_args(self) -> list[str]:
