@@ -14,9 +14,12 @@ each other. API keys apply as in the gateway ($KVROUTE_API_KEYS, with $KVROUTE_C
 
 So that the worker can stand in a vLLM pool (routed by kvroute's `vllm://` workers, llm-d, Dynamo or a Gateway API
 Inference Extension picker), the HTTP port also serves vLLM's `POST /tokenize` and `POST /detokenize` (the
-gateway's own, gateway.frontdoors.http_server), and `GET /metrics` and `GET /health` of its own engine
-(`EngineRoutes`): the engine metrics under vLLM's names (worker.metrics, the same registry as `--metrics-port`)
-where vLLM serves them, on its API port, and a /health that turns 503 when the engine stops serving.
+gateway's own, gateway.frontdoors.http_server), vLLM's render endpoints `POST /v1/chat/completions/render` and
+`POST /v1/completions/render` (gateway.frontdoors.render_endpoints: the ids a request would be given, which
+llm-d's precise prefix scorer and vllm-router's `kv_aware` tokenize through), and `GET /metrics` and
+`GET /health` of its own engine (`EngineRoutes`): the engine metrics under vLLM's names (worker.metrics, the
+same registry as `--metrics-port`) where vLLM serves them, on its API port, and a /health that turns 503 when
+the engine stops serving.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     from gateway.cli_gateway import HttpServer
     from gateway.fleet.embedded_fleet import EmbeddedFleetState
     from gateway.frontdoors import http_server
+    from gateway.frontdoors.render_endpoints import RenderEndpoints
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
     from gateway.routing.router import make_policy
@@ -158,7 +162,10 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     )  # fmt: skip
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
     engine_routes = EngineRoutes()
-    app = http_server.build_app(request_path, default_max_tokens=limits.max_tokens, extra_routes=engine_routes.routes())
+    render = RenderEndpoints(request_path, limits.max_body_bytes, limits.max_tokens)
+    app = http_server.build_app(
+        request_path, default_max_tokens=limits.max_tokens, extra_routes=[*engine_routes.routes(), *render.routes()]
+    )
     host = args.http_host or args.host
     http = HttpServer.start(app, host, args.http_port)
     print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)

@@ -6,10 +6,11 @@ gRPC ports), the same in vLLM mode (`POLICY@vllm`: the workers also publish thei
 format, `--kv-events-config`, and the gateway names them `vllm://HOST:HTTP?events=...&replay=...`, so it
 routes from their ZMQ events and forwards over their OpenAI HTTP ports, as in front of `vllm serve`), or
 `smg:POLICY` / `vllm-router:POLICY` (that router over the workers' own OpenAI HTTP ports, `kvroute worker
---http-port`). A peer whose binary is not installed is skipped with one line. The worker mode is a part of the
-entry, not a flag over all of them, because it is a property of one fleet: one entry is one fleet and one
-column, `kv_aware` and `kv_aware@vllm` stand side by side in one run, and the peers, which reach the workers
-over HTTP only, take no mode.
+--http-port`; for vllm-router's `kv_aware` the workers also publish their KV events, and the router is given
+every worker's event and replay source, as its `--help` asks). A peer whose binary is not installed is skipped
+with one line. The worker mode is a part of the entry, not a flag over all of them, because it is a property of
+one fleet: one entry is one fleet and one column, `kv_aware` and `kv_aware@vllm` stand side by side in one run,
+and the peers, which reach the workers over HTTP only, take no mode.
 
 Every router is measured alike, from the workers' own Prometheus counters read before and after the
 run: prefill tokens = prompt tokens received - prefix-cache hits, the cached-token share, and requests
@@ -75,6 +76,14 @@ class Entry:
     router: str  # "kvroute", "smg" or "vllm-router"
     policy: str
     mode: str = "grpc"  # one of WORKER_MODES
+
+    @property
+    def reads_kv_events(self) -> bool:
+        """Whether this router routes from the workers' vLLM-format KV events, so they must publish them: our
+        gateway in vLLM mode, and vllm-router's `kv_aware` (its docs: a `--kv-event-source` per worker)."""
+        if self.router == KVROUTE:
+            return self.mode == "vllm"
+        return self.router == "vllm-router" and self.policy == "kv_aware"
 
     @property
     def name(self) -> str:
@@ -176,7 +185,7 @@ class RouterFleet:
         self.fleet = Fleet(log_dir)
         self.workers: list[WorkerProcess] = []
         self.router_port = free_port()
-        self.router_metrics_port = free_port()  # our gateway's /metrics, apart from its API port
+        self.router_metrics_port = free_port()  # the router's /metrics, apart from its API port
 
     @property
     def url(self) -> str:
@@ -194,10 +203,9 @@ class RouterFleet:
         self.fleet.stop()
 
     def start(self) -> None:
-        vllm_mode = self.entry.router == KVROUTE and self.entry.mode == "vllm"
         for i in range(self.config.workers):
             grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-            event_ports = (free_port(), free_port()) if vllm_mode else None
+            event_ports = (free_port(), free_port()) if self.entry.reads_kv_events else None
             argv = kvroute_argv(
                 "worker", "--model", self.config.model,
                 "--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
@@ -210,13 +218,14 @@ class RouterFleet:
             self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, child, event_ports))
         ours = self.entry.router == KVROUTE
         # Our gateway finds workers as they come up, so it starts alongside them; the peers check their
-        # workers once at startup, so they start after.
-        router = self.fleet.spawn(self.entry.name, self._router_argv(), start=ours)
+        # workers once at startup (and are told the workers' block size), so they start after.
+        if ours:
+            self.fleet.spawn(self.entry.name, self._router_argv())
         for worker in self.workers:
             url = worker.http_url + "/health"
             self.fleet.wait_until(partial(http_ok, url), f"worker {worker.worker_id} at {url}", STARTUP_TIMEOUT_S)
         if not ours:
-            router.start()
+            self.fleet.spawn(self.entry.name, self._router_argv())
         url = self.url + ("/ready" if ours else "/health")
         self.fleet.wait_until(partial(http_ok, url), f"router {self.entry.name} at {url}", STARTUP_TIMEOUT_S)
         if ours:
@@ -252,7 +261,27 @@ class RouterFleet:
         assert binary is not None, "run_compare skips a peer that is not installed"
         urls = [w.http_url for w in self.workers]
         prefix = [binary, "launch"] if self.entry.router == "smg" else [binary]
-        return [*prefix, "--host", "127.0.0.1", "--port", port, "--worker-urls", *urls, "--policy", self.entry.policy]
+        argv = [*prefix, "--host", "127.0.0.1", "--port", port, "--worker-urls", *urls, "--policy", self.entry.policy]
+        # Both serve their metrics on port 29000 of every interface unless told: two runs at once would collide.
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics_port)]
+        return argv + self._peer_kv_event_args()
+
+    def _peer_kv_event_args(self) -> list[str]:
+        """What vllm-router's `kv_aware` reads besides the workers' URLs (its `--help`): each worker's ZMQ KV
+        events and replay socket, their block size and the model they name. smg reads KV events only from
+        gRPC workers; over HTTP its `cache_aware` keeps its own tree of the requests' text and needs nothing."""
+        if self.entry.router == KVROUTE or not self.entry.reads_kv_events:
+            return []
+        args = [
+            "--kv-event-block-size", str(worker_block_size(self.workers[0].grpc_port)),
+            "--kv-event-model", self.config.model,
+        ]  # fmt: skip
+        for worker in self.workers:
+            assert worker.event_ports is not None, "a fleet whose router reads KV events publishes them"
+            events, replay = worker.event_ports
+            args += ["--kv-event-source", f"{worker.http_url}=tcp://127.0.0.1:{events}"]
+            args += ["--kv-event-replay-source", f"{worker.http_url}=tcp://127.0.0.1:{replay}"]
+        return args
 
     def counters(self) -> dict[str, dict[str, float]]:
         """Each worker's cumulative counters: prompt tokens, prefix-cache hits, finished requests."""
@@ -856,6 +885,17 @@ def sim_costs(worker_args: tuple[str, ...]) -> dict[str, float]:
             except ValueError:
                 raise UserError(f"--worker-arg {flag} needs a number, got {value!r}") from None
     return costs
+
+
+def worker_block_size(grpc_port: int) -> int:
+    """A running worker's KV block size (GetInfo)."""
+    import grpc
+
+    from proto import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10.0)
+    return info.block_size
 
 
 def worker_capacity_blocks(grpc_port: int) -> int:

@@ -114,7 +114,7 @@ def decode(kv: types.ModuleType) -> None:
     for line in sys.stdin:
         batch = decoder.decode(bytes.fromhex(line.strip()))
         out = [{"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in batch.events]
-        print(json.dumps({"ts": batch.ts, "events": out}), flush=True)
+        print(json.dumps({"ts": batch.ts, "events": out, "data_parallel_rank": batch.data_parallel_rank}), flush=True)
 
 
 def main() -> None:

@@ -4,12 +4,23 @@ TTFT histogram and the client's TTFTs."""
 from __future__ import annotations
 
 import math
+import re
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from loadtest.bench_stats import SLO, RequestRecord, summarize
-from loadtest.compare import Entry, RunResult, histogram_quantile, outside_engine_ms
+from loadtest.compare import (
+    Entry,
+    FleetConfig,
+    RouterFleet,
+    RunResult,
+    histogram_quantile,
+    outside_engine_ms,
+    peer_binary,
+)
 
 # vLLM's TTFT buckets (worker.metrics.TTFT_BUCKETS) up to 2.5 s, then +Inf.
 BOUNDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, math.inf)
@@ -66,3 +77,26 @@ def test_a_median_read_from_a_wide_bucket_stays_between_zero_and_the_mean_shift(
     assert outside_engine_ms(run) == 0.0
     run.workers["ttft_buckets"] = {"2.0": 0, "3.0": 89, "+Inf": 400}
     assert outside_engine_ms(run) == pytest.approx(20.0)
+
+
+def test_vllm_routers_kv_aware_is_given_every_workers_kv_event_sources(tmp_path):
+    """vllm-router's `kv_aware` routes from each worker's ZMQ KV events, named by `--kv-event-source` (and
+    replay, block size, model): the fleet behind it publishes them and the router subscribes to every worker's,
+    rather than scoring by load only. The router's own start-up log says which sources it uses."""
+    if peer_binary("vllm-router") is None:
+        pytest.skip("vllm-router is not installed (pip install 'kvroute[peers]')")
+    config = FleetConfig(workers=2, model="sim", seed=0, num_kv_blocks=256)
+    with RouterFleet(Entry("vllm-router", "kv_aware"), config, tmp_path) as fleet:
+        log = tmp_path / "vllm-router-kv_aware.log"
+        deadline = time.monotonic() + 30
+        while len(static_sources(log)) < len(fleet.workers):
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        for worker, line in zip(fleet.workers, static_sources(log), strict=True):
+            assert f'worker_url="{worker.http_url}"' in line and "model=sim block_size=16" in line, line
+
+
+def static_sources(log: Path) -> list[str]:
+    """vllm-router's start-up lines naming a worker's static KV event source, its colour codes removed."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()) if log.exists() else ""
+    return [line for line in text.splitlines() if "using configured static KV event sources" in line]

@@ -514,16 +514,25 @@ def _consecutive_pub_sockets(ctx: zmq.Context, count: int) -> tuple[list[zmq.Soc
     raise AssertionError("no consecutive free ports")
 
 
-async def _recording_proxy(port: int, target: int, seen: list[tuple[str, str | None]], rewrite: Any = None) -> Any:
+async def _recording_proxy(
+    port: int,
+    target: int,
+    seen: list[tuple[str, str | None]],
+    rewrite: Any = None,
+    absent: frozenset[str] = frozenset(),
+) -> Any:
     """A loopback HTTP proxy in front of a worker's front door that records each request's path and its
     X-data-parallel-rank header, as a DP engine's HTTP server would read it; with `rewrite`, each response's
-    body is read whole and sent on as `rewrite(body)` (an engine that answers otherwise)."""
+    body is read whole and sent on as `rewrite(body)` (an engine that answers otherwise); the `absent` paths
+    are answered 404, as by an engine that does not serve them."""
     from aiohttp import ClientSession, web
 
     session = ClientSession()
 
     async def forward(request: web.Request) -> web.StreamResponse:
         seen.append((request.path, request.headers.get("x-data-parallel-rank")))
+        if request.path in absent:
+            return web.json_response({"detail": "Not Found"}, status=404)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
         upstream = await session.request(
             request.method, f"http://127.0.0.1:{target}{request.path_qs}", data=await request.read(), headers=headers
@@ -656,6 +665,44 @@ def test_a_tool_call_index_out_of_bounds_is_a_malformed_event() -> None:
             stack.call(runner.cleanup())
 
 
+def _without_tokenize(gateway_tokenizer: Tokenizer | None = None) -> tuple[EngineStack, int]:
+    """A stand-in for NVIDIA Dynamo's frontend: a worker that publishes its KV events but whose HTTP port (a
+    proxy) serves no /tokenize; the gateway names it by the proxy's port (started by the caller)."""
+    proxy_port, holder = free_port(), {}
+
+    def specs(_: list[int]) -> list[str]:
+        events, replay = holder["stack"].event_ports[0]
+        return [f"vllm://127.0.0.1:{proxy_port}?events=tcp://127.0.0.1:{events}&replay=tcp://127.0.0.1:{replay}"]
+
+    options = EngineStackOptions(workers=1, kv_events=True, specs=specs, gateway_tokenizer=gateway_tokenizer)
+    holder["stack"] = EngineStack(options)
+    return holder["stack"], proxy_port
+
+
+def test_an_engine_without_tokenize_is_checked_from_its_own_kv_events() -> None:
+    """Where /tokenize is absent, each canary goes to the engine as a generation and the token ids of the
+    BlockStored events it publishes for it are compared with the gateway's: equal, its prefixes are scored."""
+    stack, proxy_port = _without_tokenize()
+    seen: list[tuple[str, str | None]] = []
+    with stack:
+        runner, session = stack.call(
+            _recording_proxy(proxy_port, stack.http_ports[0], seen, absent=frozenset({"/tokenize"}))
+        )
+        try:
+            _wait(lambda: len(stack.fleet.members()) == 1, timeout=20)
+            (member,) = stack.fleet.members()
+            assert member.parity_ok and stack.fleet.counters.parity_mismatches == {}
+            paths = [path for path, _ in seen]
+            assert "/tokenize" in paths and {"/v1/completions", "/v1/chat/completions"} <= set(paths)
+            for _ in range(2):
+                response = post(stack, "/v1/completions", {"prompt": f"dynamo {LONG}", "max_tokens": 2})
+                assert response.status_code == 200, response.text
+            assert "reason=hit" in response.headers["x-kvroute-route"], response.headers["x-kvroute-route"]
+        finally:
+            stack.call(session.close())
+            stack.call(runner.cleanup())
+
+
 def test_the_engines_capacity_from_its_metrics_reaches_its_kv_event_subscriber() -> None:
     """`vllm:cache_config_info`'s num_gpu_blocks (the sim workers': 256) is what sizes the worker's engine-block
     map (docs/engines.md, "Bounds"), where before no capacity was passed."""
@@ -668,3 +715,24 @@ def test_the_engines_capacity_from_its_metrics_reaches_its_kv_event_subscriber()
     with EngineStack(EngineStackOptions(workers=1, api_keys=None, kv_events=True, events=recording)) as stack:
         _wait(lambda: len(stack.fleet.members()) == 1)
     assert capacities == [256]
+
+
+def test_an_engine_without_tokenize_whose_events_hold_other_ids_is_a_mismatch(tmp_path: Path) -> None:
+    # The gateway's tokenizer: the workers' own, with another chat template: the chat canary's blocks differ.
+    Tokenizer.for_model(resolve_model("sim")).save_hf_dir(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "[edited] " + config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    stack, proxy_port = _without_tokenize(Tokenizer.from_hf_dir(tmp_path))
+    with stack:
+        runner, session = stack.call(
+            _recording_proxy(proxy_port, stack.http_ports[0], [], absent=frozenset({"/tokenize"}))
+        )
+        try:
+            _wait(lambda: len(stack.fleet.members()) == 1, timeout=20)
+            (member,) = stack.fleet.members()
+            assert not member.parity_ok
+            assert stack.fleet.counters.parity_mismatches == {member.worker_id: 1}
+        finally:
+            stack.call(session.close())
+            stack.call(runner.cleanup())

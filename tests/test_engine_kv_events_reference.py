@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
@@ -31,6 +33,7 @@ from kvroute.engine_kv_events import (
     encode_seq,
 )
 from kvroute.hashing import block_hashes, hash_fingerprint
+from tests.test_engine_events import caught_up, generate, start_worker, stop_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCER = ROOT / "tests" / "engine_kv_events_producer.py"
@@ -245,3 +248,38 @@ def test_positional_events_of_older_releases_decode_and_index() -> None:
     subscriber.handle([b"", encode_seq(0), payload])
     assert holds_exactly(fleet, set(block_hashes(B, model_id=MODEL, block_size=BLOCK)))
     assert subscriber.counters.cleared == 1
+
+
+def test_the_workers_batches_decode_as_vllms_three_field_event_batch() -> None:
+    """vLLM's publisher stamps every batch with its data-parallel rank, and consumers that decode a fixed
+    three-field tuple (Dynamo's router) refuse `[ts, events]`: the worker sends the rank too."""
+    env = engine_env("vllm")
+
+    async def first_payload() -> bytes:
+        server, publisher = await start_worker()
+        sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(publisher.endpoint)
+            await asyncio.sleep(0.3)  # subscribed before the first batch goes out
+            await generate(server, list(range(100, 120)))
+            await caught_up(server, publisher)
+            async with asyncio.timeout(10):
+                _topic, _seq, payload = await sub.recv_multipart()
+            return payload
+        finally:
+            sub.close(linger=0)
+            await stop_worker(server, publisher)
+
+    payload = asyncio.run(first_payload())
+    assert len(msgspec.msgpack.decode(payload)) == 3
+    result = subprocess.run(
+        [sys.executable, str(PRODUCER), "vllm", "decode"], input=payload.hex() + "\n", cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (decoded,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert decoded["data_parallel_rank"] == 0
+    assert decoded["events"][0]["type"] == "BlockStored" and decoded["events"][0]["token_ids"][:16] == list(
+        range(100, 116)
+    )

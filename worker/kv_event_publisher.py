@@ -8,8 +8,9 @@ bound, any other is connected to (the llm-d layout: the gateway binds, pods conn
 or `false` says so outright (e.g. to bind loopback only).
 
 What goes out (`kvroute.engine_kv_events`, vLLM 0.33's shape): per batch `[topic, seq, payload]`, seq from 0 at
-start; `BlockStored` per run of new blocks with its `token_ids`, `block_size` and, for a run that starts a
-sequence with a salt, that salt as the first block's extra key (where vLLM puts a request's `cache_salt`);
+start, the payload `[ts, events, data_parallel_rank]` (rank 0, always sent, as vLLM's publisher does);
+`BlockStored` per run of new blocks with its `token_ids`, `block_size` and, for a run that starts a sequence
+with a salt, that salt as the first block's extra key (where vLLM puts a request's `cache_salt`);
 `BlockRemoved`; `AllBlocksCleared`. Block hashes are ints: the low 64 bits of kvroute's 128-bit hash (vLLM's
 own `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` conversion), since consumers (Dynamo, llm-d) read 64-bit ints; they
 name blocks only, a router re-hashes the tokens. The replay socket (ROUTER) answers `[b"", start_seq]` with
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how long a new event waits, at most, to be published (vLLM publishes once per engine step)
+# vLLM's publisher stamps every batch with its rank (0 without data parallelism), so consumers that decode a
+# fixed three-field tuple (Dynamo's router) refuse a batch without it; a kvroute worker is one engine, rank 0.
+DATA_PARALLEL_RANK = 0
 _READ_EVENTS = 4096  # events read from the log per batch
 
 
@@ -264,7 +268,7 @@ class KVEventPublisher:
 
     def _send(self, events: list) -> None:
         assert self._pub is not None
-        payload = encode_batch(EventBatch(time.time(), tuple(events)))
+        payload = encode_batch(EventBatch(time.time(), tuple(events), DATA_PARALLEL_RANK))
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart((self._topic, encode_seq(seq), payload))

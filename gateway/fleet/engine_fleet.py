@@ -29,6 +29,10 @@ incarnation, counted in `kvroute:gateway_parity_mismatches`, and the worker is r
   - tokenizer: the engine's `/tokenize` on `CANARIES` (plain texts with its special tokens, and a chat
     through its chat template; SGLang's `/tokenize` takes no messages, so for SGLang the plain texts only)
     must give the gateway's own ids; an engine that cannot answer is unverified, which counts as a mismatch.
+    An engine that serves no `/tokenize` (404 or 405: NVIDIA Dynamo's frontend) but names an `events`
+    endpoint is checked from its own KV events instead (`EventParity`): each canary, behind a random prefix
+    so that none of it is cached, goes to it as a one-token completion or chat, and the `token_ids` of the
+    `BlockStored` events it publishes for it must be the gateway's ids for that request's full blocks.
   - blocks: the block size it reports (vLLM's `vllm:cache_config_info`) must be the gateway's; an engine
     that reports none is taken at the gateway's (its events' block size is checked again per event).
   The hash itself cannot differ: the gateway re-hashes the token ids the events carry with its own hash.
@@ -59,6 +63,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import httpx
+import zmq
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.fleet.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
@@ -66,6 +72,7 @@ from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIde
 from gateway.routing.fleet_view import FleetView
 from gateway.routing.kv_index import BlockKey
 from gateway.worker_spec import EngineTarget, WorkerSpec, read_api_key
+from kvroute.engine_kv_events import BlockStored, EngineHash, KVEventDecodeError, decode_batch
 from kvroute.hashing import hash_fingerprint
 from kvroute.tokenizer import Tokenizer
 
@@ -90,6 +97,8 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024
 # The most KV blocks an engine's word is taken for when its KV-event map is sized (a 64 M-token cache of 16):
 # the map's memory, and the pause of its own resizes under churn, grow with it.
 MAX_ENGINE_BLOCKS = 1 << 22
+NOT_SERVED = (404, 405)  # an engine's answer to a path it does not serve (FastAPI's, axum's)
+CANARY_EVENTS_WAIT_S = 2.0  # after its answer, how long a canary's BlockStored events may take to arrive
 
 
 class EventSource(Protocol):
@@ -240,7 +249,7 @@ class EnginePoller(PollLoop):
         identity = self.book.identity
         cache = await self._cache_config()
         block_size = cache.block_size or identity.block_size
-        tokenizer_fingerprint = await self._tokenizer_parity(served)
+        tokenizer_fingerprint = await self._tokenizer_parity(served, block_size)
         incarnation = secrets.randbits(63)
         await self._stop_source()
         self.book.admit(
@@ -268,9 +277,9 @@ class EnginePoller(PollLoop):
         )  # fmt: skip
         self.awaiting_since = None
 
-    async def _tokenizer_parity(self, served: str) -> str:
-        """The gateway's tokenizer fingerprint if the engine's /tokenize agrees on every canary, else a
-        fingerprint that differs from it (the reason logged)."""
+    async def _tokenizer_parity(self, served: str, block_size: int) -> str:
+        """The gateway's tokenizer fingerprint if the engine's /tokenize (or, without one, its KV events)
+        agrees on every canary, else a fingerprint that differs from it (the reason logged)."""
         for canary in CANARIES:
             if self.spec.engine == "sglang" and not isinstance(canary, str):
                 continue  # SGLang's /tokenize takes a prompt only: its chat template cannot be compared
@@ -282,6 +291,12 @@ class EnginePoller(PollLoop):
                 ours = self.tokenizer.encode_chat(canary, True)
             try:
                 answer = await self._json("POST", "/tokenize", body)
+            except _NotServed as exc:
+                if self.spec.events is None:
+                    logger.warning("fleet: %s: cannot check its tokenizer (%s, and no events= endpoint to check it "
+                                   "from): routed by load", self.worker_id, exc)  # fmt: skip
+                    return UNVERIFIED
+                return await EventParity(self, served, block_size).check()
             except _Failing as exc:
                 logger.warning("fleet: %s: cannot check its tokenizer (%s): routed by load", self.worker_id, exc)
                 return UNVERIFIED
@@ -354,6 +369,8 @@ class EnginePoller(PollLoop):
             )  # fmt: skip
         except httpx.HTTPError as exc:
             raise _Failing(f"{path}: {_why(exc)}") from None
+        if response.status_code in NOT_SERVED:
+            raise _NotServed(f"{path} answered {response.status_code}")
         if response.status_code != 200:
             raise _Failing(f"{path} answered {response.status_code}")
         try:
@@ -413,6 +430,108 @@ class CacheConfig(NamedTuple):
 
 class _Failing(Exception):
     """The engine did not answer a check as a live one does."""
+
+
+class _NotServed(_Failing):
+    """The engine does not serve that path at all."""
+
+
+class EventParity:
+    """Tokenizer parity from an engine's own KV events, for an engine without `/tokenize` (module docstring).
+
+    `check()` subscribes to the engine's events for the while, sends each canary and returns the gateway's
+    tokenizer fingerprint when the engine stored exactly the gateway's ids for every one, else a differing
+    fingerprint (the reason logged: other ids stored, or nothing published for it). A canary goes at most
+    twice, the second time only if nothing at all arrived (a subscription still on its way)."""
+
+    def __init__(self, poller: EnginePoller, served: str, block_size: int) -> None:
+        self.poller = poller
+        self.served = served
+        self.block_size = block_size
+        self.chains: dict[EngineHash, list[int]] = {}  # engine block hash -> the token ids up to its end
+        self.stored = 0  # BlockStored events seen
+
+    async def check(self) -> str:
+        poller = self.poller
+        sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, poller.spec.topic.encode())
+        try:
+            sock.connect(poller.spec.events or "")
+            for canary in CANARIES:
+                verdict = await self._canary(sock, canary)
+                if verdict is not None:
+                    logger.warning("fleet: %s serves no /tokenize and %s: routed by load", poller.worker_id, verdict)
+                    return UNVERIFIED if self.stored == 0 else f"engine-mismatch-{poller.worker_id}"
+        except (_Failing, zmq.ZMQError) as exc:
+            logger.warning("fleet: %s: cannot check its tokenizer from its KV events (%s): routed by load",
+                           poller.worker_id, _why(exc))  # fmt: skip
+            return UNVERIFIED
+        finally:
+            sock.close(linger=0)
+        logger.info("fleet: %s serves no /tokenize; its KV events hold the gateway's ids for every canary",
+                    poller.worker_id)  # fmt: skip
+        return poller.book.identity.tokenizer_fingerprint
+
+    async def _canary(self, sock: zmq.asyncio.Socket, canary: str | list[dict[str, str]]) -> str | None:
+        """None when the engine stored the gateway's ids for the canary's full blocks, else why not."""
+        for _ in range(2):
+            path, body, ours = self._request(canary, f"parity check {secrets.token_hex(8)}: ")
+            expected = ours[: len(ours) // self.block_size * self.block_size]
+            stored_before = self.stored
+            await self.poller._json("POST", path, {**body, "model": self.served, "max_tokens": 1})
+            deadline = time.monotonic() + CANARY_EVENTS_WAIT_S
+            while (left := deadline - time.monotonic()) > 0:
+                if not await sock.poll(left * 1000):
+                    break
+                if self._holds(await sock.recv_multipart(), expected):
+                    return None
+            if self.stored > stored_before:
+                return f"stored other token ids than the gateway's {len(expected)} for a canary"
+        return "published no KV event for a canary"
+
+    def _request(self, canary: str | list[dict[str, str]], unique: str) -> tuple[str, dict[str, Any], list[int]]:
+        """The canary behind `unique` (first, so its first block is new to the engine), repeated until it
+        fills at least two blocks: its path, body and the gateway's ids for it."""
+        tokenizer = self.poller.tokenizer
+        body: dict[str, Any]
+        for repeat in range(1, 65):
+            if isinstance(canary, str):
+                text = unique + canary * repeat
+                path, body = "/v1/completions", {"prompt": text}
+                ours = tokenizer.encode(text, add_special_tokens=True)
+            else:
+                messages = [{**canary[0], "content": unique + canary[0]["content"] * repeat}, *canary[1:]]
+                path, body = "/v1/chat/completions", {"messages": messages}
+                ours = tokenizer.encode_chat(messages, True)
+            if len(ours) >= 2 * self.block_size:
+                break
+        return path, body, ours
+
+    def _holds(self, frames: list[bytes], expected: list[int]) -> bool:
+        """Applies one message's BlockStored events to the chains; whether a chain now starts with `expected`."""
+        if len(frames) != 3:
+            return False
+        try:
+            batch = decode_batch(frames[2])
+        except KVEventDecodeError:
+            return False
+        found = False
+        for event in batch.events:
+            if not isinstance(event, BlockStored):
+                continue
+            self.stored += 1
+            if event.parent_block_hash is None:
+                before: list[int] = []
+            elif event.parent_block_hash in self.chains:
+                before = self.chains[event.parent_block_hash]
+            else:
+                continue  # it continues a prefix stored before this check began
+            tokens = before + list(event.token_ids)
+            for i, block_hash in enumerate(event.block_hashes):
+                self.chains[block_hash] = tokens[: len(before) + (i + 1) * event.block_size]
+            found = found or tokens[: len(expected)] == expected
+        return found
 
 
 def _why(exc: BaseException) -> str:
