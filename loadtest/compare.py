@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -440,7 +441,7 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         def pick(stats: dict[str, float | None]) -> dict[str, float | None]:
-            return {k: None if stats[k] is None else round(stats[k], 3) for k in ("p50", "p90", "p99")}
+            return {k: None if (v := stats[k]) is None else round(v, 3) for k in ("p50", "p90", "p99")}
 
         return {
             **({"worker_mode": self.entry.mode} if self.entry.router == KVROUTE else {}),
@@ -870,11 +871,11 @@ def decoded_ids(
     return tuple(full[len(prompt_ids) : len(prompt_ids) + output_tokens])
 
 
-def sim_costs(worker_args: tuple[str, ...]) -> dict[str, float]:
-    """The replay's cost-model fields that the `--worker-arg`s set on sim workers (both `--flag=V` and
-    `--flag V` forms); unset ones keep the replay's defaults, which are the sim worker's."""
+def sim_costs(worker_args: tuple[str, ...]) -> dict[str, Any]:
+    """ReplayConfig's keyword arguments for the cost-model fields that the `--worker-arg`s set on sim workers
+    (both `--flag=V` and `--flag V` forms); unset ones keep the replay's defaults, which are the sim worker's."""
     flags = {"--sim-prefill-us-per-token": "prefill_us_per_token", "--sim-decode-ms-per-step": "decode_ms_per_step"}
-    costs: dict[str, float] = {}
+    costs: dict[str, Any] = {}
     for i, arg in enumerate(worker_args):
         flag, sep, value = arg.partition("=")
         if flag in flags:

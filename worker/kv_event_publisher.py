@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -106,8 +107,11 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-def engine_hash(block_hash: bytes) -> int:
-    """The int a vLLM-format event names a kvroute block by: the hash's low 64 bits, as vLLM converts its own."""
+def engine_hash(block_hash: Hashable) -> int:
+    """The int a vLLM-format event names a kvroute block by: the hash's low 64 bits, as vLLM converts its own.
+    A worker's blocks are keyed by kvroute's hashes (bytes); a replay's other ids have no wire form."""
+    if not isinstance(block_hash, bytes):
+        raise TypeError(f"a vLLM-format event names blocks by kvroute's hashes (bytes), not {block_hash!r}")
     return int.from_bytes(block_hash[-8:], "big")
 
 
@@ -241,7 +245,7 @@ class KVEventPublisher:
             try:
                 after = self._publish_new(after)
                 if self._replay is not None:
-                    while poller.poll(0 if stopping else POLL_S * 1000):
+                    while poller.poll(0 if stopping else int(POLL_S * 1000)):
                         self._serve_replay()
                 elif not stopping:
                     time.sleep(POLL_S)

@@ -337,7 +337,7 @@ class WorkerPoller(PollLoop):
             self.worker_id = None
 
 
-async def stop_pollers(pollers: Sequence[WorkerPoller], tasks: Sequence[asyncio.Task]) -> None:
+async def stop_pollers(pollers: Sequence[PollLoop], tasks: Sequence[asyncio.Task]) -> None:
     """Stop the pollers' `run` tasks and wait for them to end."""
     for poller in pollers:
         poller.halt()

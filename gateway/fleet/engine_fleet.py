@@ -60,7 +60,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import httpx
 import zmq
@@ -73,7 +73,7 @@ from gateway.routing.fleet_view import FleetView
 from gateway.routing.kv_index import BlockKey
 from gateway.worker_spec import EngineTarget, WorkerSpec, read_api_key
 from kvroute.engine_kv_events import BlockStored, EngineHash, KVEventDecodeError, decode_batch
-from kvroute.hashing import hash_fingerprint
+from kvroute.hashing import BlockHash, hash_fingerprint
 from kvroute.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -105,8 +105,14 @@ class EventSource(Protocol):
     """A worker's KV-event subscriber (gateway.fleet.engine_events): feeds the book, says when it last heard."""
 
     last_event_at: float | None  # time.monotonic() of the last event applied; None: none yet
-    parity_failed: bool  # an event's block size did not fit the pool's: its events are dropped
-    weights: Mapping[BlockKey, float]  # its blocks held only on offloaded tiers -> their weight (< 1)
+
+    @property
+    def parity_failed(self) -> bool:
+        """An event's block size did not fit the pool's: its events are dropped."""
+
+    @property
+    def weights(self) -> Mapping[BlockHash, float]:
+        """Its blocks held only on offloaded tiers -> their weight (< 1)."""
 
     async def start(self) -> None: ...
 
@@ -172,7 +178,7 @@ def subscribe(
 async def resolve_all(host: str, port: int) -> list[str]:
     """Every address `host` resolves to (A and AAAA records), sorted, each once."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 class EnginePoller(PollLoop):
@@ -675,11 +681,12 @@ class EngineFleetState(BookkeepingFleetState):
                     logger.exception("fleet: DNS discovery of %s failed", group.spec.host)
 
     async def stop(self) -> None:
-        await stop_pollers([*self.grpc_pollers, *self.engine_pollers], self._tasks)
+        pollers: list[WorkerPoller | EnginePoller] = [*self.grpc_pollers, *self.engine_pollers]
+        await stop_pollers(pollers, self._tasks)
         self._tasks = []
         for group in self.dns_groups:
             await group.stop()
-        await asyncio.gather(*(p.close() for p in [*self.grpc_pollers, *self.engine_pollers]))
+        await asyncio.gather(*(p.close() for p in pollers))
         await self._client.aclose()
 
     def on_dispatch(self, worker_id: str, prompt_blocks: int = 0) -> None:
@@ -735,17 +742,18 @@ class WeightedKVIndex:
     router reads depths as block counts). `weights`: worker id -> its offloaded blocks' weights. The rest of
     the index (holders, narrowing for a retry) reads through."""
 
-    def __init__(self, index: Any, weights: Mapping[str, Mapping[BlockKey, float]]) -> None:
+    def __init__(self, index: Any, weights: Mapping[str, Mapping[BlockHash, float]]) -> None:
         self.index = index
         self.replicas = index.replicas
         self.weights = weights
 
     def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
         matched = list(self.index.match(block_hashes))
+        hashes = cast(Sequence[BlockHash], block_hashes)  # an engine fleet's index holds our block hashes
         for i, replica in enumerate(self.replicas):
             weights, depth = self.weights.get(replica), matched[i]
             if weights and depth:
-                lost = sum(1.0 - weights.get(h, 1.0) for h in block_hashes[:depth])
+                lost = sum(1.0 - weights.get(h, 1.0) for h in hashes[:depth])
                 matched[i] = math.floor(depth - lost + 1e-9)
         return matched
 
