@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.errors import UserError
 from kvroute.heap import freeze_start_up_heap
+from kvroute.model_source import resolve_model
 from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 if TYPE_CHECKING:
@@ -157,9 +158,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         raise UserError(f"--kv-snapshot-burst must be >= 1, got {args.kv_snapshot_burst}")
     auth_token(args)  # a bad token file is an error now, not after the model has loaded
     check_device(args.device)
-    if args.model != "sim":
-        print(f"kvroute worker: loading the model {args.model}", file=sys.stderr, flush=True)
     try:
+        if args.model != "sim":
+            resolve_model(args.model)  # a model that is not there is a one-line error, before any progress line
+            print(f"kvroute worker: loading the model {args.model}", file=sys.stderr, flush=True)
         return LLMEngine(engine_config(args))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from exc
