@@ -740,7 +740,7 @@ class EngineEventSubscriber:
             if batches.get(last_seq) == last_payload:
                 start = last_seq + 1
             else:
-                if replayed and complete:
+                if complete:  # the same process keeps its last batch; one with none (empty) is new too
                     yield from self._restarted(
                         "a new process behind its endpoint: its replay lacks the last batch applied"
                     )
