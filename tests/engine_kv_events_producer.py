@@ -114,7 +114,8 @@ def decode(kv: types.ModuleType) -> None:
     for line in sys.stdin:
         batch = decoder.decode(bytes.fromhex(line.strip()))
         out = [{"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in batch.events]
-        print(json.dumps({"ts": batch.ts, "events": out, "data_parallel_rank": batch.data_parallel_rank}), flush=True)
+        rank = batch.attn_dp_rank if hasattr(batch, "attn_dp_rank") else batch.data_parallel_rank  # SGLang's name
+        print(json.dumps({"ts": batch.ts, "events": out, "data_parallel_rank": rank}), flush=True)
 
 
 def main() -> None:
