@@ -51,22 +51,9 @@ def attend_tile(
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < key_end
         k, v = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table,
-            positions,
-            in_range,
-            kv_head,
-            dims,
-            k_scale,
-            v_scale,
-            stride_cache_block,
-            stride_cache_offset,
-            stride_cache_head,
-            PAGE_SIZE,
-            HEAD_DIM,
-            DOT_DTYPE,
-        )
+            k_cache_ptr, v_cache_ptr, block_table, positions, in_range, kv_head, dims, k_scale, v_scale,
+            stride_cache_block, stride_cache_offset, stride_cache_head, PAGE_SIZE, HEAD_DIM, DOT_DTYPE,
+        )  # fmt: skip
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softmax_scale_log2  # [BLOCK_M, BLOCK_N]
         visible = in_range[None, :]
