@@ -29,9 +29,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import zmq
 
@@ -107,26 +106,25 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-def engine_hash(block_hash: Hashable) -> int:
-    """The int a vLLM-format event names a kvroute block by: the hash's low 64 bits, as vLLM converts its own.
-    A worker's blocks are keyed by kvroute's hashes (bytes); a replay's other ids have no wire form."""
-    if not isinstance(block_hash, bytes):
-        raise TypeError(f"a vLLM-format event names blocks by kvroute's hashes (bytes), not {block_hash!r}")
+def engine_hash(block_hash: bytes) -> int:
+    """The int a vLLM-format event names a kvroute block by: the hash's low 64 bits, as vLLM converts its own."""
     return int.from_bytes(block_hash[-8:], "big")
 
 
 def to_wire(events: list[KVEvent], block_size: int) -> list:
-    """kvroute's KV events as vLLM's event records."""
+    """kvroute's KV events as vLLM's event records. A worker's block pool keys its blocks by kvroute's hashes
+    (bytes); KVEvent's wider key type is the replay's."""
     out: list = []
     for event in events:
+        hashes = cast(tuple[bytes, ...], event.block_hashes)
         if event.kind == "stored":
-            parent = None if event.parent_hash is None else engine_hash(event.parent_hash)
+            parent = None if event.parent_hash is None else engine_hash(cast(bytes, event.parent_hash))
             extra = None
             if event.parent_hash is None and event.cache_salt:
-                extra = ((event.cache_salt,),) + (None,) * (len(event.block_hashes) - 1)
+                extra = ((event.cache_salt,),) + (None,) * (len(hashes) - 1)
             out.append(
                 BlockStored(
-                    tuple(engine_hash(h) for h in event.block_hashes),
+                    tuple(engine_hash(h) for h in hashes),
                     parent,
                     event.token_ids,
                     block_size,
@@ -137,7 +135,7 @@ def to_wire(events: list[KVEvent], block_size: int) -> list:
                 )  # fmt: skip
             )
         elif event.kind == "removed":
-            out.append(BlockRemoved(tuple(engine_hash(h) for h in event.block_hashes), "GPU"))
+            out.append(BlockRemoved(tuple(engine_hash(h) for h in hashes), "GPU"))
         else:
             out.append(AllBlocksCleared())
     return out
