@@ -349,20 +349,7 @@ def test_dns_discovery_joins_and_leaves_with_the_records_each_rank_of_each_addre
     """A `discover=dns` name with dp=2: every resolved address is an engine of two ranks, `address/dp<r>`,
     which join when the record appears and leave when it goes."""
     records: list[str] = []
-
-    async def resolve(host: str, port: int) -> list[str]:
-        assert host == "engines.test"
-        return list(records)
-
-    def specs(ports: list[int]) -> list[str]:
-        records.append("127.0.0.1")
-        return [f"vllm://engines.test:{ports[0]}?events=tcp://*:1&discover=dns&dp=2"]
-
-    options = EngineStackOptions(
-        workers=1, specs=specs, resolve=resolve,
-        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
-    )  # fmt: skip
-    with EngineStack(options) as stack:
+    with EngineStack(_dns_discovered(records, "events=tcp://*:1&discover=dns&dp=2")) as stack:
         ranks = [f"{stack.worker_id(0)}/dp{r}" for r in range(2)]
         assert sorted(m.worker_id for m in stack.fleet.members()) == ranks
         response = post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
@@ -379,25 +366,31 @@ def test_dns_discovery_forgets_the_state_of_an_address_no_longer_resolved() -> N
     """Pod IPs churn: an address that leaves the records takes its per-worker counters with it (here its
     `no_kv_events` count: its spec names no events endpoint), so the fleet keeps state only for today's."""
     records: list[str] = []
-
-    async def resolve(host: str, port: int) -> list[str]:
-        return list(records)
-
-    def specs(ports: list[int]) -> list[str]:
-        records.append("127.0.0.1")
-        return [f"vllm://engines.test:{ports[0]}?discover=dns"]
-
-    options = EngineStackOptions(
-        workers=1, specs=specs, resolve=resolve,
-        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
-    )  # fmt: skip
-    with EngineStack(options) as stack:
+    with EngineStack(_dns_discovered(records, "discover=dns")) as stack:
         worker = stack.worker_id(0)
         _wait(lambda: stack.fleet.counters.no_kv_events.get(worker) == 1)
         records.clear()
         _wait(lambda: not stack.fleet.members())
         assert stack.fleet.counters.no_kv_events == {} and stack.fleet.counters.parity_mismatches == {}
         assert not any(key[0] == worker for key in stack.fleet.counters.kv_event_drops)
+
+
+def _dns_discovered(records: list[str], query: str) -> EngineStackOptions:
+    """One engine named `vllm://engines.test:PORT?QUERY`, the name resolving to what `records` holds (the engine's
+    address once the stack starts it), polled and resolved every 0.05 s."""
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert host == "engines.test"
+        return list(records)
+
+    def specs(ports: list[int]) -> list[str]:
+        records.append("127.0.0.1")
+        return [f"vllm://engines.test:{ports[0]}?{query}"]
+
+    return EngineStackOptions(
+        workers=1, specs=specs, resolve=resolve,
+        engine=EngineOptions(poll_interval=0.05, unreachable_after=0.5, resolve_interval=0.05),
+    )  # fmt: skip
 
 
 def _wait(condition: object, timeout: float = 5.0) -> None:
