@@ -44,6 +44,7 @@ from packaging.requirements import Requirement
 
 from gateway.routing.router import POLICY_NAMES, PolicyOptions, make_policy
 from kvroute.fleet_keys import redis_client
+from tests.only_distributions import only_distributions
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "kvroute"
@@ -1193,19 +1194,13 @@ def test_gateway_image_requirements_come_from_pyproject_without_torch() -> None:
     assert installs and all("--no-deps" in line or "-r /tmp/requirements-gateway.txt" in line for line in installs)
 
 
-GATEWAY_IMPORTS = r"""
-import importlib, importlib.abc, importlib.metadata, json, pkgutil, sys
-allowed = set(json.loads(sys.argv[1]))
 # Every installed third-party module whose distribution the gateway image does not carry (torch among them)
-# fails to import, as it would there; optional imports (e.g. psutil in opentelemetry) take their fallback.
-ours = {"gateway", "kvroute", "launch", "proto"}  # the image's own packages (launch: the command line)
-absent = {module for module, dists in importlib.metadata.packages_distributions().items()
-          if not any(dist.lower().replace("_", "-") in allowed for dist in dists)} - ours
-class SlimImage(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in absent:
-            raise ModuleNotFoundError(f"the gateway image has no {name}", name=name)
-sys.meta_path.insert(0, SlimImage())
+# fails to import, as it would there; the image's own packages are gateway, kvroute, launch (the command line)
+# and proto.
+GATEWAY_IMPORTS = (
+    only_distributions({"gateway", "kvroute", "launch", "proto"}, "the gateway image has no")
+    + r"""
+import pkgutil
 from launch.cli import build_parser
 build_parser(["gateway"])
 modules = ["launch.cli", "proto.worker_pb2_grpc", "proto.gateway_pb2_grpc"]
@@ -1216,6 +1211,7 @@ for name in modules:
 assert "torch" not in sys.modules
 print(len(modules))
 """
+)
 
 
 def test_gateway_imports_without_torch_from_its_image_requirements_alone() -> None:

@@ -20,29 +20,24 @@ from packaging.requirements import Requirement
 
 from launch.cli import WORKER_EXTRA_MODULES
 from launch.fleet import Fleet, free_port, kvroute_argv
+from tests.only_distributions import only_distributions
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 WORKER_ONLY = {"torch", "triton", "safetensors", "matplotlib", "ninja"}  # tqdm comes with gguf too
 
 # Every installed module whose distribution `pip install .` does not bring fails to import, as on a gateway host.
-BASE_INSTALL_ONLY = r"""
-import importlib, importlib.abc, importlib.metadata, json, sys
-allowed = set(json.loads(sys.argv[1]))
-ours = {"gateway", "kvroute", "launch", "proto", "worker", "kernels", "sim", "loadtest", "benchmarks"}
-absent = {module for module, dists in importlib.metadata.packages_distributions().items()
-          if not any(dist.lower().replace("_", "-") in allowed for dist in dists)} - ours
-class BaseInstall(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in absent:
-            raise ModuleNotFoundError(f"`pip install .` brings no {name}", name=name)
-sys.meta_path.insert(0, BaseInstall())
+OURS = {"gateway", "kvroute", "launch", "proto", "worker", "kernels", "sim", "loadtest", "benchmarks"}
+BASE_INSTALL_ONLY = (
+    only_distributions(OURS, "`pip install .` brings no")
+    + r"""
 from launch.cli import build_parser
 for command in ("gateway", "epp", "export-tokenizer"):
     build_parser([command])
 import gateway.cli_gateway, gateway.cli_epp
 assert "torch" not in sys.modules and "triton" not in sys.modules
 """
+)
 
 
 def normalise(name: str) -> str:
