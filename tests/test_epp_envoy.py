@@ -375,6 +375,17 @@ class _TimedStream(threading.Thread):
             self.error = repr(exc)
         self.ended = time.monotonic()
 
+    @classmethod
+    def started(cls, url: str) -> _TimedStream:
+        """A stream through `url` that has had its first content chunk (within 10 s)."""
+        stream = cls(url)
+        stream.start()
+        deadline = time.monotonic() + 10
+        while stream.first is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.first is not None, "the stream did not start"
+        return stream
+
 
 def test_a_hung_picker_answers_what_reached_it_within_the_bound(fleet: Fleet, tmp_path: Path) -> None:
     """The picker stopped (SIGSTOP) for 6 s with a stream in flight and three requests reaching it: Envoy
@@ -391,12 +402,7 @@ def test_a_hung_picker_answers_what_reached_it_within_the_bound(fleet: Fleet, tm
     try:
         with fleet.envoy(epp_port=port) as proxy:
             assert _chat(proxy.url, "warm the connection to the picker").status_code == 200
-            stream = _TimedStream(proxy.url)
-            stream.start()
-            deadline = time.monotonic() + 10
-            while stream.first is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert stream.first is not None, "the stream did not start"
+            stream = _TimedStream.started(proxy.url)
             process.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
             try:
@@ -447,12 +453,7 @@ def test_a_killed_pickers_stream(fleet: Fleet, tmp_path: Path, through_picker: b
     process = _start_epp(fleet_args, port, tmp_path / "epp.log")
     try:
         with fleet.envoy(epp_port=port, response_through_picker=through_picker) as proxy:
-            stream = _TimedStream(proxy.url)
-            stream.start()
-            deadline = time.monotonic() + 10
-            while stream.first is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert stream.first is not None, "the stream did not start"
+            stream = _TimedStream.started(proxy.url)
             process.kill()
             stream.join(30)
     finally:
