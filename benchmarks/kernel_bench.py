@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata
-from kernels.torch_attention import TorchAttentionBackend
-from kernels.triton_backend import TritonAttentionBackend, choose_partition_size, num_sms
+from kvkernels.attention import FP8_DTYPE, AttentionMetadata
+from kvkernels.torch_attention import TorchAttentionBackend
+from kvkernels.triton_backend import TritonAttentionBackend, choose_partition_size, num_sms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -2,7 +2,7 @@
 `python -m benchmarks.linear_bench [--rows 1,2,8,16,32,64,96] [--repeats 9] [--threads 2]`.
 
 For each number of rows, every linear of SmolLM2-135M (30 layers of qkv, o, gate_up and down, and the
-49,152-row lm_head) multiplies random float32 rows through kernels/cpu_bf16_linear.cpp on bf16 panels and
+49,152-row lm_head) multiplies random float32 rows through kvkernels/cpu_bf16_linear.cpp on bf16 panels and
 through `F.linear` on the float32 weights, the two taking turns: median milliseconds for all 121 and the ratio.
 It is how `worker.model.packed_linear.DECODE_ROWS` was chosen; rerun it on a new kind of CPU. Needs x86 with
 AVX2 and FMA (on an AVX-512 machine, emulate with docs/worker.md's variables); elsewhere it exits with code 2.
@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
-from kernels.cpu_backend import cpu_description
+from kvkernels import cpu_linear
+from kvkernels.cpu_backend import cpu_description
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, QKV = 576, 1536, 30, 49152, 960  # SmolLM2-135M
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [

@@ -1,6 +1,6 @@
 """The CPU-dependent tests pass on every x86 class the engine's choices distinguish (AVX2-only, AVX-512 BF16, AMX),
 proven on one machine: the main run covers this machine's own class, and each class below it reruns those tests in
-a child pytest under the class's environment (kernels.cpu_backend.CPU_CLASSES: our flags hidden, torch's, oneDNN's
+a child pytest under the class's environment (kvkernels.cpu_backend.CPU_CLASSES: our flags hidden, torch's, oneDNN's
 and MKL's dispatch capped). A class above this machine cannot be emulated (flags can be hidden, not added) and
 skips, naming the machine's class."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu_backend import CPU_CLASSES, cpu_class
+from kvkernels.cpu_backend import CPU_CLASSES, cpu_class
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tests whose outcome depends on the CPU's flags: dtype and attention-path choices, the C++ kernels (their

@@ -1,7 +1,7 @@
 """`--dtype auto` picks bfloat16 only where the machine multiplies it natively, and the engine says which dtype
 and attention path it took, and why (startup log, GetInfo, engine_bench).
 
-Each CPU's branch runs here: the detection reads /proc/cpuinfo through kernels.cpu_backend.cpu_flags, whose
+Each CPU's branch runs here: the detection reads /proc/cpuinfo through kvkernels.cpu_backend.cpu_flags, whose
 KVROUTE_CPU_HIDE_FLAGS switch hides this machine's features; other architectures' flag sets are given to the
 same detection."""
 
@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
-import kernels.cpu_backend as cpu_backend
-from kernels.cpu_backend import HIDE_FLAGS_ENV, cpu_flags, native_bf16, unsupported_reason
+import kvkernels.cpu_backend as cpu_backend
+from kvkernels.cpu_backend import HIDE_FLAGS_ENV, cpu_flags, native_bf16, unsupported_reason
 from proto import worker_pb2, worker_pb2_grpc
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from kernels.cpu_backend import HIDE_FLAGS_ENV
+from kvkernels.cpu_backend import HIDE_FLAGS_ENV
 from kvroute.sampling import SamplingParams
 from kvroute.tokenizer import Tokenizer
 from worker.config import EngineConfig

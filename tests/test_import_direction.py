@@ -1,7 +1,7 @@
 """Imports run down the layers, never up or across (DESIGN §6), read from every module's source with `ast`
 (nothing is imported, so a module that needs a GPU or a missing package is checked too).
 
-    proto, kvroute (the bottom) ──► kernels ──► worker
+    proto, kvroute (the bottom) ──► kvkernels ──► worker
                    kvroute ──────────────────► gateway
     sim, loadtest, launch, benchmarks, exercises, deploy above them all
     gateway/: request, errors, worker_spec, worker_client ──► routing, admission, tracing, metrics ──► fleet
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _DOTTED = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+")  # a module named by a string: "sim.doctor"
 NOT_CHECKED = {"tests"}  # the tests import every layer they test
 _BOTTOM = {"proto", "kvroute"}
-_ENGINE = _BOTTOM | {"kernels", "worker"}
+_ENGINE = _BOTTOM | {"kvkernels", "worker"}
 _SERVING = _ENGINE | {"gateway"}
 
 _GATEWAY_GROUND = {"gateway/request", "gateway/errors", "gateway/worker_spec", "gateway/worker_client"}
@@ -44,8 +44,8 @@ _GATEWAY_BELOW_PATH = _GATEWAY_GROUND | {
 MAY_IMPORT: dict[str, set[str]] = {
     "proto": set(),  # generated from proto/*.proto
     "kvroute": {"proto"},  # hashing, tokenizer, chat template, wire formats: shared by every layer
-    "kernels": {"kvroute"},
-    "worker": {"kvroute", "kernels", "proto"},
+    "kvkernels": {"kvroute"},
+    "worker": {"kvroute", "kvkernels", "proto"},
     # the gateway's rooms, bottom to top; it never imports the worker: it speaks to workers over the wire only
     "gateway": {"kvroute", "proto"},
     **{ground: {"kvroute", "proto"} | _GATEWAY_GROUND for ground in _GATEWAY_GROUND},
@@ -158,7 +158,7 @@ def test_every_import_runs_down_the_table():
 
 def test_the_table_keeps_the_serving_layers_apart():
     """The rules the table must keep, whatever rows are added: gateway and worker never import each other, and
-    kernels and kvroute import neither of them nor anything above them."""
+    kvkernels and kvroute import neither of them nor anything above them."""
 
     def reaches(row: str, name: str) -> bool:
         return any(allowed(row, target) for target in MAY_IMPORT if target.split("/")[0] == name)
@@ -170,7 +170,7 @@ def test_the_table_keeps_the_serving_layers_apart():
             assert not reaches(row, "worker"), row
         if top == "worker":
             assert not reaches(row, "gateway"), row
-        if top in ("kernels", "kvroute", "proto"):
+        if top in ("kvkernels", "kvroute", "proto"):
             above = {"gateway", "worker", "sim", "loadtest", "launch", "exercises"}
             assert not any(reaches(row, name) for name in above), row
 

@@ -23,11 +23,12 @@ from launch.fleet import Fleet, free_port, kvroute_argv
 from tests.only_distributions import only_distributions
 
 ROOT = Path(__file__).resolve().parents[1]
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PYPROJECT_TOML = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PYPROJECT = PYPROJECT_TOML["project"]
 WORKER_ONLY = {"torch", "triton", "safetensors", "matplotlib", "ninja"}  # tqdm comes with gguf too
 
 # Every installed module whose distribution `pip install .` does not bring fails to import, as on a gateway host.
-OURS = {"gateway", "kvroute", "launch", "proto", "worker", "kernels", "sim", "loadtest", "benchmarks"}
+OURS = {name.rstrip("*") for name in PYPROJECT_TOML["tool"]["setuptools"]["packages"]["find"]["include"]}
 BASE_INSTALL_ONLY = (
     only_distributions(OURS, "`pip install .` brings no")
     + r"""
@@ -38,6 +39,15 @@ import gateway.cli_gateway, gateway.cli_epp
 assert "torch" not in sys.modules and "triton" not in sys.modules
 """
 )
+
+
+def test_no_other_distribution_installs_a_package_of_ours_name():
+    """Our top-level packages are plain names (gateway, worker, ...): a dependency that brings a module of the same
+    name would be shadowed by ours or shadow it, whichever comes first on sys.path (transformers 5.25 began
+    requiring HF's `kernels`, which our kernel package was called until then)."""
+    providers = metadata.packages_distributions()
+    clashes = {name: sorted(set(providers[name]) - {"kvroute"}) for name in OURS if name in providers}
+    assert not {name: others for name, others in clashes.items() if others}
 
 
 def normalise(name: str) -> str:
@@ -144,7 +154,7 @@ def test_a_gateway_whose_otlp_exporter_does_not_import_serves_without_spans_and_
 LOAD_EXTENSION = r"""
 import sys
 from pathlib import Path
-from kernels.cpu_backend import load_extension
+from kvkernels.cpu_backend import load_extension
 load_extension("test op library", "kvroute_test_notice", Path(sys.argv[1]), [], ())
 """
 

@@ -13,6 +13,6 @@ def test_triton_kernels_compile_for_cuda_targets():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a deprecation warning of triton 3.9
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check"], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "kvkernels.compile_check"], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout + result.stderr

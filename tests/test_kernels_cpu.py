@@ -1,5 +1,5 @@
 """The CPU attention backend against the plain reference on the path this machine runs (the AVX-512 BF16 kernel
-in kernels/cpu_attention.cpp for bf16 models where the CPU has it; the torch path for the float32 models that
+in kvkernels/cpu_attention.cpp for bf16 models where the CPU has it; the torch path for the float32 models that
 `--dtype auto` picks elsewhere), the backend's choice of path, and the CPU-side speed-ups of the model runner
 (packed linears, bf16 decode weights, kept heap). A test that needs a CPU feature this one lacks skips with the
 feature's name in its reason (`pytest -rs` lists them)."""
@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.cpu_backend as cpu_backend
+import kvkernels.cpu_backend as cpu_backend
 import worker.model.packed_linear as packed_linear
-from kernels import cpu_linear
-from kernels.attention import FP8_DTYPE
-from kernels.cpu_backend import HIDE_FLAGS_ENV, CpuAttentionBackend, unsupported_reason
-from kernels.reference import make_paged_batch, reference_attend, reference_write_kv
+from kvkernels import cpu_linear
+from kvkernels.attention import FP8_DTYPE
+from kvkernels.cpu_backend import HIDE_FLAGS_ENV, CpuAttentionBackend, unsupported_reason
+from kvkernels.reference import make_paged_batch, reference_attend, reference_write_kv
 from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
@@ -259,7 +259,7 @@ def test_keep_freed_memory_on_linux():
     assert keep_freed_memory()
 
 
-# ---- the AVX2 float32 kernel (kernels/cpu_attention_fp32.cpp) ----------------------------------------------------
+# ---- the AVX2 float32 kernel (kvkernels/cpu_attention_fp32.cpp) ----------------------------------------------------
 
 FP32_KERNEL_MISSING = cpu_backend.fp32_unsupported_reason()
 needs_fp32_kernel = pytest.mark.skipif(

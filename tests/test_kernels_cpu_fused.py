@@ -1,4 +1,4 @@
-"""The fused float32 small ops (kernels/cpu_fused_ops.cpp) against the torch ops they replace, and a float32
+"""The fused float32 small ops (kvkernels/cpu_fused_ops.cpp) against the torch ops they replace, and a float32
 model through them against the same model through torch's. They need AVX2 and FMA; the skip says which is
 missing (ARM, old x86)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused_ops
+from kvkernels import cpu_fused_ops
 from kvroute.sampling import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

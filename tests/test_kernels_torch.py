@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata
-from kernels.backend_select import get_attention_backend
-from kernels.reference import make_paged_batch, reference_attend, reference_write_kv
-from kernels.torch_attention import TorchAttentionBackend
+from kvkernels.attention import FP8_DTYPE, AttentionMetadata
+from kvkernels.backend_select import get_attention_backend
+from kvkernels.reference import make_paged_batch, reference_attend, reference_write_kv
+from kvkernels.torch_attention import TorchAttentionBackend
 
 # (query dtype, cache dtype) -> (atol, rtol). FP8 caches are compared on the same stored values, so their
 # tolerance is that of the compute dtype; bfloat16 SDPA rounds its output to 8 mantissa bits.

@@ -14,12 +14,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.attention import FP8_DTYPE  # noqa: E402
-from kernels.backend_select import get_attention_backend  # noqa: E402
-from kernels.reference import make_paged_batch, reference_attend, reference_write_kv  # noqa: E402
-from kernels.torch_attention import TorchAttentionBackend  # noqa: E402
-from kernels.triton_backend import TritonAttentionBackend  # noqa: E402
-from kernels.triton_cache_write import write_kv  # noqa: E402
+from kvkernels.attention import FP8_DTYPE  # noqa: E402
+from kvkernels.backend_select import get_attention_backend  # noqa: E402
+from kvkernels.reference import make_paged_batch, reference_attend, reference_write_kv  # noqa: E402
+from kvkernels.torch_attention import TorchAttentionBackend  # noqa: E402
+from kvkernels.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvkernels.triton_cache_write import write_kv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available(),

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.backend_select import get_attention_backend
+from kvkernels.attention import AttentionBackend, AttentionMetadata
+from kvkernels.backend_select import get_attention_backend
 from kvroute.model_source import ModelSource, resolve_model
 from kvroute.tokenizer import Tokenizer
 from worker.model import LlamaConfig, LlamaForCausalLM, build_model, load_model, load_tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.backend_select import BACKEND_NAMES as ATTENTION_BACKENDS
+from kvkernels.backend_select import BACKEND_NAMES as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -15,7 +15,7 @@ class EngineConfig:
     model: str = "tiny"  # tiny | smollm2 | sim | path (kvroute.model_source.resolve_model)
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: see worker.model_runner.resolve_dtype)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, half the bytes of bf16)
-    attention_backend: str = "auto"  # auto | torch | cpu | triton (kernels.backend_select.get_attention_backend)
+    attention_backend: str = "auto"  # auto | torch | cpu | triton (kvkernels.backend_select.get_attention_backend)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0

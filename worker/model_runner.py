@@ -17,9 +17,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, token_positions
-from kernels.backend_select import get_attention_backend
-from kernels.cpu_backend import CpuAttentionBackend, native_bf16
+from kvkernels.attention import FP8_DTYPE, AttentionBackend, AttentionMetadata, token_positions
+from kvkernels.backend_select import get_attention_backend
+from kvkernels.cpu_backend import CpuAttentionBackend, native_bf16
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
 from worker.model.config import LlamaConfig
@@ -58,7 +58,7 @@ class DtypeChoice(NamedTuple):
 def resolve_dtype(name: str, model_kind: str, device: str | torch.device = "cpu") -> DtypeChoice:
     """The weights' dtype, and why (the reason is logged and in GetInfo). An explicit `name` is taken as asked
     (bfloat16 on a CPU without native bf16 says it is emulated). `auto` is a dtype the machine multiplies
-    natively: on a CPU, bfloat16 where kernels.cpu_backend.native_bf16 says so, else float32; on CUDA, bfloat16
+    natively: on a CPU, bfloat16 where kvkernels.cpu_backend.native_bf16 says so, else float32; on CUDA, bfloat16
     where the GPU supports it, else float32; float32 on other devices. The tiny test model's `auto` is float32,
     its native dtype: its random weights give near-tied logits, so bf16 rounding would let batch shape or
     attention backend decide its greedy tokens. Why, measured: docs/worker.md, "The dtype the engine picks"."""

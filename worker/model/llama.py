@@ -2,14 +2,14 @@
 KV cache.
 
 The model sees one engine step as a flat batch of T new tokens from any number of sequences. Attention goes
-through an `AttentionBackend` (kernels/attention.py): the layer writes the step's K/V into the cache, then
+through an `AttentionBackend` (kvkernels/attention.py): the layer writes the step's K/V into the cache, then
 the backend attends over each sequence's cached context using `AttentionMetadata`.
 
 Weights arrive under HF names (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`, ...) and are stacked
 into `qkv_proj` and `gate_up_proj` on load, as in vLLM: one matmul instead of three (or two); what that saves:
 docs/worker.md, "Where the CPU time goes".
 
-Float32 activations on an x86 CPU with AVX2 take the small ops fused (kernels/cpu_fused_ops.py): RMSNorm with
+Float32 activations on an x86 CPU with AVX2 take the small ops fused (kvkernels/cpu_fused_ops.py): RMSNorm with
 the residual add before it, SiLU(gate) * up and RoPE, each one pass instead of 2 to 6 torch ops. The residual
 stream therefore runs beside the hidden states, as in vLLM: each norm adds the layer's output to it first.
 """
@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused_ops
+from kvkernels import cpu_fused_ops
 from worker.model.config import LlamaConfig
 
 if TYPE_CHECKING:
-    from kernels.attention import AttentionBackend, AttentionMetadata
+    from kvkernels.attention import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

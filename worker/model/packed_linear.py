@@ -6,7 +6,7 @@
   are the ones torch's own CPU compiler (inductor) uses for frozen linears.
 - `add_bf16_decode_weights`, for CPUs without native bf16 that have AVX2 and FMA (float32 models): each float32
   linear keeps its weight and gains a bfloat16 copy, packed in panels, that steps of at most DECODE_ROWS rows read
-  through kernels/cpu_bf16_linear.cpp (widened to float32 in registers, float32 accumulation); larger steps run
+  through kvkernels/cpu_bf16_linear.cpp (widened to float32 in registers, float32 accumulation); larger steps run
   float32 MKL. The model then takes 1.5x its float32 memory.
 
 What each measured, and why packing is off without native bf16: docs/worker.md, "Linear layers on CPUs".
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
-from kernels.cpu_backend import native_bf16
+from kvkernels import cpu_linear
+from kvkernels.cpu_backend import native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class PackedLinear(nn.Module):
 
 
 def packing_supported() -> bool:
-    """oneDNN in this torch build, on a CPU that multiplies bf16 natively (kernels.cpu_backend.native_bf16, which
+    """oneDNN in this torch build, on a CPU that multiplies bf16 natively (kvkernels.cpu_backend.native_bf16, which
     honours $KVROUTE_CPU_HIDE_FLAGS) and that oneDNN agrees can run bf16. Elsewhere packing does not pay (see
     above), for float32 either."""
     if not native_bf16()[0]:
@@ -80,7 +80,7 @@ DECODE_ROWS = 32
 
 class Bf16DecodeLinear(nn.Module):
     """A float32 nn.Linear that also keeps a bfloat16 copy of its weight: inputs of at most DECODE_ROWS rows run
-    on the copy (kernels.cpu_linear.bf16_linear: float32 activations, products accumulated in float32), larger
+    on the copy (kvkernels.cpu_linear.bf16_linear: float32 activations, products accumulated in float32), larger
     ones on the float32 weight. The float32 weight is the linear's own tensor, so a tied lm_head stays tied."""
 
     weight_panels: torch.Tensor  # a registered buffer

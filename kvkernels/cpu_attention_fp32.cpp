@@ -1,7 +1,7 @@
 // Paged flash attention in float32 for x86 CPUs with AVX2 and FMA (the engine's CPU path for float32 models
 // where the AVX-512 BF16 kernel in cpu_attention.cpp does not run).
 //
-// The same contract and work split as cpu_attention.cpp (kernels/attention.py has the contract): one call runs a
+// The same contract and work split as cpu_attention.cpp (kvkernels/attention.py has the contract): one call runs a
 // whole engine step; one work item is (sequence, KV head, 16 query positions) with the G query heads that share
 // the KV head as extra rows, over key tiles of 64 with an online softmax, threads taking items from a shared
 // counter, one KV head after the other and longest first within one. What differs, for 8-wide ymm and 16

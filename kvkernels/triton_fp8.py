@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import FP8_DTYPE
+from kvkernels.attention import FP8_DTYPE
 
 
 @functools.cache

@@ -1,7 +1,7 @@
-"""float32 activations times a bfloat16 weight on AVX2 + FMA (kernels/cpu_bf16_linear.cpp): the decode path of
+"""float32 activations times a bfloat16 weight on AVX2 + FMA (kvkernels/cpu_bf16_linear.cpp): the decode path of
 CPUs without native bf16, where a step is bound by reading the weights (worker/model/packed_linear.py picks it).
 
-Compiled on first use with torch's cpp_extension, like the attention kernel (kernels/cpu_backend.py), and cached
+Compiled on first use with torch's cpp_extension, like the attention kernel (kvkernels/cpu_backend.py), and cached
 under TORCH_EXTENSIONS_DIR.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_backend import AVX2_COMPILE_FLAGS, AVX2_REQUIRED_FLAGS, load_extension, missing_x86_flags
+from kvkernels.cpu_backend import AVX2_COMPILE_FLAGS, AVX2_REQUIRED_FLAGS, load_extension, missing_x86_flags
 
 SOURCE = Path(__file__).with_name("cpu_bf16_linear.cpp")
 
@@ -31,7 +31,7 @@ def load_kernel() -> bool:
     )
 
 
-# A panel's 16 features in the order the kernel's widening shuffles expect (kernels/cpu_bf16_linear.cpp).
+# A panel's 16 features in the order the kernel's widening shuffles expect (kvkernels/cpu_bf16_linear.cpp).
 PANEL = 16
 _PANEL_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
 

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import FP8_MAX
-from kernels.triton_fp8 import e4m3_to_bytes, is_fp8_cache, kernel_cache_view, round_to_e4m3
+from kvkernels.attention import FP8_MAX
+from kvkernels.triton_fp8 import e4m3_to_bytes, is_fp8_cache, kernel_cache_view, round_to_e4m3
 
 
 @triton.jit

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata
-from kernels.torch_attention import TorchAttentionBackend
+from kvkernels.attention import FP8_DTYPE, AttentionMetadata
+from kvkernels.torch_attention import TorchAttentionBackend
 
 log = logging.getLogger(__name__)
 

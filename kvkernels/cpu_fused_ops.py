@@ -1,9 +1,9 @@
-"""A float32 decoder layer's small ops on AVX2 + FMA, each one pass (kernels/cpu_fused_ops.cpp): RMSNorm, the
+"""A float32 decoder layer's small ops on AVX2 + FMA, each one pass (kvkernels/cpu_fused_ops.cpp): RMSNorm, the
 residual add fused with the next RMSNorm, SiLU(gate) * up, and RoPE in place. worker/model/llama.py takes them
 for float32 activations on a CPU that has the instructions (`available`); elsewhere, and for bf16 (which keeps
 HF's roundings), torch's ops run.
 
-Compiled on first use with torch's cpp_extension, like the attention kernels (kernels/cpu_backend.py), and
+Compiled on first use with torch's cpp_extension, like the attention kernels (kvkernels/cpu_backend.py), and
 cached under TORCH_EXTENSIONS_DIR.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_backend import AVX2_COMPILE_FLAGS, AVX2_REQUIRED_FLAGS, load_extension, missing_x86_flags
+from kvkernels.cpu_backend import AVX2_COMPILE_FLAGS, AVX2_REQUIRED_FLAGS, load_extension, missing_x86_flags
 
 SOURCE = Path(__file__).with_name("cpu_fused_ops.cpp")
 

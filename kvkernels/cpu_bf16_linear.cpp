@@ -1,5 +1,5 @@
 // y = x W^T + b with float32 activations x [M, K] and a bfloat16 weight, on AVX2 and FMA: the decode path of
-// CPUs that cannot multiply bf16 (kernels/cpu_linear.py says when it runs).
+// CPUs that cannot multiply bf16 (kvkernels/cpu_linear.py says when it runs).
 //
 // A decode step reads every weight once and does two FLOPs per row of x with it, so at a few rows it is bound by
 // reading the weights: half the bytes of float32, widened to float32 in registers (a bf16 is the top half of a
@@ -7,7 +7,7 @@
 // and runs slower than float32 from memory, and MKL's float32 sgemm repacks the weight on every call, which costs
 // it half its speed at 2 to 32 rows.
 //
-// The weight is packed once, at load (kernels/cpu_linear.py, pack_weight), into panels of 16 output features:
+// The weight is packed once, at load (kvkernels/cpu_linear.py, pack_weight), into panels of 16 output features:
 // [N / 16, K, 16], each panel contiguous, so a task streams its panels from memory in order. Within a panel's
 // 16 features the order is 0-3, 8-11, 4-7, 12-15: interleaving zeros below it with vpunpck{l,h}wd then widens
 // them to features 0-7 and 8-15 in two shuffles, with no shifts on the FMA ports.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata, from_cache_dtype, to_cache_dtype
+from kvkernels.attention import FP8_DTYPE, AttentionMetadata, from_cache_dtype, to_cache_dtype
 
 
 def reference_write_kv(

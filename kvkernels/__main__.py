@@ -1,9 +1,9 @@
-"""`python -m kernels` (run by `make setup`): compile every C++ CPU kernel this machine can run, so that no request
+"""`python -m kvkernels` (run by `make setup`): compile every C++ CPU kernel this machine can run, so that no request
 waits for the compiler; each one it cannot run says why and what runs instead."""
 
 import logging
 
-from kernels import cpu_backend, cpu_fused_ops, cpu_linear
+from kvkernels import cpu_backend, cpu_fused_ops, cpu_linear
 
 logging.basicConfig(format="%(message)s")
 for name, load in (

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.attention import AttentionMetadata
-from kernels.triton_cache_write import write_kv
-from kernels.triton_decode_attention import paged_decode_attention
-from kernels.triton_prefill_attention import paged_prefill_attention
+from kvkernels.attention import AttentionMetadata
+from kvkernels.triton_cache_write import write_kv
+from kvkernels.triton_decode_attention import paged_decode_attention
+from kvkernels.triton_prefill_attention import paged_prefill_attention
 
 MIN_PARTITION_SIZE = 64
 MAX_PARTITION_SIZE = 1024

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_fp8 import dequantize
+from kvkernels.triton_fp8 import dequantize
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

@@ -1,4 +1,4 @@
-"""Compile the Triton kernels for CUDA GPUs on a machine without one: `python -m kernels.compile_check`.
+"""Compile the Triton kernels for CUDA GPUs on a machine without one: `python -m kvkernels.compile_check`.
 
 TRITON_INTERPRET=1 runs the kernels' arithmetic on the CPU but never compiles them, so a kernel that the GPU
 compiler rejects (a tl.dot below 16 wide, e4m3 on sm_80, a type mismatch between branches) would pass every
@@ -21,10 +21,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.attention import FP8_MAX
-from kernels.triton_cache_write import write_kv_kernel
-from kernels.triton_decode_attention import combine_partitions_kernel, paged_decode_kernel
-from kernels.triton_prefill_attention import paged_prefill_kernel
+from kvkernels.attention import FP8_MAX
+from kvkernels.triton_cache_write import write_kv_kernel
+from kvkernels.triton_decode_attention import combine_partitions_kernel, paged_decode_kernel
+from kvkernels.triton_prefill_attention import paged_prefill_kernel
 
 INDEX_POINTERS = {"seq_ids_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"}
 FLOAT32_POINTERS = {"partial_out_ptr", "max_logits_ptr", "exp_sums_ptr"}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import FP8_DTYPE, AttentionMetadata, to_cache_dtype
+from kvkernels.attention import FP8_DTYPE, AttentionMetadata, to_cache_dtype
 
 
 @dataclass

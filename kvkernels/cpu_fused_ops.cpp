@@ -1,5 +1,5 @@
 // A float32 decoder layer's small ops, each fused into one pass on AVX2 + FMA: RMSNorm (alone, or after adding
-// the residual), SiLU(gate) * up, and rotate-half RoPE in place (kernels/cpu_fused_ops.py says when they run).
+// the residual), SiLU(gate) * up, and rotate-half RoPE in place (kvkernels/cpu_fused_ops.py says when they run).
 //
 // torch runs each of them as 2 to 6 elementwise ops, every one a pass over tensors of T x hidden floats that
 // outgrow L2 in a prefill, and a dispatch of a few microseconds apiece in a decode step. In a float32 prefill of

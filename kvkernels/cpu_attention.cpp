@@ -1,7 +1,7 @@
 // Paged flash attention in bfloat16 for CPUs with AVX-512 BF16 (the engine's CPU path for bf16 models).
 //
 // One call runs a whole engine step: prefill chunks, extends over a cached prefix and decodes, read straight
-// from the paged cache through the block tables (kernels/attention.py has the contract). Two passes:
+// from the paged cache through the block tables (kvkernels/attention.py has the contract). Two passes:
 //   1. pack: each sequence's K and V are copied out of the cache into the layouts the dot-product
 //      instruction wants (VNNI: the two bf16 of a pair adjacent), FP8 caches dequantised on the way. Only
 //      sequences with more than one query tile are packed up front, once for all their work items; a decode's

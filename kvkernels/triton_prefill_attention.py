@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_decode_attention import LOG2E
-from kernels.triton_fp8 import kernel_cache_view
-from kernels.triton_utils import dot_dtype, dot_precision, load_kv_tile
+from kvkernels.triton_decode_attention import LOG2E
+from kvkernels.triton_fp8 import kernel_cache_view
+from kvkernels.triton_utils import dot_dtype, dot_precision, load_kv_tile
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_fp8 import kernel_cache_view
-from kernels.triton_utils import dot_dtype, dot_precision, load_kv_tile
+from kvkernels.triton_fp8 import kernel_cache_view
+from kvkernels.triton_utils import dot_dtype, dot_precision, load_kv_tile
 
 LOG2E = 1.4426950408889634
 
