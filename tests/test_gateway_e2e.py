@@ -186,13 +186,19 @@ def test_two_gateways_with_equal_views_decide_alike() -> None:
             )
             await other.start()
             try:
-                view_a, view_b = f.state.view(), other.view()
-                await until(
-                    lambda: (
-                        all(view_a.kv_index.num_blocks(r) == view_b.kv_index.num_blocks(r) for r in view_a.replicas)
-                        and view_b.kv_index.num_blocks("w0") + view_b.kv_index.num_blocks("w1") > 0
+
+                def alike() -> bool:
+                    """Both views hold the same blocks and the same loads (a view's loads come from the
+                    workers' stats, polled by each fleet state on its own clock)."""
+                    a, b = f.state.view(), other.view()
+                    return (
+                        all(a.kv_index.num_blocks(r) == b.kv_index.num_blocks(r) for r in a.replicas)
+                        and b.kv_index.num_blocks("w0") + b.kv_index.num_blocks("w1") > 0
+                        and a.loads == b.loads
                     )
-                )
+
+                await until(alike)
+                view_a, view_b = f.state.view(), other.view()
                 policy_b = make_policy("kv_aware")
                 for i in range(6):
                     ids = engine.tokenizer.encode_chat(chat("new", system=f"app {i % 3}: " + SYSTEM).messages)
