@@ -119,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument(
+        "--flow-control", choices=("on", "off"), default="on",
+        help="on: requests wait in the gateway, by priority and tenant fair share, until a worker can admit them "
+        "(the routing config's flow_control; docs/flow_control.md); off: each is sent at once",
+    )  # fmt: skip
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -187,6 +192,7 @@ class PoolConfig:
     options: dict[str, Any]
     aliases: tuple[str, ...] = ()
     engine: Any = None
+    flow_control: Any = None  # gateway.flow_control.config.FlowControlConfig (the config's `flow_control`)
 
 
 POOL_KEYS = ("model", "served_model_name", "workers", "block_size", "policy", "options")
@@ -212,7 +218,12 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
         served = args.served_model_name or args.model
         listed = tuple(filter(None, (part.strip() for part in ",".join([args.workers, *workers]).split(","))))
         engine = _engine_options(options)
-        return [PoolConfig(args.model, served, listed, args.block_size, args.policy, options, engine=engine)]
+        flow = _flow_control(options)
+        return [
+            PoolConfig(
+                args.model, served, listed, args.block_size, args.policy, options, engine=engine, flow_control=flow
+            )
+        ]
     if args.workers or workers or args.served_model_name:
         raise ValueError(
             "--routing-config: with `pools`, each pool names its workers and served_model_name "
@@ -249,8 +260,11 @@ def pool_configs(args: argparse.Namespace, config: dict[str, Any]) -> list[PoolC
             raise ValueError(f"{where}: options must be an object of policy options")
         options_of_pool = {**options, **own}
         engine = _engine_options(options_of_pool)
+        flow = _flow_control(options_of_pool)
         configs.append(
-            PoolConfig(model, names[0], tuple(specs), block_size, policy, options_of_pool, tuple(names[1:]), engine)
+            PoolConfig(
+                model, names[0], tuple(specs), block_size, policy, options_of_pool, tuple(names[1:]), engine, flow
+            )
         )
     return configs
 
@@ -343,6 +357,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
                 log_prompts=args.log_prompts,
                 concurrency=concurrency,
                 aliases=config.aliases,
+                flow_control=config.flow_control if args.flow_control == "on" else None,
             )
         )
     try:
@@ -370,6 +385,13 @@ def _engine_options(options: dict[str, Any]) -> Any:
     from gateway.fleet.engine_fleet import EngineOptions
 
     return EngineOptions.from_routing_config(options)
+
+
+def _flow_control(options: dict[str, Any]) -> Any:
+    """The routing config's `flow_control` (gateway.flow_control.config.FlowControlConfig), taken out."""
+    from gateway.flow_control.config import FlowControlConfig
+
+    return FlowControlConfig.from_routing_config(options)
 
 
 def _fleet_state(
@@ -716,6 +738,9 @@ def _reload_routing(pools: Any, start_configs: list[PoolConfig], args: argparse.
         ):
             logger.warning("SIGHUP: %s's model, workers, block size and medium_weights are read at start only; "
                            "restart to change them", name)  # fmt: skip
+        if path.flow is not None and path.flow.config != config.flow_control:
+            path.flow.reconfigure(config.flow_control)
+            logger.warning("SIGHUP: flow control settings reloaded from %s for %s", args.routing_config, name)
         policy = policies[name]
         old, new = dataclasses.asdict(path.policy.options), dataclasses.asdict(policy.options)
         changed = {k: f"{old[k]} -> {new[k]}" for k in new if old[k] != new[k]}

@@ -11,6 +11,8 @@ Routing: requests by policy and reason, requests routed per worker, routing late
 hash and pick), retries by cause, breaker state per worker, parity mismatches, membership changes and the
 seconds between two load reports of a worker (read from the fleet state's counters at scrape time).
 Requests: TTFT and E2E as the client sees them through the gateway, errors by type, requests in flight.
+Flow control (docs/flow_control.md): queue depth and wait per band, sheds and dispatches by band and reason, and
+requests that met their band's SLO or not.
 
 The prefix doctor's live half, per tenant and app (the `x-kvroute-app` header, else "default"): where each
 request's prompt first diverges from the same app's previous request (in tokens, at block granularity:
@@ -53,6 +55,9 @@ E2E_BUCKETS = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
     *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
+# Seconds a request waited in the flow-control queue (0 for one that went at once): from the report interval to
+# a band's longest max wait.
+FLOW_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ROUTING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 DIVERGENCE_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 MAX_APPS = 100  # (tenant, app) series of the prefix doctor, all tenants together
@@ -223,6 +228,33 @@ class _Registry:
             "kvroute:prefix_hit_rate", "Prompt blocks held by the chosen worker over prompt blocks, per app.",
             ["tenant", "app"], registry=r,
         ))  # fmt: skip
+        # Flow control (gateway.flow_control): `band` is a priority value as gateway.flow_control.stage bounds it.
+        self.flow_queue_depth = _Children(Gauge(
+            "kvroute:gateway_flow_queue_depth", "Requests waiting in the gateway for a worker, per band.",
+            ["band"], registry=r,
+        ))  # fmt: skip
+        self.flow_queue_wait = _Children(Histogram(
+            "kvroute:gateway_flow_queue_wait_seconds",
+            "Time a request waited in the gateway for a worker, per band (0 for one dispatched at once).",
+            ["band"], buckets=FLOW_WAIT_BUCKETS, registry=r,
+        ))  # fmt: skip
+        self.flow_sheds = _Children(Counter(
+            "kvroute:gateway_flow_sheds",
+            "Requests refused or dropped by flow control, per band and reason (tenant_limit, band_full, queue_full, "
+            "displaced, max_wait, no_worker, draining).",
+            ["band", "reason"], registry=r,
+        ))  # fmt: skip
+        self.flow_dispatches = _Children(Counter(
+            "kvroute:gateway_flow_dispatches",
+            "Requests flow control sent to a worker, per band and reason "
+            "(immediate, fair_share, cache_aware, deadline).",
+            ["band", "reason"], registry=r,
+        ))  # fmt: skip
+        self.slo_requests = _Children(Counter(
+            "kvroute:gateway_slo_requests",
+            "Requests of a band with an SLO (routing config flow_control) that finished, by whether they met it.",
+            ["band", "met"], registry=r,
+        ))  # fmt: skip
         self.live = _LiveCollector()
         r.register(self.live)
         # (model, tenant, app) -> its last request's hashes: a prompt diverges from its own model's previous one
@@ -254,6 +286,11 @@ class GatewayMetrics:
         self.in_flight = shared.in_flight.labels(model_name)
         self.prefix_divergence = shared.prefix_divergence
         self.prefix_hit_rate = shared.prefix_hit_rate
+        self.flow_queue_depth = shared.flow_queue_depth
+        self.flow_queue_wait = shared.flow_queue_wait
+        self.flow_sheds = shared.flow_sheds
+        self.flow_dispatches = shared.flow_dispatches
+        self.slo_requests = shared.slo_requests
 
     def for_model(self, model_name: str) -> GatewayMetrics:
         """The metrics of the pool serving `model_name`, in this registry."""

@@ -27,6 +27,15 @@ class Tenant:
     name: str
     cache_salt: str  # set on the server; a client's salt is only ever mixed in under it
     max_concurrency: int | None = None  # requests in flight at once; past it: 429 with Retry-After
+    priority: int = 0  # its requests' default priority (lower is more urgent; vLLM's `priority`)
+    min_priority: int | None = None  # the most urgent priority its requests may take (None: `priority`)
+    weight: float = 1.0  # its fair share of a band, in tokens, against the other tenants' weights
+
+    def clamped_priority(self, asked: int | None) -> int:
+        """The priority a request of this tenant runs at: what it asked (else the tenant's default), never
+        more urgent than the tenant's ceiling."""
+        ceiling = self.priority if self.min_priority is None else self.min_priority
+        return max(self.priority if asked is None else asked, ceiling)
 
 
 @dataclass
@@ -48,6 +57,7 @@ class GatewayRequest:
     session_id: str | None = None  # x-session-id header or OpenAI `user`: the `session` policy's key
     app: str | None = None  # x-kvroute-app header: the prefix doctor's grouping (default: the API key's tenant)
     client_cache_salt: str = ""  # mixed in under the tenant's salt, never replacing it
+    priority: int | None = None  # body `priority` or x-kvroute-priority (the header wins); None: the tenant's
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. `tools`, passed to the chat template
     skip_special_tokens: bool = True
     # The special tokens (a BOS) around the prompt's ids: None = the default, on for a prompt and off for

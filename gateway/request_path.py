@@ -7,6 +7,9 @@
                        in the prompt pool off the event loop (short ones on it), refused past
                        max_prompt_tokens (before tokenizing where its length proves it)   kvroute.tokenizer
       4. hash          block hashes with the tenant's salt (the client's mixed in under it)
+      4b. flow control wait in the gateway, by priority band and tenant fair share, until a worker can
+                       admit the request now (429/503 past a queue bound); the worker re-picked
+                       when it leaves the queue (off: `flow_control=None`)            gateway.flow_control
       5. route         policy.pick(request, fleet.view(), exclude)               gateway.routing.router
       6. forward       over the worker's backend (kvroute gRPC, or vLLM / SGLang OpenAI HTTP in the
                        engine's own API); before its first message a failed worker is retried on
@@ -74,11 +77,14 @@ from gateway.errors import (
     quoted,
 )
 from gateway.fleet.fleet_state import FleetIdentity, FleetState, WorkerMember
+from gateway.flow_control.config import FlowControlConfig
+from gateway.flow_control.stage import FlowControl, Grant
 from gateway.forwarding.backends import Backend, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
 from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.metrics import GatewayMetrics, label_value
 from gateway.request import GatewayRequest, Generation, RouteInfo, Tenant, TokenizeResult
 from gateway.request_stream import StreamEnded, StreamingGeneration, WorkerStream
+from gateway.routing.fleet_view import FleetView
 from gateway.routing.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.worker_client import WorkerClients
 from kvroute.chat_template import ChatTemplateError
@@ -110,6 +116,10 @@ INLINE_DETOKENIZE_IDS = 1024
 # /tokenize requests whose prompts wait for the pool at once, beyond which one is refused (429): the pool is the
 # one generation templates its prompts in, and a tokenizer client is not to queue ahead of them without bound.
 TOKENIZE_BACKLOG = 2 * PROMPT_THREADS
+# What a queued request is counted as holding in the gateway's memory, beyond its body: its prompt ids and block
+# hashes as Python keeps them (a list slot and a small int; a bytes object of 16).
+QUEUED_BYTES_PER_TOKEN = 8
+QUEUED_BYTES_PER_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +163,7 @@ class RequestPath:
         log_prompts: bool = False,
         concurrency: TenantConcurrency | None = None,
         aliases: Sequence[str] = (),
+        flow_control: FlowControlConfig | None = None,
     ) -> None:
         self.fleet = fleet
         self.policy = policy
@@ -187,8 +198,17 @@ class RequestPath:
         self._open_streams: dict[str, set[WorkerStream]] = {}  # worker id -> its requests not yet done
         self._watchdog: asyncio.Task[None] | None = None
         self._shutdown: str | None = None  # end_streams' message: no worker request starts after it
+        # None: flow control off (`--flow-control off`), every request picked and sent at once as before it
+        self.flow: FlowControl | None = None
+        if flow_control is not None:
+            self.flow = FlowControl(
+                flow_control, fleet.view, self._pick, self.breakers.blocked, metrics, block_size
+            )  # fmt: skip
         metrics.watch(lambda: getattr(fleet, "counters", None), self.breakers.states)
         fleet.watch_membership(self._member_changed)
+
+    def _pick(self, request: RouteRequest, fleet: FleetView, exclude: frozenset[str]) -> RouteDecision:
+        return self.policy.pick(request, fleet, exclude)  # the policy in force (a SIGHUP may replace it)
 
     # -- health and shutdown ------------------------------------------------------------------------------
 
@@ -226,6 +246,8 @@ class RequestPath:
         its first token gets it as its 503; no worker request starts after this. Returns how many requests
         were open. Their front doors close them as they write the error: `wait_drained` sees them go."""
         self._shutdown = message
+        if self.flow is not None:
+            self.flow.end_queued(message)
         for streams in list(self._open_streams.values()):
             for stream in list(streams):
                 self._end(stream, NoWorkerAvailable(message, code=SHUTTING_DOWN), worker_fault=False)
@@ -236,6 +258,8 @@ class RequestPath:
             self._watchdog.cancel()
             await asyncio.wait({self._watchdog})
             self._watchdog = None
+        if self.flow is not None:
+            await self.flow.close()
         for backend in {id(b): b for b in self.backends.values()}.values():
             await backend.close()
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
@@ -253,6 +277,8 @@ class RequestPath:
                     self._end(stream, error, worker_fault=True)
         if all(member.address != old.address for member in self.fleet.members()):
             self.backends[old.engine].release(old.address)
+        if self.flow is not None:
+            self.flow.kick()  # a request waiting for this worker re-picks; a gone one's room is nobody's now
 
     # -- the watchdog over open worker requests ---------------------------------------------------------------
 
@@ -312,13 +338,21 @@ class RequestPath:
         request_id = uuid.uuid4().hex
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         streams: list[WorkerStream] = []
+        grant: Grant | None = None
         try:
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
                 request.max_tokens_defaulted, span,
             )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
-            first, route = await self._open(forward, route_request, choice=0, arrival=arrival)
+            if self.flow is not None:
+                size = (
+                    len(request.api_json or b"") + QUEUED_BYTES_PER_TOKEN * len(prompt_ids)
+                    + QUEUED_BYTES_PER_BLOCK * len(hashes)
+                )  # fmt: skip
+                band = tenant.clamped_priority(request.priority)
+                grant = await self.flow.admit(route_request, tenant, band, request.params.max_tokens * request.n, size)
+            first, route = await self._open(forward, route_request, choice=0, arrival=arrival, grant=grant)
             streams.append(first)
             if request.n > 1:
                 streams += await self._open_more(forward, route_request, request.n, prefer=route.worker_id)
@@ -331,6 +365,9 @@ class RequestPath:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
             span.end()
             raise
+        finally:
+            if grant is not None:
+                grant.release()
         now = time.perf_counter()
         self.metrics.time_to_first_token.observe(now - arrival)
         self.metrics.requests.labels(route.policy, route.reason).inc()
@@ -521,11 +558,19 @@ class RequestPath:
         return min(contexts) if contexts else self.limits.max_prompt_tokens
 
     async def _open(
-        self, forward: _Forward, route_request: RouteRequest, choice: int, arrival: float, prefer: str | None = None
+        self,
+        forward: _Forward,
+        route_request: RouteRequest,
+        choice: int,
+        arrival: float,
+        prefer: str | None = None,
+        grant: Grant | None = None,
     ) -> tuple[WorkerStream, RouteInfo]:
         """Send one choice's worker request and wait for its first message, retrying another worker on a
         failure before it (at most `retry.retries` times). `prefer`: a worker to try first (a later choice
-        goes where the first one went)."""
+        goes where the first one went). `grant`: flow control's leave, its pick tried first and released
+        once a worker request is sent."""
+        decided = grant.decision if grant is not None else None
         failed: list[str] = []
         busy = 0
         last_error = ""
@@ -537,14 +582,16 @@ class RequestPath:
                 raise NoWorkerAvailable(self._shutdown, code=SHUTTING_DOWN)
             exclude = self.breakers.blocked().union(failed) if failed else self.breakers.blocked()
             fleet = self.fleet.view()
-            if prefer is not None and prefer in fleet.index_of and prefer not in exclude:
+            if decided is not None and decided.replica in fleet.index_of and decided.replica not in exclude:
+                decision = decided
+            elif prefer is not None and prefer in fleet.index_of and prefer not in exclude:
                 decision = RouteDecision(prefer, "same-request")
             else:
                 try:
                     decision = self.policy.pick(route_request, fleet, exclude)
                 except NoReplicaAvailable:
                     break
-            prefer = None
+            prefer = decided = None
             member = self.fleet.member(decision.replica)
             if member is None:  # left between the view and now
                 failed.append(decision.replica)
@@ -557,6 +604,8 @@ class RequestPath:
                 # arrive together must each see the ones before it, not wait for their first tokens.
                 self.policy.observe(route_request, decision)
             stream = self._send(forward, member, choice)
+            if grant is not None:
+                grant.release()
             first = await self._first_message(stream)
             if isinstance(first, _Failed):
                 busy += first.cause == "busy"
@@ -690,6 +739,8 @@ class RequestPath:
             if not streams:
                 del self._open_streams[stream.worker_id]
         self.fleet.on_finish(stream.worker_id)
+        if self.flow is not None:
+            self.flow.kick()
 
     def generation_closed(self, tenant: Tenant) -> None:
         self.concurrency.release(tenant)

@@ -2,7 +2,13 @@
 
 Keys come from `--api-keys-file` or the `KVROUTE_API_KEYS` environment variable, both a JSON list:
 
-    [{"tenant": "acme", "key_sha256": "<hex sha256 of the key>", "max_concurrency": 8}, ...]
+    [{"tenant": "acme", "key_sha256": "<hex sha256 of the key>", "max_concurrency": 8,
+      "priority": 10, "min_priority": 0, "weight": 2.0}, ...]
+
+`priority` is the tenant's requests' default priority (0 when absent; lower is more urgent), `min_priority` the
+most urgent one a request may ask for (default: `priority`; a request asking for less is clamped to it), and
+`weight` its fair share of a band against other tenants' (> 0, default 1): gateway.flow_control. A tenant's
+several keys must agree on each.
 
 Only the keys' SHA-256 digests are ever held. A presented key is hashed and looked up by its digest; the
 lookup reveals nothing an attacker can use (finding a key from a digest is a preimage attack), and the final
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import AuthenticationError
+from gateway.flow_control.config import PRIORITY_RANGE
 from gateway.request import Tenant
 from kvroute.credentials import secret_from_env
 
@@ -69,6 +76,35 @@ def key_sha256(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_priority(value: Any) -> bool:
+    return _is_int(value) and PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]
+
+
+_TENANT_FIELDS = {
+    "max_concurrency": lambda v: _is_int(v) and v >= 1,
+    "priority": _is_priority,
+    "min_priority": _is_priority,
+    "weight": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"),
+}
+_TENANT_FIELD_RULES = {
+    "max_concurrency": "an integer >= 1",
+    "priority": f"an integer in {list(PRIORITY_RANGE)}",
+    "min_priority": f"an integer in {list(PRIORITY_RANGE)}",
+    "weight": "a number > 0",
+}
+
+
+def _tenant(name: str, salt: str, given: dict[str, Any]) -> Tenant:
+    priority = given.get("priority", 0)
+    return Tenant(
+        name, salt, given.get("max_concurrency"), priority, given.get("min_priority"), float(given.get("weight", 1))
+    )
+
+
 @dataclass(frozen=True)
 class _Key:
     digest: bytes
@@ -81,15 +117,15 @@ class Authenticator:
     def __init__(self, entries: list[dict[str, Any]] | None = None, salt_secret: bytes | None = None) -> None:
         """`entries`: the parsed JSON list. Raises ValueError naming the entry and field at fault."""
         parsed: list[tuple[str, bytes]] = []
-        limits: dict[str, int | None] = {}
+        settings: dict[str, dict[str, Any]] = {}  # tenant -> its settings given so far (several keys must agree)
         for i, entry in enumerate(entries or []):
             where = f"api keys[{i}]"
             if not isinstance(entry, dict):
                 raise ValueError(f"{where}: must be an object with tenant, key_sha256, max_concurrency")
-            unknown = sorted(set(entry) - {"tenant", "key_sha256", "max_concurrency"})
+            unknown = sorted(set(entry) - {"tenant", "key_sha256", *_TENANT_FIELDS})
             if unknown:
                 raise ValueError(f"{where}: unknown field {unknown[0]!r}")
-            name, digest_hex, limit = entry.get("tenant"), entry.get("key_sha256"), entry.get("max_concurrency")
+            name, digest_hex = entry.get("tenant"), entry.get("key_sha256")
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{where}.tenant: must be a non-empty string")
             try:
@@ -100,13 +136,18 @@ class Authenticator:
                 raise ValueError(f"{where}.key_sha256: must be 64 hex digits (sha256 of the key)")
             if any(digest == d for _, d in parsed):
                 raise ValueError(f"{where}.key_sha256: the same key is listed twice")
-            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-                raise ValueError(f"{where}.max_concurrency: must be an integer >= 1, got {limit!r}")
-            if limit is not None and limits.get(name) not in (None, limit):
-                raise ValueError(f"{where}.max_concurrency: tenant {name!r} is given two different limits")
-            limits[name] = limit if limit is not None else limits.get(name)
+            known = settings.setdefault(name, {})
+            for field, check in _TENANT_FIELDS.items():
+                value = entry.get(field)
+                if value is None:
+                    continue
+                if not check(value):
+                    raise ValueError(f"{where}.{field}: must be {_TENANT_FIELD_RULES[field]}, got {value!r}")
+                if known.get(field, value) != value:
+                    raise ValueError(f"{where}.{field}: tenant {name!r} is given two different values")
+                known[field] = value
             parsed.append((name, digest))
-        tenants = {name: Tenant(name, tenant_salt(name, salt_secret), limit) for name, limit in limits.items()}
+        tenants = {name: _tenant(name, tenant_salt(name, salt_secret), given) for name, given in settings.items()}
         self._keys = {digest: _Key(digest, tenants[name]) for name, digest in parsed}
 
     @classmethod

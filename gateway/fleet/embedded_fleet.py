@@ -200,7 +200,12 @@ class WorkerPoller(PollLoop):
         if member is None or not self._same_worker(member, stats.worker_id, stats.incarnation):
             member = await self._admit(stub)
         self.book.report_load(
-            member.worker_id, member.incarnation, stats.num_running, stats.num_waiting, stats.kv_cache_usage
+            member.worker_id,
+            member.incarnation,
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_cache_usage,
+            stats.num_blocks_total,
         )
         now = asyncio.get_running_loop().time()
         if self._reported_at is not None:

@@ -147,6 +147,7 @@ class _Reported:
     running: int
     waiting: int
     kv_usage: float
+    num_blocks: int
 
 
 class FleetBook:
@@ -165,7 +166,8 @@ class FleetBook:
     `silent_for(worker_id)`: seconds since the worker was last heard (admitted, or a load report).
     Load of a member: its reported running + waiting, plus this gateway's requests dispatched since that
     report less those finished since, never below this gateway's own in-flight count (with no report yet,
-    the own count alone). `queued` and `kv_usage` are as reported.
+    the own count alone). `queued`, `kv_usage` and `num_blocks` are as reported; `blocks_since_report` sums the
+    prompt blocks of this gateway's dispatches since that report (flow control's estimate of blocks taken).
     """
 
     def __init__(self, identity: FleetIdentity) -> None:
@@ -175,6 +177,7 @@ class FleetBook:
         self._members: dict[str, WorkerMember] = {}
         self._own: dict[str, int] = {}  # this gateway's requests in flight per worker (members or not)
         self._since_report: dict[str, int] = {}  # own dispatches less own finishes since the last report
+        self._blocks_since_report: dict[str, int] = {}  # prompt blocks of own dispatches since the last report
         self._reported: dict[str, _Reported] = {}
         self._heard: dict[str, float] = {}  # member id -> time.monotonic() of its last admission or report
         self._watchers: list[Callable[[WorkerMember, bool], None]] = []
@@ -248,6 +251,7 @@ class FleetBook:
             self.fleet.kv_index.reset_replica(worker_id)
             self._reported.pop(worker_id, None)
             self._since_report.pop(worker_id, None)
+            self._blocks_since_report.pop(worker_id, None)
             self.counters.restarts += 1
             logger.info(
                 "fleet: worker %s restarted (incarnation %d -> %d); its KV entries were dropped",
@@ -280,6 +284,7 @@ class FleetBook:
         self.fleet.remove_replica(worker_id)
         self._reported.pop(worker_id, None)
         self._since_report.pop(worker_id, None)
+        self._blocks_since_report.pop(worker_id, None)
         self._heard.pop(worker_id, None)
         self.counters.leaves += 1
         logger.warning("fleet: worker %s left the candidates: %s", worker_id, reason)
@@ -301,11 +306,15 @@ class FleetBook:
         if self.is_current(worker_id, incarnation):
             self._heard[worker_id] = time.monotonic()
 
-    def report_load(self, worker_id: str, incarnation: int, running: int, waiting: int, kv_usage: float) -> None:
+    def report_load(
+        self, worker_id: str, incarnation: int, running: int, waiting: int, kv_usage: float, num_blocks: int = 0
+    ) -> None:
+        """`num_blocks`: the worker's KV blocks in all, 0 where it does not say (an HTTP engine)."""
         if not self.is_current(worker_id, incarnation):
             return
-        self._reported[worker_id] = _Reported(running, waiting, kv_usage)
+        self._reported[worker_id] = _Reported(running, waiting, kv_usage, num_blocks)
         self._since_report[worker_id] = 0
+        self._blocks_since_report[worker_id] = 0
         self._heard[worker_id] = time.monotonic()
         self._refresh_load(worker_id)
 
@@ -339,6 +348,7 @@ class FleetBook:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
         if worker_id in self._since_report:
             self._since_report[worker_id] += 1
+            self._blocks_since_report[worker_id] += prompt_blocks
         self._refresh_load(worker_id)
 
     def on_finish(self, worker_id: str) -> None:
@@ -359,11 +369,14 @@ class FleetBook:
         reported = self._reported.get(worker_id)
         if reported is None:
             load.in_flight, load.queued, load.kv_usage = own, 0, 0.0
+            load.num_blocks = load.blocks_since_report = 0
             return
         estimate = reported.running + reported.waiting + self._since_report[worker_id]
         load.in_flight = max(own, estimate)
         load.queued = reported.waiting
         load.kv_usage = reported.kv_usage
+        load.num_blocks = reported.num_blocks
+        load.blocks_since_report = self._blocks_since_report[worker_id]
 
 
 class BookkeepingFleetState(FleetState):
@@ -396,7 +409,7 @@ class BookkeepingFleetState(FleetState):
         return self.book.members()
 
     def on_dispatch(self, worker_id: str, prompt_blocks: int = 0) -> None:
-        self.book.on_dispatch(worker_id)
+        self.book.on_dispatch(worker_id, prompt_blocks)
 
     def on_finish(self, worker_id: str) -> None:
         self.book.on_finish(worker_id)

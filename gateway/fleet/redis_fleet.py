@@ -233,7 +233,12 @@ class RedisFleetState(BookkeepingFleetState):
         )  # fmt: skip
         if moved:
             self.book.report_load(
-                worker_id, record.incarnation, record.num_running, record.num_waiting, record.kv_cache_usage
+                worker_id,
+                record.incarnation,
+                record.num_running,
+                record.num_waiting,
+                record.kv_cache_usage,
+                record.num_blocks_total,
             )
         self._published_seq[worker_id] = record.kv_event_seq
 

@@ -56,12 +56,14 @@ from gateway import tracing
 from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, NoWorkerAvailable
 from gateway.fleet.fleet_state import WorkerMember
 from gateway.frontdoors.openai_protocol import (
+    PRIORITY_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     RequestHeaders,
     bearer_token,
     client_request_id_of,
     parse_request,
+    priority_header,
 )
 from gateway.metrics import label_value
 from gateway.pools import Pools
@@ -222,6 +224,7 @@ class Picker:
             session_id=headers.get("x-session-id") or None,
             app=headers.get("x-kvroute-app") or None,
             trace_context={name: headers[name] for name in ("traceparent", "tracestate") if name in headers},
+            priority=priority_header(headers.get(PRIORITY_HEADER)),
         )
         return wire.to_gateway_request(request_headers, self.default_max_tokens)
 

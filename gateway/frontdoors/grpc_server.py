@@ -51,9 +51,11 @@ from gateway.frontdoors.grpc_health import ReadinessHealth
 from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.frontdoors.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    PRIORITY_HEADER,
     RequestHeaders,
     bearer_token,
     client_request_id_of,
+    priority_header,
 )
 from gateway.metrics import GatewayMetrics
 from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
@@ -101,7 +103,7 @@ class ServesFleet(Protocol):
 
 def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str | None]:
     """The call's metadata as the HTTP front door reads headers, and the client's x-request-id (when sane
-    to echo, as on the HTTP door)."""
+    to echo, as on the HTTP door). Raises InvalidRequestError for a bad x-kvroute-priority."""
     metadata = {key.lower(): value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
     trace = {name: metadata[name] for name in ("traceparent", "tracestate") if name in metadata}
     headers = RequestHeaders(
@@ -109,6 +111,7 @@ def call_headers(context: grpc.aio.ServicerContext) -> tuple[RequestHeaders, str
         session_id=metadata.get("x-session-id") or None,
         app=metadata.get("x-kvroute-app") or None,
         trace_context=trace,
+        priority=priority_header(metadata.get(PRIORITY_HEADER)),
     )
     return headers, client_request_id_of(metadata.get("x-request-id"))
 
@@ -159,6 +162,7 @@ def gateway_request_from_proto(
         n=msg.n or 1,
         session_id=headers.session_id or msg.session_id or None,
         app=headers.app or msg.app or None,
+        priority=headers.priority,
         client_cache_salt=msg.cache_salt,
         skip_special_tokens=not msg.keep_special_tokens,
         stream=True,
@@ -211,6 +215,7 @@ def worker_request_to_gateway(msg: worker_pb2.GenerateRequest, headers: RequestH
         params=checked_sampling(msg.sampling, SamplingParams().max_tokens),
         session_id=headers.session_id,
         app=headers.app,
+        priority=headers.priority,
         client_cache_salt=msg.cache_salt,
         stream=True,
         kind="tokens",
@@ -301,8 +306,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GatewayGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
-        headers, client_request_id = call_headers(context)
         try:
+            headers, client_request_id = call_headers(context)  # a bad x-kvroute-priority: 400
             gateway_request = gateway_request_from_proto(request, headers, self.default_max_tokens)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
@@ -342,8 +347,8 @@ class FleetWorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        headers, client_request_id = call_headers(context)
         try:
+            headers, client_request_id = call_headers(context)  # a bad x-kvroute-priority: 400
             gateway_request = worker_request_to_gateway(request, headers)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()

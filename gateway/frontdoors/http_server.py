@@ -52,6 +52,7 @@ from gateway.admission.limits import Limits
 from gateway.errors import GatewayError, InvalidRequestError, quoted
 from gateway.frontdoors.http_protocol import Exchange, body_too_large, internal_error
 from gateway.frontdoors.openai_protocol import (
+    PRIORITY_HEADER,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -69,6 +70,7 @@ from gateway.frontdoors.openai_protocol import (
     bearer_token,
     client_request_id_of,
     parse_request,
+    priority_header,
 )
 from gateway.metrics import GatewayMetrics
 from gateway.request import Chunk, GatewayRequest, Generation, TokenizeResult, TokenLogprob, Usage
@@ -463,6 +465,7 @@ _HOT_HEADERS = frozenset(
         b"authorization",
         b"x-session-id",
         b"x-kvroute-app",
+        b"x-kvroute-priority",
         b"traceparent",
         b"tracestate",
     )
@@ -487,6 +490,7 @@ def request_headers(headers: Mapping[str, str]) -> RequestHeaders:
         session_id=headers.get("x-session-id") or None,
         app=headers.get("x-kvroute-app") or None,
         trace_context=trace,
+        priority=priority_header(headers.get(PRIORITY_HEADER)),
     )
 
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import InvalidRequestError, quoted
+from gateway.flow_control.config import PRIORITY_RANGE
 from gateway.request import GatewayRequest
 from kvroute.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -75,6 +76,10 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = Field(
         None, description="isolates this client's cached prefixes (vLLM); mixed in under the tenant's own salt"
     )
+    priority: int | None = Field(
+        None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+        description="lower is served first (vLLM); x-kvroute-priority wins; never above the tenant's ceiling",
+    )  # fmt: skip
 
     def _check_common(self) -> None:
         """Refusals that one field's type cannot express; raises InvalidRequestError naming the field."""
@@ -127,6 +132,7 @@ class SamplingFields(OpenAIModel):
             session_id=headers.session_id or self.user,
             app=headers.app,
             client_cache_salt=self.cache_salt or "",
+            priority=self.priority if headers.priority is None else headers.priority,
             skip_special_tokens=self.skip_special_tokens,
             stream=self.stream,
             trace_context=headers.trace_context,
@@ -149,6 +155,24 @@ class RequestHeaders:
     session_id: str | None = None  # x-session-id
     app: str | None = None  # x-kvroute-app
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # traceparent, tracestate
+    priority: int | None = None  # x-kvroute-priority (priority_header checks it)
+
+
+PRIORITY_HEADER = "x-kvroute-priority"
+
+
+def priority_header(value: str | None) -> int | None:
+    """The x-kvroute-priority header's integer (None when absent); InvalidRequestError naming the header for a
+    value that is not an integer in PRIORITY_RANGE."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.lstrip("+-").isdigit() and text.isascii() and len(text) <= 8:
+        priority = int(text)
+        if PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+            return priority
+    low, high = PRIORITY_RANGE
+    raise InvalidRequestError(f"must be an integer in [{low}, {high}], got {quoted(value)}", param=PRIORITY_HEADER)
 
 
 def bearer_token(authorization: str | None) -> str | None:

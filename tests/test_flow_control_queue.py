@@ -1,0 +1,182 @@
+"""The flow-control queue and its parts, alone (gateway.flow_control): band order, fair share by tokens, bounds
+and sheds, expiry, saturation, Retry-After from the drain rate, and the routing config's parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
+from gateway.flow_control.drain_rate import DrainRate
+from gateway.flow_control.fair_queue import FairQueue, QueuedRequest, QueueFull
+from gateway.flow_control.saturation import Granted, blocks_needed, dispatchable
+from gateway.request import Tenant
+from gateway.routing.fleet_view import ReplicaLoad
+
+
+def request(tenant: str = "a", band: int = 0, cost: float = 100, size: int = 1000, at: float = 0.0, weight: float = 1.0,
+            name: str = "") -> QueuedRequest[str]:  # fmt: skip
+    return QueuedRequest(band, tenant, weight, cost, size, at, name or tenant)
+
+
+def drain(queue: FairQueue[str]) -> list[str]:
+    """Every request in dispatch order (always the head of the most urgent band)."""
+    order = []
+    while queue:
+        head = queue.head(queue.bands()[0])
+        queue.take(head)
+        order.append(head.payload)
+    return order
+
+
+def test_lower_priority_values_go_first_and_each_tenant_in_arrival_order() -> None:
+    queue: FairQueue[str] = FairQueue(FlowControlConfig())
+    for name, band in (("batch-1", 10), ("urgent-1", -5), ("normal-1", 0), ("batch-2", 10), ("urgent-2", -5)):
+        queue.push(request(band=band, name=name))
+    assert queue.bands() == [-5, 0, 10]
+    assert drain(queue) == ["urgent-1", "urgent-2", "normal-1", "batch-1", "batch-2"]
+
+
+def test_a_flood_from_one_tenant_does_not_delay_another_by_more_than_its_share() -> None:
+    queue: FairQueue[str] = FairQueue(FlowControlConfig())
+    for i in range(100):
+        queue.push(request("flood", name=f"flood-{i}"))
+    queue.take(queue.head(0))  # the flood's first is already out: the band's clock has moved
+    queue.push(request("quiet", name="quiet-0"))
+    queue.push(request("quiet", name="quiet-1"))
+    order = drain(queue)
+    assert order.index("quiet-0") <= 1 and order.index("quiet-1") <= 3
+
+
+def test_fair_share_is_in_tokens_weighted_by_tenant() -> None:
+    queue: FairQueue[str] = FairQueue(FlowControlConfig())
+    for i in range(40):
+        queue.push(request("long", cost=1000, name=f"long-{i}"))
+        queue.push(request("short", cost=100, name=f"short-{i}"))
+        queue.push(request("heavy", cost=1000, weight=4.0, name=f"heavy-{i}"))
+    served = {"long": 0.0, "short": 0.0, "heavy": 0.0}
+    for _ in range(40):  # while all three are backlogged
+        head = queue.head(0)
+        queue.take(head)
+        served[head.tenant] += head.cost
+    # tokens served in proportion to weight (1 : 1 : 4), within one request's cost
+    assert abs(served["long"] - served["short"]) <= 1000
+    assert abs(served["heavy"] - 4 * served["long"]) <= 4000
+
+
+def test_bounds_refuse_by_tenant_then_band_then_queue_and_shed_the_least_urgent_newest_first() -> None:
+    config = FlowControlConfig(max_queued=4, tenant_max_queued=3, bands={5: BandSettings(max_queued=2)})
+    queue: FairQueue[str] = FairQueue(config)
+    for i in range(3):
+        queue.push(request("a", band=0, name=f"a{i}"))
+    with pytest.raises(QueueFull) as refused:
+        queue.push(request("a", band=0))
+    assert refused.value.reason == "tenant_limit" and refused.value.queued_ahead == 3
+    queue.push(request("b", band=5, name="b5-old"))
+    with pytest.raises(QueueFull) as refused:
+        queue.push(request("c", band=5))  # the whole queue is full and nothing less urgent than band 5 waits
+    assert refused.value.reason == "queue_full"
+    queue.push(request("b", band=3, name="b3"))  # sheds band 5's newest
+    assert [r.payload for r in queue.all()] == ["a0", "a1", "a2", "b3"]
+    queue.push(request("c", band=1, name="c1"))  # sheds band 3's (the least urgent band left)
+    assert [r.payload for r in queue.all()] == ["a0", "a1", "a2", "c1"]
+    queue.push(request("d", band=0, name="d0"))  # sheds c1
+    assert [r.payload for r in queue.all()] == ["a0", "a1", "a2", "d0"]
+    with pytest.raises(QueueFull) as refused:
+        queue.push(request("e", band=0))  # nothing less urgent than band 0 is left to shed
+    assert refused.value.reason == "queue_full" and len(queue) == 4
+
+
+def test_bytes_bound_the_band_and_the_tenant() -> None:
+    config = FlowControlConfig(tenant_max_queued_bytes=2500, bands={0: BandSettings(max_queued_bytes=3000)})
+    queue: FairQueue[str] = FairQueue(config)
+    queue.push(request("a", size=2000))
+    with pytest.raises(QueueFull) as refused:
+        queue.push(request("a", size=1000))
+    assert refused.value.reason == "tenant_limit"
+    with pytest.raises(QueueFull) as refused:
+        queue.push(request("b", size=1500))
+    assert refused.value.reason == "band_full"
+    queue.push(request("b", size=1000))
+    assert queue.size_bytes == 3000
+
+
+def test_a_request_that_leaves_frees_its_place_and_its_tenant_bound_at_once() -> None:
+    queue: FairQueue[str] = FairQueue(FlowControlConfig(tenant_max_queued=2))
+    first, second = request("a", name="first"), request("a", name="second")
+    queue.push(first)
+    queue.push(second)
+    assert queue.remove(first) and not queue.remove(first)
+    queue.push(request("a", name="third"))
+    assert drain(queue) == ["second", "third"]
+    assert len(queue) == 0 and queue.size_bytes == 0 and queue.tenant_depth("a") == 0
+
+
+def test_requests_past_their_band_max_wait_expire_oldest_first() -> None:
+    config = FlowControlConfig(bands={0: BandSettings(max_wait_s=1.0)})
+    queue: FairQueue[str] = FairQueue(config)
+    queue.push(request(band=0, at=0.0, name="old"))
+    queue.push(request(band=0, at=0.8, name="young"))
+    queue.push(request(band=7, at=0.0, name="patient"))  # the default band waits 30 s
+    assert [r.payload for r in queue.expired(1.5)] == ["old"]
+    assert [r.payload for r in queue.expired(2.0)] == ["old", "young"]
+
+
+def test_a_worker_is_dispatchable_with_room_for_the_uncached_blocks_and_the_decode_reserve() -> None:
+    config = FlowControlConfig(max_worker_waiting=2, decode_reserve_tokens=64)
+    assert blocks_needed(prompt_blocks=10, matched_blocks=4, max_tokens=1000, block_size=16, reserve=64) == 10
+    busy = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.9, num_blocks=100)  # 10 free
+    assert dispatchable(busy, None, 10, config)
+    assert not dispatchable(busy, None, 11, config)
+    assert not dispatchable(busy, Granted(1, 1), 10, config)  # a grant not yet sent holds its blocks
+    sent = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.5, num_blocks=100, blocks_since_report=45)
+    assert not dispatchable(sent, None, 10, config)  # what this gateway sent since the report counts
+    waiting = ReplicaLoad(in_flight=5, queued=2, kv_usage=0.0, num_blocks=100)
+    assert not dispatchable(waiting, None, 1, config)
+    assert dispatchable(ReplicaLoad(), None, 10_000, config)  # an idle worker takes anything
+    engine = ReplicaLoad(in_flight=4, queued=1, kv_usage=0.96)  # no block count: by KV usage
+    assert not dispatchable(engine, None, 1, config)
+    engine.kv_usage = 0.5
+    assert dispatchable(engine, None, 1, config)
+
+
+def test_retry_after_follows_the_measured_drain_rate() -> None:
+    rate = DrainRate()
+    assert rate.retry_after(100, now=0.0) == 1  # nothing measured yet
+    for i in range(11):
+        rate.dispatched(i * 0.5)  # 2 per second
+    assert rate.retry_after(9, now=5.0) == 5
+    assert rate.retry_after(10_000, now=5.0) == 60
+
+
+def test_the_tenant_priority_is_clamped_to_its_ceiling() -> None:
+    tenant = Tenant("t", "", priority=10, min_priority=2)
+    assert tenant.clamped_priority(None) == 10
+    assert tenant.clamped_priority(0) == 2
+    assert tenant.clamped_priority(50) == 50
+    assert Tenant("open", "").clamped_priority(-3) == 0  # without a ceiling, the default is the ceiling
+
+
+def test_the_routing_config_section_parses_with_defaults_and_band_overrides() -> None:
+    options = {
+        "epsilon": 0.5,
+        "flow_control": {
+            "max_worker_waiting": 3,
+            "defaults": {"max_wait_s": 20},
+            "bands": {"0": {"max_wait_s": 1, "slo": {"ttft_s": 1}}, "10": {"max_queued": 50}},
+        },
+    }
+    config = FlowControlConfig.from_routing_config(options)
+    assert options == {"epsilon": 0.5}
+    assert config.max_worker_waiting == 3
+    assert config.band(0) == BandSettings(1.0, None, None, Slo(ttft_s=1.0))
+    assert config.band(10) == BandSettings(20.0, 50, None, Slo())
+    assert config.band(3).max_wait_s == 20.0
+    for bad, field in (
+        ({"max_queued": 0}, "flow_control.max_queued"),
+        ({"bands": {"x": {}}}, "'x' is not an integer"),
+        ({"bands": {"0": {"max_wait_s": "1"}}}, "bands.0.max_wait_s"),
+        ({"bands": {"0": {"slo": {"ttft": 1}}}}, "unknown key 'ttft'"),
+        ({"tenant_max_queue": 3}, "unknown key 'tenant_max_queue'"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            FlowControlConfig.from_routing_config({"flow_control": bad})
