@@ -353,6 +353,8 @@ class RequestPath:
                 band = tenant.clamped_priority(request.priority)
                 grant = await self.flow.admit(route_request, tenant, band, request.params.max_tokens * request.n, size)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival, grant=grant)
+            if grant is not None and self.flow is not None:
+                self.flow.started(grant)
             streams.append(first)
             if request.n > 1:
                 streams += await self._open_more(forward, route_request, request.n, prefer=route.worker_id)
@@ -367,7 +369,7 @@ class RequestPath:
             raise
         finally:
             if grant is not None:
-                grant.release()
+                grant.close()
         now = time.perf_counter()
         self.metrics.time_to_first_token.observe(now - arrival)
         self.metrics.requests.labels(route.policy, route.reason).inc()
@@ -568,8 +570,8 @@ class RequestPath:
     ) -> tuple[WorkerStream, RouteInfo]:
         """Send one choice's worker request and wait for its first message, retrying another worker on a
         failure before it (at most `retry.retries` times). `prefer`: a worker to try first (a later choice
-        goes where the first one went). `grant`: flow control's leave, its pick tried first and released
-        once a worker request is sent."""
+        goes where the first one went). `grant`: flow control's leave, its pick tried first (and told when a
+        worker request is sent)."""
         decided = grant.decision if grant is not None else None
         failed: list[str] = []
         busy = 0
@@ -605,7 +607,7 @@ class RequestPath:
                 self.policy.observe(route_request, decision)
             stream = self._send(forward, member, choice)
             if grant is not None:
-                grant.release()
+                grant.sent()
             first = await self._first_message(stream)
             if isinstance(first, _Failed):
                 busy += first.cause == "busy"

@@ -8,7 +8,7 @@ import pytest
 from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
 from gateway.flow_control.drain_rate import DrainRate
 from gateway.flow_control.fair_queue import FairQueue, QueuedRequest, QueueFull
-from gateway.flow_control.saturation import Granted, blocks_needed, dispatchable
+from gateway.flow_control.saturation import blocks_needed, dispatchable
 from gateway.request import Tenant
 from gateway.routing.fleet_view import ReplicaLoad
 
@@ -86,6 +86,15 @@ def test_bounds_refuse_by_tenant_then_band_then_queue_and_shed_the_least_urgent_
     assert refused.value.reason == "queue_full" and len(queue) == 4
 
 
+def test_a_tenant_that_sheds_its_own_less_urgent_request_is_counted_once() -> None:
+    queue: FairQueue[str] = FairQueue(FlowControlConfig(max_queued=1, tenant_max_queued=2))
+    queue.push(request("a", band=5, name="batch"))
+    assert [r.payload for r in queue.push(request("a", band=0, name="urgent"))] == ["batch"]
+    assert queue.tenant_depth("a") == 1
+    queue.take(queue.head(0))
+    assert queue.tenant_depth("a") == 0 and len(queue) == 0
+
+
 def test_bytes_bound_the_band_and_the_tenant() -> None:
     config = FlowControlConfig(tenant_max_queued_bytes=2500, bands={0: BandSettings(max_queued_bytes=3000)})
     queue: FairQueue[str] = FairQueue(config)
@@ -125,18 +134,17 @@ def test_a_worker_is_dispatchable_with_room_for_the_uncached_blocks_and_the_deco
     config = FlowControlConfig(max_worker_waiting=2, decode_reserve_tokens=64)
     assert blocks_needed(prompt_blocks=10, matched_blocks=4, max_tokens=1000, block_size=16, reserve=64) == 10
     busy = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.9, num_blocks=100)  # 10 free
-    assert dispatchable(busy, None, 10, config)
-    assert not dispatchable(busy, None, 11, config)
-    assert not dispatchable(busy, Granted(1, 1), 10, config)  # a grant not yet sent holds its blocks
-    sent = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.5, num_blocks=100, blocks_since_report=45)
-    assert not dispatchable(sent, None, 10, config)  # what this gateway sent since the report counts
+    assert dispatchable(busy, 0, 0, 10, config)
+    assert not dispatchable(busy, 0, 0, 11, config)
+    assert not dispatchable(busy, 0, 1, 10, config)  # blocks granted that its report cannot show yet
+    assert not dispatchable(busy, 1, 0, 10, FlowControlConfig(max_worker_waiting=1))  # granted, not sent yet
     waiting = ReplicaLoad(in_flight=5, queued=2, kv_usage=0.0, num_blocks=100)
-    assert not dispatchable(waiting, None, 1, config)
-    assert dispatchable(ReplicaLoad(), None, 10_000, config)  # an idle worker takes anything
+    assert not dispatchable(waiting, 0, 0, 1, config)
+    assert dispatchable(ReplicaLoad(), 0, 0, 10_000, config)  # an idle worker takes anything
     engine = ReplicaLoad(in_flight=4, queued=1, kv_usage=0.96)  # no block count: by KV usage
-    assert not dispatchable(engine, None, 1, config)
+    assert not dispatchable(engine, 0, 0, 1, config)
     engine.kv_usage = 0.5
-    assert dispatchable(engine, None, 1, config)
+    assert dispatchable(engine, 0, 0, 1, config)
 
 
 def test_retry_after_follows_the_measured_drain_rate() -> None:

@@ -166,8 +166,7 @@ class FleetBook:
     `silent_for(worker_id)`: seconds since the worker was last heard (admitted, or a load report).
     Load of a member: its reported running + waiting, plus this gateway's requests dispatched since that
     report less those finished since, never below this gateway's own in-flight count (with no report yet,
-    the own count alone). `queued`, `kv_usage` and `num_blocks` are as reported; `blocks_since_report` sums the
-    prompt blocks of this gateway's dispatches since that report (flow control's estimate of blocks taken).
+    the own count alone). `queued`, `kv_usage` and `num_blocks` are as reported; `reports` counts the reports.
     """
 
     def __init__(self, identity: FleetIdentity) -> None:
@@ -177,7 +176,6 @@ class FleetBook:
         self._members: dict[str, WorkerMember] = {}
         self._own: dict[str, int] = {}  # this gateway's requests in flight per worker (members or not)
         self._since_report: dict[str, int] = {}  # own dispatches less own finishes since the last report
-        self._blocks_since_report: dict[str, int] = {}  # prompt blocks of own dispatches since the last report
         self._reported: dict[str, _Reported] = {}
         self._heard: dict[str, float] = {}  # member id -> time.monotonic() of its last admission or report
         self._watchers: list[Callable[[WorkerMember, bool], None]] = []
@@ -251,7 +249,6 @@ class FleetBook:
             self.fleet.kv_index.reset_replica(worker_id)
             self._reported.pop(worker_id, None)
             self._since_report.pop(worker_id, None)
-            self._blocks_since_report.pop(worker_id, None)
             self.counters.restarts += 1
             logger.info(
                 "fleet: worker %s restarted (incarnation %d -> %d); its KV entries were dropped",
@@ -314,9 +311,11 @@ class FleetBook:
             return
         self._reported[worker_id] = _Reported(running, waiting, kv_usage, num_blocks)
         self._since_report[worker_id] = 0
-        self._blocks_since_report[worker_id] = 0
         self._heard[worker_id] = time.monotonic()
         self._refresh_load(worker_id)
+        load = self.fleet.loads.get(worker_id)
+        if load is not None:
+            load.reports += 1
 
     def apply_events(self, worker_id: str, incarnation: int, events: Iterable[KVEvent]) -> bool:
         """Apply a member's KV events in order. False on a sequence gap (resync it) or for data of another
@@ -348,7 +347,6 @@ class FleetBook:
         self._own[worker_id] = self._own.get(worker_id, 0) + 1
         if worker_id in self._since_report:
             self._since_report[worker_id] += 1
-            self._blocks_since_report[worker_id] += prompt_blocks
         self._refresh_load(worker_id)
 
     def on_finish(self, worker_id: str) -> None:
@@ -369,14 +367,13 @@ class FleetBook:
         reported = self._reported.get(worker_id)
         if reported is None:
             load.in_flight, load.queued, load.kv_usage = own, 0, 0.0
-            load.num_blocks = load.blocks_since_report = 0
+            load.num_blocks = 0
             return
         estimate = reported.running + reported.waiting + self._since_report[worker_id]
         load.in_flight = max(own, estimate)
         load.queued = reported.waiting
         load.kv_usage = reported.kv_usage
         load.num_blocks = reported.num_blocks
-        load.blocks_since_report = self._blocks_since_report[worker_id]
 
 
 class BookkeepingFleetState(FleetState):

@@ -128,7 +128,7 @@ class FairQueue(Generic[P]):
         band.by_arrival[request.seq] = request
         band.tenants.setdefault(tenant, deque()).append(request)
         band.size_bytes += request.size_bytes
-        self._tenant_count[tenant] = tenant_count + 1
+        self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1  # a victim may have been its own
         self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + request.size_bytes
         self.size_bytes += request.size_bytes
         self.count += 1

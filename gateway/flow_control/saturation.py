@@ -7,28 +7,21 @@ A worker is dispatchable for a request when
   2. or fewer than `max_worker_waiting` requests wait in it (reported, plus those granted to it and not yet
      sent), and
        - with a block count: its free blocks (not held by a running request: cached ones are reusable), less
-         the prompt blocks this gateway sent since its report and those granted, cover the request's blocks
-         it does not hold plus a decode reserve (min(max_tokens, decode_reserve_tokens) tokens);
+         the blocks of this gateway's grants its report cannot show yet (`pending_blocks`), cover the request's
+         need: its prompt blocks the worker does not hold plus a decode reserve (min(max_tokens,
+         decode_reserve_tokens) tokens);
        - without one (an HTTP engine): its KV-cache usage is under `max_kv_usage`.
-What this gateway has sent since the worker's last report is counted against it, so a burst between two
-reports cannot overfill it; what finished since is not credited until the next report (the worker's word).
+A grant's blocks count until a report taken after its first token (the worker had admitted it by then), so a
+burst between two reports cannot overfill a worker; what finished since is not credited until the next report
+(the worker's word), except that a worker this gateway sees idle takes a request at once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from gateway.flow_control.config import FlowControlConfig
 from gateway.routing.fleet_view import ReplicaLoad
-
-
-@dataclass
-class Granted:
-    """What the stage has granted a worker and the request path has not sent yet."""
-
-    requests: int = 0
-    blocks: int = 0
 
 
 def blocks_needed(prompt_blocks: int, matched_blocks: int, max_tokens: int, block_size: int, reserve: int) -> int:
@@ -36,15 +29,16 @@ def blocks_needed(prompt_blocks: int, matched_blocks: int, max_tokens: int, bloc
     return prompt_blocks - matched_blocks + math.ceil(min(max_tokens, reserve) / block_size)
 
 
-def dispatchable(load: ReplicaLoad, granted: Granted | None, needed_blocks: int, config: FlowControlConfig) -> bool:
-    """The module docstring's rule for one worker and one request needing `needed_blocks` blocks there."""
-    requests, blocks = (granted.requests, granted.blocks) if granted is not None else (0, 0)
-    if load.in_flight == 0 and requests == 0:
+def dispatchable(
+    load: ReplicaLoad, unsent: int, pending_blocks: int, needed_blocks: int, config: FlowControlConfig
+) -> bool:
+    """The module docstring's rule for one worker and one request needing `needed_blocks` blocks there; `unsent`:
+    requests granted to it and not sent yet."""
+    if load.in_flight == 0 and unsent == 0:
         return True
-    if load.queued + requests >= config.max_worker_waiting:
+    if load.queued + unsent >= config.max_worker_waiting:
         return False
     if load.num_blocks:
         used = round(load.num_blocks * load.kv_usage)  # usage is used / total as the worker computed it
-        free = load.num_blocks - used - load.blocks_since_report - blocks
-        return needed_blocks <= free
+        return needed_blocks <= load.num_blocks - used - pending_blocks
     return load.kv_usage < config.max_kv_usage

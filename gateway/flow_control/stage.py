@@ -10,8 +10,10 @@ Caller contract (gateway.request_path):
      the fleet has no live worker left, or at `end_queued` (the drain deadline); each with Retry-After from the
      measured drain rate. Cancelled (the client left), it is out of the queue at once.
   2. `grant.decision` is the worker to try first (None: the fleet has no routable worker now; the path then
-     answers as it would without flow control). `grant.release()` once that worker request is sent or given
-     up (idempotent): until then the worker's room counts the grant.
+     answers as it would without flow control). `grant.sent()` once its worker request is sent, `started(grant)`
+     when its first token came, `grant.close()` when the path is done with it (any way; idempotent): the
+     worker's room counts the grant's blocks until a report taken after its first token, or until it closes
+     without one.
   3. `kick()` when room may have freed (a worker request ended, the membership changed); the stage also looks
      every TICK_S while anything waits (load reports arrive on the fleet state's own clock).
 
@@ -35,7 +37,7 @@ from gateway.errors import GatewayError, NoWorkerAvailable, RateLimited
 from gateway.flow_control.config import FlowControlConfig
 from gateway.flow_control.drain_rate import DrainRate
 from gateway.flow_control.fair_queue import FairQueue, QueuedRequest, QueueFull
-from gateway.flow_control.saturation import Granted, blocks_needed, dispatchable
+from gateway.flow_control.saturation import blocks_needed, dispatchable
 from gateway.metrics import GatewayMetrics
 from gateway.request import Tenant
 from gateway.routing.fleet_view import FleetView
@@ -58,19 +60,33 @@ class _Ticket:
 
 
 class Grant:
-    """Leave to send a request: the worker to try first (None: no routable worker now) and why it went now."""
+    """Leave to send a request: the worker to try first (None: no routable worker now) and why it went now.
+    Its blocks count against that worker's room until a load report taken after its first token."""
 
-    def __init__(self, stage: FlowControl | None, decision: RouteDecision | None, reason: str, blocks: int = 0) -> None:
+    def __init__(self, decision: RouteDecision | None, reason: str, blocks: int = 0) -> None:
         self.decision = decision
         self.reason = reason
-        self._stage = stage
-        self._blocks = blocks
+        self.blocks = blocks
+        self.unsent = decision is not None
+        self.open = decision is not None  # its blocks still count
+        self.started_at_report: int | None = None  # the worker's report count when its first token came
 
-    def release(self) -> None:
-        """The worker request was sent (or given up): the worker's room no longer counts this grant."""
-        stage, self._stage = self._stage, None
-        if stage is not None and self.decision is not None:
-            stage._release(self.decision.replica, self._blocks)
+    def sent(self) -> None:
+        """Its worker request was sent."""
+        self.unsent = False
+
+    def started(self, reports: int) -> None:
+        """Its first token came when the worker had made `reports` reports: the next one shows its blocks."""
+        self.unsent = False
+        if self.started_at_report is None:
+            self.started_at_report = reports
+
+    def close(self) -> None:
+        """The request path is done with it: unless it started (its blocks count until the next report), its
+        room is free at once (it failed, or its client left, before a first token)."""
+        self.unsent = False
+        if self.started_at_report is None:
+            self.open = False
 
 
 class FlowControl:
@@ -93,7 +109,7 @@ class FlowControl:
         self._blocked = blocked
         self._metrics = metrics
         self._block_size = block_size
-        self._granted: dict[str, Granted] = {}
+        self._grants: dict[str, list[Grant]] = {}  # worker id -> grants whose blocks may still count
         self._ticker: asyncio.Task[None] | None = None
         self._kicked = False
         self._band_labels: dict[int, str] = {}
@@ -115,7 +131,7 @@ class FlowControl:
             view = self._view()
             blocked = self._blocked()
             if not any(r not in blocked for r in view.replicas):
-                return Grant(None, None, "immediate")
+                return Grant(None, "immediate")
             placed = self._decide(route_request, max_tokens, view, blocked)
             if placed is not None:
                 self._metrics.flow_dispatches.labels(label, "immediate").inc()
@@ -133,8 +149,9 @@ class FlowControl:
                 raise RateLimited(f"{full.message}; retry later", retry_after=retry_after) from None
             raise NoWorkerAvailable(f"{full.message}; retry later", retry_after=retry_after) from None
         self._metrics.flow_queue_depth.labels(label).inc()
-        for victim in victims:
-            self._shed(victim, "displaced", f"a more urgent request took its place in the queue (priority {band})")
+        for victim in victims:  # out of the queue already
+            why = f"a more urgent request took its place in the queue (priority {band})"
+            self._shed(victim, "displaced", why, queued=False)
         self._dispatch()
         if self.queue:
             self._start_ticker()
@@ -144,7 +161,7 @@ class FlowControl:
             if self.queue.remove(entry):
                 self._metrics.flow_queue_depth.labels(label).dec()
             elif ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
-                ticket.future.result().release()  # granted, but its caller left before it could send
+                ticket.future.result().close()  # granted, but its caller left before it could send
             raise
 
     def kick(self) -> None:
@@ -253,7 +270,8 @@ class FlowControl:
                     needed = blocks_needed(
                         len(hashes), matched, ticket.max_tokens, self._block_size, self.config.decode_reserve_tokens
                     )
-                    if dispatchable(view.loads[replica], self._granted.get(replica), needed, self.config):
+                    load = view.loads[replica]
+                    if dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config):
                         best, best_matched = entry, matched
         return best, "fair_share" if best is head else "cache_aware"
 
@@ -270,7 +288,8 @@ class FlowControl:
             needed = blocks_needed(
                 len(hashes), matched, max_tokens, self._block_size, self.config.decode_reserve_tokens
             )
-            room = dispatchable(view.loads[replica], self._granted.get(replica), needed, self.config)
+            load = view.loads[replica]
+            room = dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config)
             if replica in blocked or not room:
                 excluded.add(replica)
             else:
@@ -284,26 +303,37 @@ class FlowControl:
         return decision, needs.get(decision.replica, 0)
 
     def _granted_now(self, decision: RouteDecision, blocks: int, reason: str) -> Grant:
-        granted = self._granted.setdefault(decision.replica, Granted())
-        granted.requests += 1
-        granted.blocks += blocks
-        return Grant(self, decision, reason, blocks)
+        grant = Grant(decision, reason, blocks)
+        self._grants.setdefault(decision.replica, []).append(grant)
+        return grant
 
-    def _release(self, replica: str, blocks: int) -> None:
-        granted = self._granted.get(replica)
-        if granted is None:
-            return
-        granted.requests -= 1
-        granted.blocks -= blocks
-        if granted.requests <= 0:
-            del self._granted[replica]
+    def _room_taken(self, replica: str, reports: int) -> tuple[int, int]:
+        """The requests granted to `replica` and not sent yet, and the blocks of its grants that its report
+        (number `reports`) cannot show yet; grants counted out are forgotten."""
+        grants = self._grants.get(replica)
+        if not grants:
+            return 0, 0
+        live = [g for g in grants if g.open and (g.started_at_report is None or g.started_at_report >= reports)]
+        if len(live) != len(grants):
+            if live:
+                self._grants[replica] = live
+            else:
+                del self._grants[replica]
+        return sum(g.unsent for g in live), sum(g.blocks for g in live)
 
-    def _shed(self, entry: QueuedRequest[_Ticket], reason: str, why: str) -> None:
+    def started(self, grant: Grant) -> None:
+        """The granted request's first token came (caller contract item 2)."""
+        if grant.decision is not None:
+            load = self._view().loads.get(grant.decision.replica)
+            grant.started(load.reports if load is not None else 0)
+
+    def _shed(self, entry: QueuedRequest[_Ticket], reason: str, why: str, queued: bool = True) -> None:
         retry_after = self.drain_rate.retry_after(self.queue.depth(entry.band), time.monotonic())
-        self._fail(entry, reason, NoWorkerAvailable(f"{why}; retry later", retry_after=retry_after))
+        self._fail(entry, reason, NoWorkerAvailable(f"{why}; retry later", retry_after=retry_after), queued)
 
-    def _fail(self, entry: QueuedRequest[_Ticket], reason: str, error: GatewayError) -> None:
-        if not self.queue.remove(entry):
+    def _fail(self, entry: QueuedRequest[_Ticket], reason: str, error: GatewayError, queued: bool = True) -> None:
+        """Answer a waiting request with `error`; `queued`: it is still in the queue (taken out here)."""
+        if queued and not self.queue.remove(entry):
             return
         label = self.band_label(entry.band)
         self._metrics.flow_queue_depth.labels(label).dec()

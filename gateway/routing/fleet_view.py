@@ -43,7 +43,7 @@ class ReplicaLoad:
     queued: int = 0  # of those, requests whose prefill has not started
     kv_usage: float = 0.0  # share of its KV blocks held by live requests, 0..1
     num_blocks: int = 0  # its KV blocks in all, as it last reported them (0: not reported)
-    blocks_since_report: int = 0  # prompt blocks this gateway sent it since that report (not in kv_usage yet)
+    reports: int = 0  # load reports taken from it so far: a new one supersedes what was sent before it
 
 
 @dataclass

@@ -1,0 +1,260 @@
+"""Flow control in the request path, on real `sim` workers (real gRPC servers, engines and block managers), the
+real embedded fleet state and the real RequestPath: band order, fair share under a flood, a client that leaves
+while queued, bounds and sheds with Retry-After, drain with requests queued, a worker lost while requests wait,
+and flow control off sending every request at once.
+
+The workers hold 128 blocks of 16 tokens and every prompt here is distinct and about 1,300 tokens (81 blocks):
+a worker has room for one request at a time, so the order in which requests reach it is the stage's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.admission.auth import Authenticator, key_sha256
+from gateway.admission.limits import Limits
+from gateway.errors import NoWorkerAvailable, RateLimited
+from gateway.fleet.embedded_fleet import EmbeddedFleetState
+from gateway.flow_control.config import BandSettings, FlowControlConfig
+from gateway.metrics import GatewayMetrics
+from gateway.request import GatewayRequest, Generation
+from gateway.request_path import RequestPath, fleet_identity
+from gateway.routing.router import make_policy
+from kvroute.sampling import SamplingParams
+from tests.test_gateway_e2e import SYSTEM, complete, run, until
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.service import WorkerServer, start_worker_server
+
+NUM_BLOCKS = 128
+KEYS = {"alpha": "key-alpha", "beta": "key-beta"}
+DEFAULTS = FlowControlConfig()
+
+
+@dataclass
+class Fleet:
+    servers: list[WorkerServer]
+    state: EmbeddedFleetState
+    path: RequestPath
+    metrics: GatewayMetrics
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@asynccontextmanager
+async def fleet(
+    num_workers: int = 1, flow: FlowControlConfig | None = DEFAULTS, decode_ms: float = 2.0
+) -> AsyncIterator[Fleet]:
+    engines = [
+        LLMEngine(
+            EngineConfig(
+                model="sim",
+                num_kv_blocks=NUM_BLOCKS,
+                max_model_len=4096,
+                sim_prefill_us_per_token=1.0,
+                sim_decode_ms_per_step=decode_ms,
+            )
+        )  # fmt: skip
+        for _ in range(num_workers)
+    ]
+    servers = [await start_worker_server(e, port=0, worker_id=f"w{i}") for i, e in enumerate(engines)]
+    state = EmbeddedFleetState(
+        [f"127.0.0.1:{s.port}" for s in servers],
+        fleet_identity(engines[0].model_id, engines[0].tokenizer),
+        poll_interval=0.05,
+        unreachable_after=1.0,
+    )
+    await state.start()
+    auth = Authenticator([{"tenant": t, "key_sha256": key_sha256(k)} for t, k in KEYS.items()])
+    metrics = GatewayMetrics("sim")
+    path = RequestPath(
+        state, make_policy("kv_aware"), engines[0].tokenizer, engines[0].model_id, "sim", auth,
+        Limits(), metrics, flow_control=flow,
+    )  # fmt: skip
+    await until(lambda: len(state.view().replicas) == num_workers)
+    try:
+        yield Fleet(servers, state, path, metrics)
+    finally:
+        await state.stop()
+        await path.close()
+        for server in servers:
+            await server.stop(drain_timeout=0)
+
+
+def ask(name: str, tenant: str = "alpha", max_tokens: int = 8, priority: int | None = None) -> GatewayRequest:
+    """A chat of its own long prompt (no prefix shared with any other request's)."""
+    messages = [{"role": "system", "content": f"{name}: {SYSTEM}"}, {"role": "user", "content": "hello"}]
+    return GatewayRequest(
+        api_key=KEYS[tenant], model=None, messages=messages, kind="chat", priority=priority,
+        params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )  # fmt: skip
+
+
+async def served_in_order(f: Fleet, requests: list[tuple[str, GatewayRequest]]) -> list[str]:
+    """Queue `requests` one after another behind a blocker on the one worker; the order they start in."""
+    started: list[str] = []
+
+    async def one(name: str, request: GatewayRequest) -> None:
+        generation = await f.path.generate(request)
+        started.append(name)
+        await complete(generation)
+
+    blocker = await f.path.generate(ask("blocker", max_tokens=250))
+    tasks = []
+    for name, request in requests:
+        tasks.append(asyncio.ensure_future(one(name, request)))
+        await until(lambda: len(f.path.flow.queue) == len(tasks))  # type: ignore[union-attr]
+    await complete(blocker)
+    await asyncio.gather(*tasks)
+    return started
+
+
+def test_a_more_urgent_band_goes_first_and_each_band_in_arrival_order() -> None:
+    async def body() -> None:
+        async with fleet() as f:
+            requests = [(f"batch-{i}", ask(f"batch-{i}", priority=10)) for i in range(3)]
+            requests += [(f"urgent-{i}", ask(f"urgent-{i}", priority=0)) for i in range(2)]
+            order = await served_in_order(f, requests)
+            assert order == ["urgent-0", "urgent-1", "batch-0", "batch-1", "batch-2"]
+            assert f.sample("kvroute:gateway_flow_dispatches_total", band="10", reason="fair_share") == 3
+            assert f.sample("kvroute:gateway_flow_queue_wait_seconds_count", band="0") == 3  # the blocker too
+            assert f.sample("kvroute:gateway_flow_queue_depth", band="10") == 0
+
+    run(body)
+
+
+def test_a_flood_from_one_tenant_does_not_hold_back_another() -> None:
+    async def body() -> None:
+        async with fleet() as f:
+            requests = [(f"alpha-{i}", ask(f"alpha-{i}")) for i in range(6)]
+            requests += [(f"beta-{i}", ask(f"beta-{i}", tenant="beta")) for i in range(2)]
+            order = await served_in_order(f, requests)
+            # equal weights and costs: beta's two alternate with alpha's flood from its arrival
+            assert order.index("beta-0") <= 1 and order.index("beta-1") <= 3, order
+            assert [n for n in order if n.startswith("alpha")] == [f"alpha-{i}" for i in range(6)]
+
+    run(body)
+
+
+def test_a_client_that_leaves_while_queued_frees_its_place_and_its_slot_at_once() -> None:
+    async def body() -> None:
+        async with fleet() as f:
+            assert f.path.flow is not None
+            blocker = await f.path.generate(ask("blocker", max_tokens=250))
+            waiting = asyncio.ensure_future(f.path.generate(ask("leaves", tenant="beta")))
+            await until(lambda: len(f.path.flow.queue) == 1)  # type: ignore[union-attr]
+            assert f.path.concurrency.in_flight["beta"] == 1
+            waiting.cancel()
+            await asyncio.wait({waiting})
+            assert len(f.path.flow.queue) == 0 and "beta" not in f.path.concurrency.in_flight
+            assert f.sample("kvroute:gateway_flow_queue_depth", band="0") == 0
+            assert f.state.book.in_flight("w0") == 1  # the blocker only: the one that left was never sent
+            await complete(blocker)
+            assert await f.path.wait_drained(2.0)
+
+    run(body)
+
+
+def test_bounds_answer_429_for_the_tenant_503_for_the_fleet_and_shed_the_least_urgent_newest_first() -> None:
+    async def body() -> None:
+        config = FlowControlConfig(max_queued=3, tenant_max_queued=2)
+        async with fleet(flow=config) as f:
+            assert f.path.flow is not None
+            blocker = await f.path.generate(ask("blocker", max_tokens=250))
+            older = asyncio.ensure_future(f.path.generate(ask("batch-old", priority=5)))
+            newer = asyncio.ensure_future(f.path.generate(ask("batch-new", priority=5)))
+            await until(lambda: len(f.path.flow.queue) == 2)  # type: ignore[union-attr]
+            with pytest.raises(RateLimited, match="alpha.*2 requests waiting") as over_tenant:
+                await f.path.generate(ask("third"))
+            assert over_tenant.value.http_status == 429 and over_tenant.value.retry_after is not None
+            beta = asyncio.ensure_future(f.path.generate(ask("beta-batch", tenant="beta", priority=5)))
+            await until(lambda: len(f.path.flow.queue) == 3)  # type: ignore[union-attr]
+            urgent = asyncio.ensure_future(f.path.generate(ask("urgent", tenant="beta", priority=0)))
+            with pytest.raises(NoWorkerAvailable, match="more urgent request took its place") as shed:
+                await beta  # band 5's newest
+            assert shed.value.http_status == 503 and shed.value.retry_after is not None and shed.value.retry_after >= 1
+            assert not older.done() and not newer.done()
+            with pytest.raises(NoWorkerAvailable, match="queue is full") as full:
+                await f.path.generate(ask("one-more", tenant="beta", priority=5))
+            assert full.value.retry_after is not None
+            assert f.sample("kvroute:gateway_flow_sheds_total", band="0", reason="tenant_limit") == 1
+            assert f.sample("kvroute:gateway_flow_sheds_total", band="5", reason="displaced") == 1
+            assert f.sample("kvroute:gateway_flow_sheds_total", band="5", reason="queue_full") == 1
+            await complete(blocker)
+            for generation in await asyncio.gather(urgent, older, newer):
+                await complete(generation)
+
+    run(body)
+
+
+def test_a_request_past_its_band_max_wait_gets_a_503() -> None:
+    async def body() -> None:
+        config = FlowControlConfig(bands={3: BandSettings(max_wait_s=0.2)})
+        async with fleet(flow=config) as f:
+            blocker = await f.path.generate(ask("blocker", max_tokens=200))
+            with pytest.raises(NoWorkerAvailable, match="within its band's 0.2 s") as late:
+                await f.path.generate(ask("hurried", priority=3))
+            assert late.value.retry_after is not None
+            assert f.sample("kvroute:gateway_flow_sheds_total", band="3", reason="max_wait") == 1
+            await blocker.aclose()
+
+    run(body)
+
+
+def test_drain_answers_the_requests_still_queued_with_the_reason() -> None:
+    async def body() -> None:
+        async with fleet() as f:
+            blocker = await f.path.generate(ask("blocker", max_tokens=200))
+            queued = [asyncio.ensure_future(f.path.generate(ask(f"q{i}"))) for i in range(2)]
+            await until(lambda: len(f.path.flow.queue) == 2)  # type: ignore[union-attr]
+            f.path.start_draining()
+            f.path.end_streams("the gateway is shutting down: its drain timeout (0 s) passed")
+            for task in queued:
+                with pytest.raises(NoWorkerAvailable, match="still waiting for a worker") as ended:
+                    await task
+                assert ended.value.code == "gateway_shutting_down"
+            assert f.sample("kvroute:gateway_flow_sheds_total", band="0", reason="draining") == 2
+            with pytest.raises(Exception):  # noqa: B017 (the blocker's stream ends too, with its own error)
+                await complete(blocker)
+            assert await f.path.wait_drained(2.0)
+
+    run(body)
+
+
+def test_requests_waiting_while_a_worker_is_lost_go_to_another() -> None:
+    async def body() -> None:
+        async with fleet(num_workers=2) as f:
+            held = [await f.path.generate(ask(f"blocker-{i}", max_tokens=150)) for i in range(2)]
+            assert {g.route.worker_id for g in held} == {"w0", "w1"}
+            queued = [asyncio.ensure_future(f.path.generate(ask(f"q{i}"))) for i in range(2)]
+            await until(lambda: len(f.path.flow.queue) == 2)  # type: ignore[union-attr]
+            lost = next(g for g in held if g.route.worker_id == "w0")
+            await f.servers[0].stop(drain_timeout=0)
+            await until(lambda: "w0" not in f.state.view().replicas, timeout=5.0)
+            with pytest.raises(Exception):  # noqa: B017 (w0's own stream ends with an error)
+                await complete(lost)
+            await complete(next(g for g in held if g is not lost))
+            for task in queued:
+                generation = await task
+                assert generation.route.worker_id == "w1"
+                await complete(generation)
+
+    run(body)
+
+
+def test_flow_control_off_sends_every_request_at_once() -> None:
+    async def body() -> None:
+        async with fleet(flow=None) as f:
+            assert f.path.flow is None
+            held: list[Generation] = [await f.path.generate(ask(f"r{i}", max_tokens=60)) for i in range(3)]
+            assert f.state.book.in_flight("w0") == 3  # nothing waited in the gateway
+            for generation in held:
+                await complete(generation)
+            assert f.sample("kvroute:gateway_flow_dispatches_total", band="0", reason="immediate") == 0
+
+    run(body)
