@@ -83,7 +83,7 @@ from gateway.forwarding.backends import Backend, EngineDelta, ForwardJob, GrpcBa
 from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.metrics import GatewayMetrics, label_value
 from gateway.request import GatewayRequest, Generation, RouteInfo, Tenant, TokenizeResult
-from gateway.request_stream import StreamEnded, StreamingGeneration, WorkerStream
+from gateway.request_stream import Finished, StreamEnded, StreamingGeneration, WorkerStream
 from gateway.routing.fleet_view import FleetView
 from gateway.routing.router import NoReplicaAvailable, RouteDecision, RouteRequest, RoutingPolicy
 from gateway.worker_client import WorkerClients
@@ -339,18 +339,18 @@ class RequestPath:
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         streams: list[WorkerStream] = []
         grant: Grant | None = None
+        band = None if self.flow is None else tenant.clamped_priority(request.priority)
         try:
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
                 request.max_tokens_defaulted, span,
             )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
-            if self.flow is not None:
+            if self.flow is not None and band is not None:
                 size = (
                     len(request.api_json or b"") + QUEUED_BYTES_PER_TOKEN * len(prompt_ids)
                     + QUEUED_BYTES_PER_BLOCK * len(hashes)
                 )  # fmt: skip
-                band = tenant.clamped_priority(request.priority)
                 grant = await self.flow.admit(route_request, tenant, band, request.params.max_tokens * request.n, size)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival, grant=grant)
             if grant is not None and self.flow is not None:
@@ -365,6 +365,8 @@ class RequestPath:
             self.concurrency.release(tenant)
             if isinstance(exc, GatewayError):
                 span.set_status(trace.StatusCode.ERROR, exc.message)
+                if band is not None:
+                    self._judge_slo(band, None)
             span.end()
             raise
         finally:
@@ -384,7 +386,9 @@ class RequestPath:
         self.active += 1
         self.metrics.in_flight.set(self.active)
         self._idle.clear()
-        return StreamingGeneration(self, request, tenant, request_id, route, prompt_ids, streams, span, arrival)
+        return StreamingGeneration(
+            self, request, tenant, request_id, route, prompt_ids, streams, span, arrival, band
+        )  # fmt: skip
 
     async def prepare(self, request: GatewayRequest) -> PreparedPrompt:
         """Steps 1-4 of the path, the part every front door shares (the endpoint picker included): the tenant,
@@ -744,12 +748,28 @@ class RequestPath:
         if self.flow is not None:
             self.flow.kick()
 
-    def generation_closed(self, tenant: Tenant) -> None:
+    def generation_closed(self, tenant: Tenant, band: int | None, finished: Finished | None) -> None:
         self.concurrency.release(tenant)
+        if band is not None:
+            self._judge_slo(band, finished)
         self.active -= 1
         self.metrics.in_flight.set(self.active)
         if self.active == 0 and self._starting == 0:
             self._idle.set()
+
+    def _judge_slo(self, band: int, finished: Finished | None) -> None:
+        """Count a request of a band with an SLO as meeting it or not (one refused or failed does not)."""
+        assert self.flow is not None
+        slo = self.flow.config.band(band).slo
+        if not slo.bounded:
+            return
+        met = False
+        if finished is not None:
+            tokens = finished.completion_tokens
+            decode = finished.e2e_latency - finished.time_to_first_token
+            tpot = decode / (tokens - 1) if tokens > 1 else None
+            met = slo.met(finished.time_to_first_token, tpot, finished.e2e_latency)
+        self.metrics.slo_requests.labels(self.flow.band_label(band), "true" if met else "false").inc()
 
 
 @dataclasses.dataclass(frozen=True)

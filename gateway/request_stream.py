@@ -81,6 +81,15 @@ class WorkerStream:
             self.waiting_since = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A generation that ended without an error, as its band's SLO judges it (gateway.flow_control.config.Slo)."""
+
+    time_to_first_token: float
+    e2e_latency: float
+    completion_tokens: int
+
+
 class StreamOwner(Protocol):
     """What a StreamingGeneration needs of the request path that started it."""
 
@@ -91,8 +100,9 @@ class StreamOwner(Protocol):
     def end_dispatch(self, stream: WorkerStream) -> None:
         """The worker request is over (any way): out of the fleet's in-flight count and the watchdog's view."""
 
-    def generation_closed(self, tenant: Tenant) -> None:
-        """The generation released its books: the tenant's slot goes back."""
+    def generation_closed(self, tenant: Tenant, band: int | None, finished: Finished | None) -> None:
+        """The generation released its books: the tenant's slot goes back. `band`: its flow-control band (None:
+        flow control off); `finished`: its timings when every choice ended without an error, else None."""
 
 
 class StreamingGeneration(Generation):
@@ -109,6 +119,7 @@ class StreamingGeneration(Generation):
         streams: list[WorkerStream],
         span: trace.Span,
         arrival: float,
+        band: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.route = route
@@ -124,6 +135,8 @@ class StreamingGeneration(Generation):
         self._want_logprobs = request.params.logprobs
         self._span = span
         self._arrival = arrival
+        self._first_token_at = time.perf_counter()  # built when the first token has come
+        self._band = band
         self._finish_reasons: list[str] = []
         self._closed = False
         self._iterator: AsyncIterator[Chunk] | None = None
@@ -293,8 +306,11 @@ class StreamingGeneration(Generation):
                 stream.call.cancel()
                 self._end_stream(stream)
         path = self._path
+        done: Finished | None = None
         if finished and error is None:
-            path.metrics.e2e_request_latency.observe(time.perf_counter() - self._arrival)
+            e2e = time.perf_counter() - self._arrival
+            path.metrics.e2e_request_latency.observe(e2e)
+            done = Finished(self._first_token_at - self._arrival, e2e, self.usage.completion_tokens)
         tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
         self._span.end()
-        path.generation_closed(self._tenant)
+        path.generation_closed(self._tenant, self._band, done)

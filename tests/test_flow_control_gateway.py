@@ -19,7 +19,7 @@ from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
 from gateway.errors import NoWorkerAvailable, RateLimited
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
-from gateway.flow_control.config import BandSettings, FlowControlConfig
+from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
 from gateway.metrics import GatewayMetrics
 from gateway.request import GatewayRequest, Generation
 from gateway.request_path import RequestPath, fleet_identity
@@ -243,6 +243,20 @@ def test_requests_waiting_while_a_worker_is_lost_go_to_another() -> None:
                 generation = await task
                 assert generation.route.worker_id == "w1"
                 await complete(generation)
+
+    run(body)
+
+
+def test_requests_are_counted_against_their_band_slo() -> None:
+    async def body() -> None:
+        slo = {0: BandSettings(slo=Slo(ttft_s=30.0, e2e_s=60.0)), 3: BandSettings(slo=Slo(ttft_s=1e-6))}
+        async with fleet(flow=FlowControlConfig(bands=slo)) as f:
+            for name, priority in (("kind", 0), ("kind-too", 0), ("strict", 3)):
+                await complete(await f.path.generate(ask(name, priority=priority)))
+            assert f.sample("kvroute:gateway_slo_requests_total", band="0", met="true") == 2
+            assert f.sample("kvroute:gateway_slo_requests_total", band="3", met="false") == 1
+            await complete(await f.path.generate(ask("no-slo", priority=7)))
+            assert f.sample("kvroute:gateway_slo_requests_total", band="7", met="true") == 0
 
     run(body)
 

@@ -3,12 +3,23 @@ and sheds, expiry, saturation, Retry-After from the drain rate, and the routing 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from gateway.admission.auth import Authenticator, key_sha256
+from gateway.errors import InvalidRequestError
 from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
 from gateway.flow_control.drain_rate import DrainRate
 from gateway.flow_control.fair_queue import FairQueue, QueuedRequest, QueueFull
 from gateway.flow_control.saturation import blocks_needed, dispatchable
+from gateway.frontdoors.openai_protocol import (
+    PRIORITY_HEADER,
+    CompletionRequest,
+    RequestHeaders,
+    parse_request,
+    priority_header,
+)
 from gateway.request import Tenant
 from gateway.routing.fleet_view import ReplicaLoad
 
@@ -188,3 +199,40 @@ def test_the_routing_config_section_parses_with_defaults_and_band_overrides() ->
     ):
         with pytest.raises(ValueError, match=field):
             FlowControlConfig.from_routing_config({"flow_control": bad})
+
+
+def test_priority_comes_from_the_header_over_the_body_and_a_bad_value_names_its_field() -> None:
+    body = b'{"model": "m", "prompt": "hi", "priority": 5}'
+    wire = parse_request(CompletionRequest, body)
+    assert wire.to_gateway_request(RequestHeaders()).priority == 5
+    assert wire.to_gateway_request(RequestHeaders(priority=priority_header(" -2 "))).priority == -2
+    assert parse_request(CompletionRequest, b'{"prompt": "hi"}').to_gateway_request(RequestHeaders()).priority is None
+    for bad in ("high", "1.5", "2000000", "", "+-1"):
+        with pytest.raises(InvalidRequestError) as refused:
+            priority_header(bad)
+        assert refused.value.param == PRIORITY_HEADER
+    for bad_body in (b'{"prompt": "hi", "priority": 1.5}', b'{"prompt": "hi", "priority": 2000000}'):
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_request(CompletionRequest, bad_body)
+        assert refused.value.param == "priority"
+
+
+def test_api_keys_carry_a_tenant_priority_ceiling_and_weight() -> None:
+    entries: list[dict[str, Any]] = [
+        {"tenant": "batch", "key_sha256": key_sha256("k1"), "priority": 10, "min_priority": 5, "weight": 0.5},
+        {"tenant": "batch", "key_sha256": key_sha256("k2"), "weight": 0.5},
+        {"tenant": "plain", "key_sha256": key_sha256("k3")},
+    ]
+    auth = Authenticator(entries)
+    batch, plain = auth.authenticate("k2"), auth.authenticate("k3")
+    assert (batch.priority, batch.min_priority, batch.weight) == (10, 5, 0.5)
+    assert (plain.priority, plain.min_priority, plain.weight) == (0, None, 1.0)
+    for bad, message in (
+        ({"weight": 0}, r"weight: must be a number > 0"),
+        ({"priority": "1"}, r"priority: must be an integer"),
+        ({"min_priority": 10**7}, r"min_priority: must be an integer in"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Authenticator([{"tenant": "t", "key_sha256": key_sha256("k"), **bad}])
+    with pytest.raises(ValueError, match="weight: tenant 't' is given two different values"):
+        Authenticator([{"tenant": "t", "key_sha256": key_sha256(k), "weight": w} for k, w in (("a", 1), ("b", 2))])

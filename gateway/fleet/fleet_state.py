@@ -281,7 +281,6 @@ class FleetBook:
         self.fleet.remove_replica(worker_id)
         self._reported.pop(worker_id, None)
         self._since_report.pop(worker_id, None)
-        self._blocks_since_report.pop(worker_id, None)
         self._heard.pop(worker_id, None)
         self.counters.leaves += 1
         logger.warning("fleet: worker %s left the candidates: %s", worker_id, reason)

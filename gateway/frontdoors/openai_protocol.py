@@ -167,7 +167,8 @@ def priority_header(value: str | None) -> int | None:
     if value is None:
         return None
     text = value.strip()
-    if text.lstrip("+-").isdigit() and text.isascii() and len(text) <= 8:
+    digits = text[1:] if text[:1] in ("+", "-") else text
+    if digits.isascii() and digits.isdigit() and len(digits) <= 7:
         priority = int(text)
         if PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
             return priority
