@@ -86,9 +86,11 @@ async def fleet(
             await server.stop(drain_timeout=0)
 
 
-def ask(name: str, tenant: str = "alpha", max_tokens: int = 8, priority: int | None = None) -> GatewayRequest:
-    """A chat of its own long prompt (no prefix shared with any other request's)."""
-    messages = [{"role": "system", "content": f"{name}: {SYSTEM}"}, {"role": "user", "content": "hello"}]
+def ask(
+    name: str, tenant: str = "alpha", max_tokens: int = 8, priority: int | None = None, user: str = "hello"
+) -> GatewayRequest:
+    """A chat of its own long prompt (no prefix shared with another `name`'s)."""
+    messages = [{"role": "system", "content": f"{name}: {SYSTEM}"}, {"role": "user", "content": user}]
     return GatewayRequest(
         api_key=KEYS[tenant], model=None, messages=messages, kind="chat", priority=priority,
         params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
@@ -137,6 +139,39 @@ def test_a_flood_from_one_tenant_does_not_hold_back_another() -> None:
             # equal weights and costs: beta's two alternate with alpha's flood from its arrival
             assert order.index("beta-0") <= 1 and order.index("beta-1") <= 3, order
             assert [n for n in order if n.startswith("alpha")] == [f"alpha-{i}" for i in range(6)]
+
+    run(body)
+
+
+def test_a_worker_that_frees_room_takes_first_the_waiting_request_whose_prefix_it_holds() -> None:
+    async def body() -> None:
+        # a decode reserve that a busy worker cannot give: the waiting requests need a worker's room even on a hit
+        async with fleet(num_workers=2, flow=FlowControlConfig(decode_reserve_tokens=2048)) as f:
+            short = await f.path.generate(ask("prefix-a", max_tokens=100, user="first"))
+            long = await f.path.generate(ask("prefix-b", max_tokens=400, user="first"))
+            holder, other = short.route.worker_id, long.route.worker_id
+            assert holder != other
+            started: list[Generation] = []
+
+            async def start(request: GatewayRequest) -> None:
+                started.append(await f.path.generate(request))  # held open: its worker stays busy
+
+            # the fair-share head shares no prefix with the worker that frees room first; the younger one does
+            tasks = [asyncio.ensure_future(start(ask("prefix-b", max_tokens=800, user="second")))]
+            await until(lambda: len(f.path.flow.queue) == 1)  # type: ignore[union-attr]
+            tasks.append(asyncio.ensure_future(start(ask("prefix-a", max_tokens=800, user="second"))))
+            await until(lambda: len(f.path.flow.queue) == 2)  # type: ignore[union-attr]
+            await complete(short)
+            await complete(long)
+            await asyncio.gather(*tasks)
+            try:
+                a_again, b_again = started
+                assert a_again.route.worker_id == holder and a_again.route.matched_blocks >= 64
+                assert b_again.route.worker_id == other and b_again.route.matched_blocks >= 64
+                assert f.sample("kvroute:gateway_flow_dispatches_total", band="0", reason="cache_aware") == 1
+            finally:
+                for generation in started:
+                    await generation.aclose()
 
     run(body)
 
