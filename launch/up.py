@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="number of worker processes")
     parser.add_argument("--model", default="smollm2", help="tiny | smollm2 | sim | PATH")
     parser.add_argument("--policy", choices=POLICY_NAMES, default="kv_aware")
+    parser.add_argument(
+        "--flow-control", choices=("on", "off"), default="on",
+        help="the gateway's flow control (docs/flow_control.md); off: each request is sent at once",
+    )  # fmt: skip
     parser.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI HTTP port")
     parser.add_argument("--grpc-port", type=int, default=50050, help="the gateway's gRPC port (0: off)")
     parser.add_argument(
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             kvroute_argv(
                 "gateway", "--model", args.model, "--host", args.host, "--http-port", str(http_port),
                 "--grpc-port", str(args.grpc_port), "--metrics-port", str(args.metrics_port),
-                "--workers", ",".join(addresses), "--policy", args.policy,
+                "--workers", ",".join(addresses), "--policy", args.policy, "--flow-control", args.flow_control,
                 "--log-level", "warning", *redis, *shlex.split(args.gateway_args),
             ),
         )  # fmt: skip
