@@ -8,19 +8,25 @@ a worker has room for one request at a time, so the order in which requests reac
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
+from gateway.cli_gateway import Gateway, pool_configs, reload
 from gateway.errors import NoWorkerAvailable, RateLimited
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
+from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.metrics import GatewayMetrics
+from gateway.pools import Pools
 from gateway.request import GatewayRequest, Generation
 from gateway.request_path import RequestPath, fleet_identity
 from gateway.routing.router import make_policy
@@ -146,31 +152,33 @@ def test_a_flood_from_one_tenant_does_not_hold_back_another() -> None:
 def test_a_worker_that_frees_room_takes_first_the_waiting_request_whose_prefix_it_holds() -> None:
     async def body() -> None:
         # a decode reserve that a busy worker cannot give: the waiting requests need a worker's room even on a hit
-        async with fleet(num_workers=2, flow=FlowControlConfig(decode_reserve_tokens=2048)) as f:
-            short = await f.path.generate(ask("prefix-a", max_tokens=100, user="first"))
+        # slow decoding: the blockers outlast the queued requests' tokenizing on a loaded machine
+        async with fleet(2, flow=FlowControlConfig(decode_reserve_tokens=2048), decode_ms=4.0) as f:
+            short = await f.path.generate(ask("prefix-a", max_tokens=150, user="first"))
             long = await f.path.generate(ask("prefix-b", max_tokens=400, user="first"))
             holder, other = short.route.worker_id, long.route.worker_id
             assert holder != other
-            started: list[Generation] = []
+            started: dict[str, Generation] = {}
 
-            async def start(request: GatewayRequest) -> None:
-                started.append(await f.path.generate(request))  # held open: its worker stays busy
+            async def start(name: str) -> None:
+                request = ask(name, max_tokens=800, user="second")
+                started[name] = await f.path.generate(request)  # held open: its worker stays busy
 
             # the fair-share head shares no prefix with the worker that frees room first; the younger one does
-            tasks = [asyncio.ensure_future(start(ask("prefix-b", max_tokens=800, user="second")))]
+            tasks = [asyncio.ensure_future(start("prefix-b"))]
             await until(lambda: len(f.path.flow.queue) == 1)  # type: ignore[union-attr]
-            tasks.append(asyncio.ensure_future(start(ask("prefix-a", max_tokens=800, user="second"))))
+            tasks.append(asyncio.ensure_future(start("prefix-a")))
             await until(lambda: len(f.path.flow.queue) == 2)  # type: ignore[union-attr]
             await complete(short)
             await complete(long)
             await asyncio.gather(*tasks)
             try:
-                a_again, b_again = started
-                assert a_again.route.worker_id == holder and a_again.route.matched_blocks >= 64
-                assert b_again.route.worker_id == other and b_again.route.matched_blocks >= 64
+                routes = {name: (g.route.worker_id, g.route.matched_blocks >= 64) for name, g in started.items()}
+                assert list(started) == ["prefix-a", "prefix-b"], routes
+                assert routes == {"prefix-a": (holder, True), "prefix-b": (other, True)}
                 assert f.sample("kvroute:gateway_flow_dispatches_total", band="0", reason="cache_aware") == 1
             finally:
-                for generation in started:
+                for generation in started.values():
                     await generation.aclose()
 
     run(body)
@@ -305,5 +313,34 @@ def test_flow_control_off_sends_every_request_at_once() -> None:
             for generation in held:
                 await complete(generation)
             assert f.sample("kvroute:gateway_flow_dispatches_total", band="0", reason="immediate") == 0
+
+    run(body)
+
+
+def test_a_sighup_reload_applies_the_routing_configs_flow_control(tmp_path: Path) -> None:
+    async def body() -> None:
+        config = tmp_path / "routing.json"
+        args = argparse.Namespace(
+            routing_config=str(config), api_keys_file=None, workers="127.0.0.1:1", served_model_name=None,
+            model="sim", block_size=16, policy="kv_aware", redis=None,
+        )  # fmt: skip
+        config.write_text(json.dumps({"flow_control": {"bands": {"0": {"max_wait_s": 5}}}}))
+        configs = pool_configs(args, json.loads(config.read_text()))
+        assert configs[0].options == {} and configs[0].flow_control.band(0).max_wait_s == 5
+        engine = LLMEngine(EngineConfig(model="sim", num_kv_blocks=NUM_BLOCKS, max_model_len=4096))
+        state = EmbeddedFleetState([], fleet_identity(engine.model_id, engine.tokenizer))
+        path = RequestPath(
+            state, make_policy("kv_aware"), engine.tokenizer, engine.model_id, "sim", Authenticator(), Limits(),
+            GatewayMetrics("sim"), flow_control=configs[0].flow_control,
+        )  # fmt: skip
+        gateway = Gateway(Pools([path]), [state], 2**20, 16, HttpLimits(), configs)
+        config.write_text(json.dumps({"flow_control": {"bands": {"0": {"max_wait_s": 2}}, "tenant_max_queued": 7}}))
+        reload(gateway, args)
+        assert path.flow is not None and path.flow.config.band(0).max_wait_s == 2
+        assert path.flow.queue.config.tenant_max_queued == 7
+        config.write_text(json.dumps({"flow_control": {"max_queued": -1}}))
+        reload(gateway, args)  # refused: what was in force stays
+        assert path.flow.config.tenant_max_queued == 7
+        await path.close()
 
     run(body)

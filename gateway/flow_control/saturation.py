@@ -11,7 +11,7 @@ A worker is dispatchable for a request when
          need: its prompt blocks the worker does not hold plus a decode reserve (min(max_tokens,
          decode_reserve_tokens) tokens);
        - without one (an HTTP engine): its KV-cache usage is under `max_kv_usage`.
-A grant's blocks count until a report taken after its first token (the worker had admitted it by then), so a
+A grant's blocks count until the second report after its first token (the worker had admitted it by then), so a
 burst between two reports cannot overfill a worker; what finished since is not credited until the next report
 (the worker's word), except that a worker this gateway sees idle takes a request at once.
 """

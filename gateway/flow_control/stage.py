@@ -12,8 +12,8 @@ Caller contract (gateway.request_path):
   2. `grant.decision` is the worker to try first (None: the fleet has no routable worker now; the path then
      answers as it would without flow control). `grant.sent()` once its worker request is sent, `started(grant)`
      when its first token came, `grant.close()` when the path is done with it (any way; idempotent): the
-     worker's room counts the grant's blocks until a report taken after its first token, or until it closes
-     without one.
+     worker's room counts the grant's blocks until the second report after its first token, or until it
+     closes without one.
   3. `kick()` when room may have freed (a worker request ended, the membership changed); the stage also looks
      every TICK_S while anything waits (load reports arrive on the fleet state's own clock).
 
@@ -61,7 +61,8 @@ class _Ticket:
 
 class Grant:
     """Leave to send a request: the worker to try first (None: no routable worker now) and why it went now.
-    Its blocks count against that worker's room until a load report taken after its first token."""
+    Its blocks count against that worker's room until the second load report after its first token (the first
+    may have been taken just before it)."""
 
     def __init__(self, decision: RouteDecision | None, reason: str, blocks: int = 0) -> None:
         self.decision = decision
@@ -313,7 +314,8 @@ class FlowControl:
         grants = self._grants.get(replica)
         if not grants:
             return 0, 0
-        live = [g for g in grants if g.open and (g.started_at_report is None or g.started_at_report >= reports)]
+        # a report answered just after the first token may have been taken before it: the second one shows it
+        live = [g for g in grants if g.open and (g.started_at_report is None or g.started_at_report + 1 >= reports)]
         if len(live) != len(grants):
             if live:
                 self._grants[replica] = live
