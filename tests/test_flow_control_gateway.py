@@ -344,3 +344,45 @@ def test_a_sighup_reload_applies_the_routing_configs_flow_control(tmp_path: Path
         await path.close()
 
     run(body)
+
+
+def test_a_hostile_tenant_cannot_grow_the_queue_past_its_bound_nor_delay_another() -> None:
+    async def body() -> None:
+        config = FlowControlConfig(tenant_max_queued=8, decode_reserve_tokens=2048)
+        async with fleet(flow=config) as f:
+            assert f.path.flow is not None
+            blocker = await f.path.generate(ask("blocker", max_tokens=250))
+            flood = [
+                asyncio.ensure_future(
+                    f.path.generate(
+                        GatewayRequest(
+                            api_key=KEYS["alpha"],
+                            model=None,
+                            prompt=f"flood {i}",
+                            params=SamplingParams(max_tokens=800),
+                        )
+                    )
+                )  # fmt: skip
+                for i in range(100)
+            ]
+            deepest = 0
+            while not all(task.done() for task in flood[8:]):
+                deepest = max(deepest, f.path.flow.queue.tenant_depth("alpha"))
+                await asyncio.sleep(0.005)
+            refused = [task.exception() for task in flood[8:]]
+            assert all(isinstance(e, RateLimited) and e.retry_after for e in refused), refused[:3]
+            assert deepest <= 8 and f.path.flow.queue.tenant_depth("alpha") == 8
+            quiet = asyncio.ensure_future(f.path.generate(ask("quiet", tenant="beta")))
+            await until(lambda: f.path.flow.queue.tenant_depth("beta") == 1)  # type: ignore[union-attr]
+            await complete(blocker)
+            await complete(await quiet)  # fair share: ahead of most of the flood's queued requests
+            assert f.path.flow.queue.tenant_depth("alpha") >= 6
+            for task in flood[:8]:
+                task.cancel()
+            await asyncio.wait(flood[:8])
+            for task in flood[:8]:  # those that started before the cancel hold a generation
+                if not task.cancelled():
+                    await task.result().aclose()
+            assert len(f.path.flow.queue) == 0 and not f.path.concurrency.in_flight
+
+    run(body)

@@ -43,7 +43,9 @@ class ReplicaLoad:
     queued: int = 0  # of those, requests whose prefill has not started
     kv_usage: float = 0.0  # share of its KV blocks held by live requests, 0..1
     num_blocks: int = 0  # its KV blocks in all, as it last reported them (0: not reported)
-    reports: int = 0  # load reports taken from it so far: a new one supersedes what was sent before it
+    # Load reports this fleet state took from it so far (flow control's clock of them): this gateway's own count,
+    # not the worker's load, so two views of one fleet compare equal without it.
+    reports: int = field(default=0, compare=False)
 
 
 @dataclass
