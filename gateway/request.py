@@ -19,6 +19,9 @@ from typing import Any, Literal
 
 from kvroute.sampling import SamplingParams
 
+# The priorities a request may name (vLLM's `priority`, or x-kvroute-priority), and a tenant's file may set.
+PRIORITY_RANGE = (-1_000_000, 1_000_000)
+
 
 @dataclass(frozen=True)
 class Tenant:

@@ -39,6 +39,7 @@ _GATEWAY_BELOW_PATH = _GATEWAY_GROUND | {
     "gateway/tracing",
     "gateway/fleet",
     "gateway/forwarding",
+    "gateway/flow_control",
 }
 
 MAY_IMPORT: dict[str, set[str]] = {
@@ -56,6 +57,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gateway/fleet": {"kvroute", "proto", "gateway/routing", "gateway/metrics"} | _GATEWAY_GROUND,  # fleet states
     "gateway/forwarding": {"kvroute", "proto", "gateway/fleet", "gateway/routing", "gateway/metrics"}
     | _GATEWAY_GROUND,  # backends, retries and deadlines, detokenizing
+    # the queue, saturation and the stage before the pick
+    "gateway/flow_control": {"kvroute", "proto", "gateway/routing", "gateway/metrics"} | _GATEWAY_GROUND,
     "gateway/request_stream": {"kvroute", "proto"} | _GATEWAY_BELOW_PATH,  # a started request's streams
     "gateway/request_path": {"kvroute", "proto", "gateway/request_stream"} | _GATEWAY_BELOW_PATH,
     "gateway/pools": {"kvroute", "proto", "gateway/request_path"} | _GATEWAY_BELOW_PATH,

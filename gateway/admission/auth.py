@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import AuthenticationError
-from gateway.flow_control.config import PRIORITY_RANGE
-from gateway.request import Tenant
+from gateway.request import PRIORITY_RANGE, Tenant
 from kvroute.credentials import secret_from_env
 
 API_KEYS_ENV = "KVROUTE_API_KEYS"

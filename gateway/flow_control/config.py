@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.request import PRIORITY_RANGE
+
 CONFIG_KEY = "flow_control"
-PRIORITY_RANGE = (-1_000_000, 1_000_000)  # what a request may name (CONTRACT29)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import InvalidRequestError, quoted
-from gateway.flow_control.config import PRIORITY_RANGE
-from gateway.request import GatewayRequest
+from gateway.request import PRIORITY_RANGE, GatewayRequest
 from kvroute.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 INT32_MAX = 2**31 - 1
