@@ -231,6 +231,7 @@ def test_api_keys_carry_a_tenant_priority_ceiling_and_weight() -> None:
         ({"weight": 0}, r"weight: must be a number > 0"),
         ({"priority": "1"}, r"priority: must be an integer"),
         ({"min_priority": 10**7}, r"min_priority: must be an integer in"),
+        ({"priority": 3, "min_priority": 4}, r"min_priority: is above its priority"),
     ):
         with pytest.raises(ValueError, match=message):
             Authenticator([{"tenant": "t", "key_sha256": key_sha256("k"), **bad}])

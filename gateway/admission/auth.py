@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -145,6 +146,8 @@ class Authenticator:
                 if known.get(field, value) != value:
                     raise ValueError(f"{where}.{field}: tenant {name!r} is given two different values")
                 known[field] = value
+            if known.get("min_priority", -math.inf) > known.get("priority", 0):
+                raise ValueError(f"{where}.min_priority: is above its priority (the tenant's own default)")
             parsed.append((name, digest))
         tenants = {name: _tenant(name, tenant_salt(name, salt_secret), given) for name, given in settings.items()}
         self._keys = {digest: _Key(digest, tenants[name]) for name, digest in parsed}
