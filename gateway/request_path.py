@@ -346,12 +346,7 @@ class RequestPath:
                 request.max_tokens_defaulted, span,
             )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
-            if self.flow is not None and band is not None:
-                size = (
-                    len(request.api_json or b"") + QUEUED_BYTES_PER_TOKEN * len(prompt_ids)
-                    + QUEUED_BYTES_PER_BLOCK * len(hashes)
-                )  # fmt: skip
-                grant = await self.flow.admit(route_request, tenant, band, request.params.max_tokens * request.n, size)
+            grant = await self.wait_for_worker(request, prepared, route_request)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival, grant=grant)
             if grant is not None and self.flow is not None:
                 self.flow.started(grant)
@@ -389,6 +384,21 @@ class RequestPath:
         return StreamingGeneration(
             self, request, tenant, request_id, route, prompt_ids, streams, span, arrival, band
         )  # fmt: skip
+
+    async def wait_for_worker(
+        self, request: GatewayRequest, prepared: PreparedPrompt, route_request: RouteRequest
+    ) -> Grant | None:
+        """Step 4b, flow control (None when it is off): wait until a worker can admit the request; its Grant names
+        the worker to try first. Raises GatewayError (429, 503: gateway.flow_control.stage)."""
+        if self.flow is None:
+            return None
+        band = prepared.tenant.clamped_priority(request.priority)
+        size = (
+            len(request.api_json or b"") + QUEUED_BYTES_PER_TOKEN * len(prepared.prompt_ids)
+            + QUEUED_BYTES_PER_BLOCK * len(prepared.hashes)
+        )  # fmt: skip
+        max_tokens = request.params.max_tokens * request.n
+        return await self.flow.admit(route_request, prepared.tenant, band, max_tokens, size)
 
     async def prepare(self, request: GatewayRequest) -> PreparedPrompt:
         """Steps 1-4 of the path, the part every front door shares (the endpoint picker included): the tenant,

@@ -24,6 +24,7 @@ from gateway.cli_gateway import Gateway, pool_configs, reload
 from gateway.errors import NoWorkerAvailable, RateLimited
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
+from gateway.frontdoors.ext_proc import EndpointMap, Picker
 from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Pools
@@ -384,5 +385,23 @@ def test_a_hostile_tenant_cannot_grow_the_queue_past_its_bound_nor_delay_another
                 if not task.cancelled():
                     await task.result().aclose()
             assert len(f.path.flow.queue) == 0 and not f.path.concurrency.in_flight
+
+    run(body)
+
+
+def test_the_endpoint_picker_holds_a_request_in_the_same_stage_until_a_worker_can_admit_it() -> None:
+    async def body() -> None:
+        async with fleet() as f:
+            picker = Picker(f.path, EndpointMap({"w0": "10.0.0.1:8000"}), max_body_bytes=2**20, default_max_tokens=8)
+            blocker = await f.path.generate(ask("blocker", max_tokens=250))
+            held = asyncio.ensure_future(picker.decide(ask("picked"), None, None))
+            await until(lambda: len(f.path.flow.queue) == 1)  # type: ignore[union-attr]
+            assert not held.done()
+            await complete(blocker)
+            pick = await held
+            assert pick.endpoints[0] == "10.0.0.1:8000" and pick.grant is not None
+            assert f.sample("kvroute:gateway_flow_dispatches_total", band="0", reason="fair_share") == 1
+            picker.finish(pick, None, 200)
+            assert not f.path.concurrency.in_flight and f.state.book.in_flight("w0") == 0
 
     run(body)

@@ -22,11 +22,13 @@ The request's `model` picks the pool (gateway.pools: one per served model, each 
 policy); a model no pool serves goes on (once the key is checked) to any ready endpoint, as GIE's picker
 does, and the model server answers it; no model while several are served is a 400. The decision in the pool:
 `RequestPath.prepare` (auth, model, limits, template, tokenizer, block hashes with the tenant's salt), the
-tenant's concurrency slot, then the routing policy picks once over the workers that have an endpoint (and are
-in the data plane's subset hint, when it sends one); the fallbacks are the other eligible workers by the
-policy's own signals without asking it again (its memory is updated once per request): the most leading
-blocks cached first, then the least loaded. Refusals are ImmediateResponses in OpenAI's error body: 400 (bad
-JSON, no model among several, oversize prompt), 401, 413, 429 with Retry-After, 503.
+tenant's concurrency slot, then flow control (`RequestPath.wait_for_worker`: the ext_proc stream is held, as
+llm-d's is, until a worker can admit the request; its grant's worker is taken when it has an endpoint, its
+first response byte marks it started, its end frees the room), then the routing policy picks once over the
+workers that have an endpoint (and are in the data plane's subset hint, when it sends one); the fallbacks are
+the other eligible workers by the policy's own signals without asking it again (its memory is updated once per
+request): the most leading blocks cached first, then the least loaded. Refusals are ImmediateResponses in
+OpenAI's error body: 400 (bad JSON, no model among several, oversize prompt), 401, 413, 429 with Retry-After, 503.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from opentelemetry import trace
 from gateway import tracing
 from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, NoWorkerAvailable
 from gateway.fleet.fleet_state import WorkerMember
+from gateway.flow_control.stage import Grant
 from gateway.frontdoors.openai_protocol import (
     PRIORITY_HEADER,
     ChatCompletionRequest,
@@ -152,6 +155,7 @@ class Pick:
     arrival: float
     booked: str  # the worker whose in-flight count holds this request
     path: RequestPath  # the pool that decided it
+    grant: Grant | None = None  # flow control's leave (None: off), closed when the request ends
     first_byte: float | None = None
     finished: bool = False
 
@@ -241,6 +245,7 @@ class Picker:
         if path.draining:
             raise NoWorkerAvailable("the endpoint picker is shutting down; send the request again", retry_after=1.0)
         prepared = await path.prepare(request)  # the tenant's slot is held from here
+        grant: Grant | None = None
         try:
             fleet = path.fleet.view()
             eligible = self._eligible(path, fleet, subset)
@@ -256,12 +261,23 @@ class Picker:
                 )
             request_id = uuid.uuid4().hex
             route_request = RouteRequest(request_id, prepared.hashes, len(prepared.prompt_ids), request.session_id)
-            try:
-                decision = path.policy.pick(route_request, fleet, frozenset(fleet.replicas) - eligible.keys())
-            except NoReplicaAvailable as exc:
-                raise NoWorkerAvailable(str(exc)) from None
+            grant = await path.wait_for_worker(request, prepared, route_request)  # the ext_proc stream is held
+            if grant is not None:
+                fleet = path.fleet.view()  # as it is now, after the wait
+                eligible = self._eligible(path, fleet, subset)
+                if not eligible:
+                    raise NoWorkerAvailable(_no_endpoint(subset))
+            if grant is not None and grant.decision is not None and grant.decision.replica in eligible:
+                decision = grant.decision
+            else:
+                try:
+                    decision = path.policy.pick(route_request, fleet, frozenset(fleet.replicas) - eligible.keys())
+                except NoReplicaAvailable as exc:
+                    raise NoWorkerAvailable(str(exc)) from None
             path.policy.observe(route_request, decision)
         except BaseException:
+            if grant is not None:
+                grant.close()
             path.concurrency.release(prepared.tenant)
             raise
         order = [decision.replica, *self._fallbacks(fleet, prepared.hashes, eligible, decision.replica)]
@@ -272,6 +288,8 @@ class Picker:
         span = tracing.start_request_span(request_id, request, path.served_model_name)
         tracing.record_route(span, route)
         path.fleet.on_dispatch(decision.replica)
+        if grant is not None:
+            grant.sent()
         metrics = path.metrics
         metrics.routing_latency.observe(time.perf_counter() - arrival)
         metrics.requests.labels(route.policy, route.reason).inc()
@@ -286,7 +304,7 @@ class Picker:
         endpoints = self._cut([eligible[w] for w in order])
         return Pick(
             request_id, client_request_id, prepared.tenant, route, endpoints, dict(zip(endpoints, order, strict=False)),
-            len(prepared.prompt_ids), span, arrival, decision.replica, path,
+            len(prepared.prompt_ids), span, arrival, decision.replica, path, grant,
         )  # fmt: skip
 
     @staticmethod
@@ -328,6 +346,9 @@ class Picker:
         path = pick.path
         path.fleet.on_finish(pick.booked)
         path.concurrency.release(pick.tenant)
+        if pick.grant is not None and path.flow is not None:
+            pick.grant.close()
+            path.flow.kick()
         path.active -= 1
         path.metrics.in_flight.set(path.active)
         now = time.perf_counter()
@@ -606,6 +627,8 @@ class _Exchange:
         if pick is not None and not pick.finished:
             if pick.first_byte is None and message.body:
                 pick.first_byte = time.perf_counter()
+                if pick.grant is not None and pick.path.flow is not None:
+                    pick.path.flow.started(pick.grant)
             if self.is_sse:
                 self.kept = (self.kept + message.body)[-USAGE_TAIL_BYTES:]
             elif len(self.kept) + len(message.body) <= JSON_KEEP_BYTES:
