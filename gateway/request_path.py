@@ -278,7 +278,7 @@ class RequestPath:
         if all(member.address != old.address for member in self.fleet.members()):
             self.backends[old.engine].release(old.address)
         if self.flow is not None:
-            self.flow.kick()  # a request waiting for this worker re-picks; a gone one's room is nobody's now
+            self.flow.forget(old.worker_id)  # waiting requests are picked afresh when they leave the queue
 
     # -- the watchdog over open worker requests ---------------------------------------------------------------
 

@@ -171,6 +171,11 @@ class FlowControl:
             self._kicked = True
             asyncio.get_running_loop().call_soon(self._kicked_dispatch)
 
+    def forget(self, worker_id: str) -> None:
+        """The worker left or restarted: what was granted to it no longer holds room anywhere; dispatch soon."""
+        self._grants.pop(worker_id, None)
+        self.kick()
+
     def end_queued(self, message: str) -> int:
         """Answer every waiting request with NoWorkerAvailable(`message`), code gateway_shutting_down (the
         drain's deadline: none of them can start now). Returns how many there were."""
