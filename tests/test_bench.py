@@ -15,7 +15,7 @@ import pytest
 from kvroute.errors import UserError
 from kvroute.tokenizer import Tokenizer
 from loadtest.bench import Arrivals, with_answers
-from loadtest.bench_stats import SLO, RequestRecord, format_summary, percentiles, summarize
+from loadtest.bench_stats import SLO, Objectives, RequestRecord, format_summary, percentiles, summarize
 from loadtest.compare import VIEW_SEEDS, parse_entries, sim_costs, view_draw, view_refresh_s
 from loadtest.render import (
     CHAT_ANSWER_TOKENS,
@@ -95,7 +95,7 @@ def test_goodput_is_the_share_of_all_requests_within_every_slo():
     slo = SLO(ttft_ms=300, tpot_ms=40)
     tpot = np.where(tokens > 1, (e2e - ttft) / np.maximum(tokens - 1, 1), 0.0)
     expected = int(np.sum((ttft * 1e3 <= 300) & (tpot * 1e3 <= 40)))
-    summary = summarize(records, duration_s=10.0, slo=slo)
+    summary = summarize(records, duration_s=10.0, objectives=Objectives(slo))
     assert 0 < expected < 200
     assert summary.goodput == pytest.approx(expected / 210)
     assert summary.goodput_rps == pytest.approx(expected / 10.0)
