@@ -147,7 +147,7 @@ def queue_lost_hits(records: list[RequestRecord], block_size: int = DEFAULT_BLOC
             continue
         hits += 1
         lost += record.cached_tokens // block_size < matched
-    return {"hits": hits, "lost": lost, "share": lost / hits if hits else 0.0}
+    return {"hits": hits, "lost": lost, "share": round(lost / hits, 6) if hits else 0.0}
 
 
 def percentiles(values_s: list[float], ps: tuple[int, ...] = PERCENTILES) -> dict[str, float | None]:

@@ -547,16 +547,18 @@ def run_entry(
     return RunResult(entry, records, summary, workers, overhead, capacity_blocks, routed_ids, gateway=gateway)
 
 
+TableRow = tuple[str, Callable[[RunResult], str]]  # a label and its cell for each run
+
+
 def format_table(results: dict[str, RunResult]) -> str:
     """One side-by-side table of the runs."""
-    ms = _ms
-    rows = [
-        ("TTFT p50 ms", lambda r: ms(r.summary.ttft_ms["p50"])),
-        ("TTFT p90 ms", lambda r: ms(r.summary.ttft_ms["p90"])),
-        ("TTFT p99 ms", lambda r: ms(r.summary.ttft_ms["p99"])),
-        ("E2E p50 ms", lambda r: ms(r.summary.e2e_ms["p50"])),
-        ("E2E p99 ms", lambda r: ms(r.summary.e2e_ms["p99"])),
-        ("TPOT p50 ms", lambda r: ms(r.summary.tpot_ms["p50"])),
+    rows: list[TableRow] = [
+        ("TTFT p50 ms", lambda r: _ms(r.summary.ttft_ms["p50"])),
+        ("TTFT p90 ms", lambda r: _ms(r.summary.ttft_ms["p90"])),
+        ("TTFT p99 ms", lambda r: _ms(r.summary.ttft_ms["p99"])),
+        ("E2E p50 ms", lambda r: _ms(r.summary.e2e_ms["p50"])),
+        ("E2E p99 ms", lambda r: _ms(r.summary.e2e_ms["p99"])),
+        ("TPOT p50 ms", lambda r: _ms(r.summary.tpot_ms["p50"])),
         ("prefill tokens", lambda r: f"{r.workers['prefill_tokens']:,}"),
         ("cached share", lambda r: f"{r.workers['cached_token_share']:.1%}"),
         ("goodput", lambda r: f"{r.summary.goodput:.1%}"),
@@ -567,8 +569,8 @@ def format_table(results: dict[str, RunResult]) -> str:
         ("hits lost in queue", lambda r: _lost_hits(r.summary.lost_hits)),
         ("errors", lambda r: str(sum(r.summary.errors.values()))),
         ("requests/worker", lambda r: "/".join(str(v) for v in r.workers["per_worker_requests"].values())),
-        ("overhead p50 ms", lambda r: ms(r.overhead_ms["p50"])),
-        ("overhead p99 ms", lambda r: ms(r.overhead_ms["p99"])),
+        ("overhead p50 ms", lambda r: _ms(r.overhead_ms["p50"])),
+        ("overhead p99 ms", lambda r: _ms(r.overhead_ms["p99"])),
         ("replay prefill", lambda r: f"{r.prediction['prefill_tokens']:,}" if r.prediction else "-"),
         ("replay hit rate", lambda r: f"{r.prediction['hit_rate']:.1%}" if r.prediction else "-"),
         ("ideal prefill", lambda r: f"{r.prediction['ideal_prefill_tokens']:,}" if r.prediction else "-"),
@@ -583,22 +585,21 @@ def format_table(results: dict[str, RunResult]) -> str:
     return "\n".join(lines)
 
 
-def _mix_rows(results: dict[str, RunResult]) -> list[tuple[str, Callable[[RunResult], str]]]:
+def _mix_rows(results: dict[str, RunResult]) -> list[TableRow]:
     """The table's rows of a traffic mix: goodput and TTFT p50 / p99 per band, goodput per tenant, fairness."""
     first = next(iter(results.values())).summary
-    Row = tuple[str, Callable[[RunResult], str]]
 
-    def band(name: str, key: str, cell: Callable[[dict], str]) -> Row:
+    def band(name: str, key: str, cell: Callable[[dict], str]) -> TableRow:
         return f"{name} {key}", lambda r: cell(r.summary.per_band[name]) if name in r.summary.per_band else "-"
 
-    def tenant(name: str) -> Row:
+    def tenant(name: str) -> TableRow:
         def cell(run: RunResult) -> str:
             figures = run.summary.per_tenant.get(name)
             return "-" if figures is None else f"{figures['goodput']:.1%}"
 
         return f"tenant {name} goodput", cell
 
-    rows: list[Row] = []
+    rows: list[TableRow] = []
     for name in first.per_band:
         rows.append(band(name, "goodput", lambda b: f"{b['goodput']:.1%}"))
         rows.append(band(name, "TTFT p50 ms", lambda b: _ms(b["ttft_ms"]["p50"])))
