@@ -106,6 +106,11 @@ MAX_HELD_BYTES = 4 * MAX_BATCH_BYTES
 # ZMQ_MAXMSGSIZE on every socket that reads events: a larger frame is never delivered (the peer is
 # disconnected, as for a lost link), so no more than one batch's bound is ever read into memory.
 MAX_MESSAGE_BYTES = MAX_BATCH_BYTES
+# ZMQ_RCVHWM (messages queued per connection, libzmq's default 1,000) on the same sockets: a connection queues at
+# most RCV_HWM x MAX_MESSAGE_BYTES = 64 MiB in the gateway (the default's: 16 GiB) while the reader is behind.
+# Past it libzmq stops reading that connection, and the rest waits in the kernel's socket buffers and the engine's
+# send queue (a PUB drops past its own SNDHWM: a gap, replayed), so a small bound loses nothing a larger one keeps.
+RCV_HWM = 4
 # Blocks decoded, hashed and told to the book between two yields to the event loop while one batch is applied (about
 # 1 ms of work, a few on a loaded 2-core machine); messages handled per wake-up.
 SLICE_BLOCKS = 512
@@ -331,6 +336,16 @@ class _Ingest:
                 removed.append(ours)
 
 
+def event_socket(context: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
+    """A socket of `kind` that reads KV events or replays, with the bounds every such socket keeps: no linger,
+    frames up to MAX_MESSAGE_BYTES (ZMQ_MAXMSGSIZE) and RCV_HWM messages queued per connection (ZMQ_RCVHWM)."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    return sock
+
+
 class EngineEventSubscriber:
     """One routing target's KV events into a FleetBook (module docstring: the caller contract)."""
 
@@ -388,9 +403,7 @@ class EngineEventSubscriber:
         """Connect the SUB socket (none when fed by an EngineEventHub) and start reading."""
         if self.source.events_endpoint is None:
             return
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = event_socket(self._ctx, zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.source.events_endpoint)
@@ -689,9 +702,7 @@ class EngineEventSubscriber:
         complete = False  # the end marker came
         endpoint = self.source.replay_endpoint
         assert endpoint is not None  # _begin_replay replays without one in place
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = event_socket(self._ctx, zmq.DEALER)
         try:
             sock.connect(endpoint)
             await sock.send_multipart([b"", encode_seq(start)])
@@ -798,9 +809,7 @@ class EngineEventHub:
         self._subscribers.pop(topic.encode(), None)
 
     async def start(self) -> None:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = event_socket(self._ctx, zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         if self.bind_endpoint.endswith(":0"):
             port = sock.bind_to_random_port(self.bind_endpoint.rsplit(":", 1)[0])
