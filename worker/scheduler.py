@@ -180,6 +180,8 @@ class Scheduler:
         return hit, num_new, growth
 
     def _admit(self, budget: int, chosen: dict[Sequence, int]) -> None:
+        if not self.waiting:
+            return
         headroom = self._headroom()
         while self.waiting:
             seq = self.waiting[0]
