@@ -203,7 +203,8 @@ def wait_for_build_lock(lock: Path) -> None:
     stale, removed with a line on stderr, and the build runs again; a lock still held after BUILD_LOCK_WAIT_S
     (a build hung elsewhere, or one whose holder this process cannot see, e.g. another container sharing the
     cache) raises BuildLockHeld naming the file to delete. Holders are read from /proc (Linux); where it cannot
-    be read, a lock counts as held."""
+    tell (no /proc, or a lock another user created, whose processes this one may not read), a lock counts as
+    held."""
     started = time.monotonic()
     unheld_since: float | None = None
     while lock.exists():
@@ -234,9 +235,16 @@ def wait_for_build_lock(lock: Path) -> None:
 
 
 def _lock_holders(lock: Path) -> list[int] | None:
-    """The ids of the processes that have `lock` open, or None where /proc cannot tell (not Linux)."""
+    """The ids of the processes that have `lock` open, or None where this process cannot tell: no /proc (not
+    Linux), or a lock of another user's (only root reads every process's open files)."""
     proc = Path("/proc")
     if not (proc / "self" / "fd").is_dir():
+        return None
+    try:
+        owner = lock.stat().st_uid
+    except FileNotFoundError:
+        return []
+    if os.getuid() not in (0, owner):
         return None
     target = str(lock.resolve())
     holders = []
