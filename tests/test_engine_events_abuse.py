@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from gateway.fleet.engine_events import (
     MAX_MESSAGE_BYTES,
+    MAX_REPLAY_BYTES,
     RCV_HWM,
     EngineEventSource,
     EngineEventSubscriber,
@@ -29,6 +30,7 @@ from gateway.fleet.engine_fleet import EngineOptions, subscribe
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
 from gateway.worker_spec import parse_worker_spec
 from kvroute.engine_kv_events import (
+    END_SEQ,
     MAX_BLOCKS_PER_BATCH,
     MAX_BLOCKS_PER_EVENT,
     MAX_EVENTS_PER_BATCH,
@@ -252,6 +254,36 @@ def test_batches_held_during_a_replay_are_bounded_by_bytes() -> None:
         assert lost > 5 + 60, f"only {lost} batches lost: the held ones were kept past 64 MiB"
 
     run(main())
+
+
+def test_a_replay_is_bounded_by_bytes() -> None:
+    """A replay socket answering with 12 batches of 8 MiB (96 MiB) before its end: the subscriber keeps 64 MiB of
+    them, reads no further and rebuilds the worker from what follows (before: all of it, up to 20,000 batches of
+    16 MiB)."""
+    payload = b"\x00" * (8 << 20)
+
+    async def main() -> EngineEventSubscriber:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        source = EngineEventSource("w", None, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        subscriber = EngineEventSubscriber(pool_book(), source, replay_timeout=10.0)
+        try:
+            subscriber.handle([b"", encode_seq(20), chain(2, 2)])  # a subscriber starting late: replay from 0
+            async with asyncio.timeout(10):
+                identity, _, _ = await router.recv_multipart()
+            for seq in range(12):
+                await router.send_multipart([identity, b"", encode_seq(seq), payload], copy=False)
+            await router.send_multipart([identity, b"", encode_seq(END_SEQ), b""])
+            await until(lambda: subscriber.counters.replayed_batches > 0, timeout=30, what="the replay applied")
+        finally:
+            await subscriber.stop()
+            router.close()
+        return subscriber
+
+    subscriber = run(main())
+    assert subscriber.counters.replayed_batches == MAX_REPLAY_BYTES // len(payload)
+    assert subscriber.counters.dropped.get("replay") == 1
 
 
 def test_the_engines_capacity_bounds_its_block_map_where_it_is_larger() -> None:

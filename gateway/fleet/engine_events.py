@@ -49,7 +49,8 @@ Caller contract:
   8. No batch holds the event loop: `receive(frames)` (what the reader and the hub call) decodes a batch one
      event at a time and applies it in slices of `SLICE_BLOCKS` blocks, the loop run between them, one batch at
      a time per subscriber (a replay's end waits its turn); `handle(frames)` applies it at once, for a caller
-     off the loop. Live batches held during a replay are bounded by `MAX_HELD_BATCHES` and `MAX_HELD_BYTES`.
+     off the loop. Live batches held during a replay are bounded by `MAX_HELD_BATCHES` and `MAX_HELD_BYTES`,
+     the batches a replay gives back by `MAX_REPLAY_BATCHES` and `MAX_REPLAY_BYTES`.
 """
 
 from __future__ import annotations
@@ -96,9 +97,11 @@ logger = logging.getLogger(__name__)
 # removal could no longer be read.
 DEFAULT_MAX_BLOCKS = 1 << 18
 # A replay is a few thousand batches at most (the engines' buffer_steps default is 10,000); these bound a
-# publisher that never ends one.
+# publisher that never ends one, or sends one too large to keep: past a bound the rest is not read, and the
+# worker's entries are rebuilt from the live batches after the replay, as for any lost batch.
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_BATCHES = 20_000
+MAX_REPLAY_BYTES = 4 * MAX_BATCH_BYTES
 # Live batches kept while a replay is in flight, by count and by bytes; past either they are lost too, and the
 # worker rebuilt after.
 MAX_HELD_BATCHES = 20_000
@@ -699,6 +702,7 @@ class EngineEventSubscriber:
 
     async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
+        replayed_bytes = 0
         complete = False  # the end marker came
         endpoint = self.source.replay_endpoint
         assert endpoint is not None  # _begin_replay replays without one in place
@@ -719,6 +723,10 @@ class EngineEventSubscriber:
                     seq = decode_seq(frames[0])
                     if seq == END_SEQ:
                         complete = True
+                        break
+                    replayed_bytes += len(frames[1])
+                    if replayed_bytes > MAX_REPLAY_BYTES:
+                        self._drop("replay", f"a replay from {endpoint} is over {MAX_REPLAY_BYTES >> 20} MiB")
                         break
                     replayed.append((seq, frames[1]))
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
