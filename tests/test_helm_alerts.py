@@ -76,6 +76,7 @@ def test_thresholds_selector_and_labels_come_from_values() -> None:
     [
         ({"drop": 1.5}, "drop"),
         ({"window": "15 minutes"}, "window"),
+        ({"baseline": "30m1h"}, "baseline"),  # Prometheus' durations run from years down to milliseconds
     ],
 )
 def test_the_schema_refuses_bad_thresholds_naming_the_field(values: dict[str, Any], field: str) -> None:
