@@ -205,8 +205,9 @@ class GatewayStack(LoopThreadStack):
         app = build_app(request_path, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens)
         http = HttpServer.start(app, "127.0.0.1", 0)
         grpc_server = await start_grpc_server(
-            request_path, "127.0.0.1", 0, default_max_tokens=o.limits.max_tokens, health_interval_s=0.1
-        )
+            request_path, "127.0.0.1", 0, default_max_tokens=o.limits.max_tokens,
+            max_body_bytes=o.limits.max_body_bytes, health_interval_s=0.1,
+        )  # fmt: skip
         self._closers.append((http, grpc_server, fleet, request_path))
         return request_path, http, grpc_server
 

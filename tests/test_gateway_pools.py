@@ -97,7 +97,9 @@ class PoolsStack(GatewayStack):
         self.pools = Pools(paths)
         app = build_app(self.pools, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens)
         self.http = HttpServer.start(app, "127.0.0.1", 0)
-        self.grpc = await start_grpc_server(self.pools, "127.0.0.1", 0, health_interval_s=0.1)
+        self.grpc = await start_grpc_server(
+            self.pools, "127.0.0.1", 0, max_body_bytes=o.limits.max_body_bytes, health_interval_s=0.1
+        )
 
     async def _stop(self) -> None:
         await self.grpc.stop(grace=0)
