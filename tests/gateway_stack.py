@@ -30,7 +30,8 @@ from gateway.cli_gateway import HttpServer
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.frontdoors.grpc_server import GatewayGrpcServer, start_grpc_server
 from gateway.frontdoors.http_server import build_app
-from gateway.metrics import GatewayMetrics, metrics_app
+from gateway.frontdoors.metrics_port import metrics_app
+from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity
 from gateway.routing.router import make_policy
 from kvroute.model_source import resolve_model

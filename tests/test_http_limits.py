@@ -54,7 +54,7 @@ def idle_server(server: HttpServer, stack: GatewayStack) -> HttpServer:
     """The server once every connection of an earlier test has gone."""
 
     async def open_connections() -> int:
-        return len(server._server.server_state.connections)
+        return server.open_connections
 
     deadline = time.monotonic() + 5
     while stack.call(open_connections()) and time.monotonic() < deadline:
