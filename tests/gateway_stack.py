@@ -1,5 +1,6 @@
 """A real gateway over real workers, for the front doors' tests: `sim` or `tiny` workers on free ports, the
-embedded fleet state over them, the real request path, the OpenAI HTTP app on uvicorn and the gRPC server.
+embedded fleet state over them, the real request path, the OpenAI HTTP app on the gateway's HTTP
+server and the gRPC server.
 
 It runs in a background thread's event loop (uvloop, as `kvroute gateway` does), so a test talks to it with
 ordinary synchronous clients (httpx, the `openai` package, grpc stubs) over real sockets, and reaches into it
