@@ -455,6 +455,9 @@ def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(cli
         assert response.headers["x-request-id"] == "first-1"
     wrong = client.get(CHAT_URL)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+    assert wrong.headers["allow"] == "POST"
+    head = client.head("/health")
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-length"] == "15"
 
 
 def test_a_generation_request_with_a_query_string_is_served_alike(client: httpx.Client, stack: GatewayStack) -> None:

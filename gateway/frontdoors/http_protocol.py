@@ -123,7 +123,7 @@ class Exchange(Protocol):
         ...
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes, content_type: bytes = JSON) -> None:
-        """A whole response; nothing when the client has left."""
+        """A whole response (its head only, to a HEAD request); nothing when the client has left."""
         ...
 
     async def stream(self, headers: Mapping[str, str], events: AsyncGenerator[bytes, None]) -> None:
@@ -646,7 +646,7 @@ class RequestCycle:
         if self.disconnected:
             return
         fixed = b"content-type: %b\r\ncontent-length: %d\r\n" % (content_type, len(body))
-        self.connection.transport.write(self._head(status, headers, fixed) + body)
+        self.connection.transport.write(self._head(status, headers, fixed) + (b"" if self.method == b"HEAD" else body))
         self._completed()
 
     async def stream(self, headers: Mapping[str, str], events: AsyncGenerator[bytes, None]) -> None:

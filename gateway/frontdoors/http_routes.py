@@ -5,7 +5,8 @@ returns its answer, a whole `Reply` or a `StreamReply` of server-sent events, wh
         ─► handler(exchange) ─► Reply | StreamReply ─► written on the exchange
 
 A path no route names is a 404, a method its path does not take a 405 with `Allow`, both in OpenAI's error
-body; a handler's exception is logged and answered 500 in the same shape (the server keeps serving).
+body; a HEAD is its GET's answer without the body; a handler's exception is logged and answered 500 in the same
+shape (the server keeps serving).
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ class HttpRoutes:
             methods = next((m for prefix, m in self._subtrees.items() if path.startswith(prefix)), None)
         if methods is None:
             return error_body(404, f"{exchange.method.decode('latin-1')} {quoted(path)}: Not Found")
-        handler = methods.get(exchange.method)
+        handler = methods.get(exchange.method) or (methods.get(b"GET") if exchange.method == b"HEAD" else None)
         if handler is None:
             reply = error_body(405, f"{exchange.method.decode('latin-1')} {quoted(path)}: Method Not Allowed")
-            reply.headers["allow"] = ", ".join(sorted(method.decode() for method in methods))
+            allowed = {method.decode() for method in methods} | ({"HEAD"} if b"GET" in methods else set())
+            reply.headers["allow"] = ", ".join(sorted(allowed))
             return reply
         return await handler(exchange)
 
