@@ -203,6 +203,7 @@ class HttpConnection(asyncio.Protocol):
         self._writable.set()
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._expect_continue = False  # the head being parsed asks for 100 Continue
         self._awaiting_head = True  # no complete head yet for the connection's next request
         self._head_begun = False  # the parser has seen the first byte of that head
         self._received_head_bytes = 0  # raw bytes since that head began: bounds a header httptools still buffers
@@ -214,7 +215,6 @@ class HttpConnection(asyncio.Protocol):
         self._refusal: GatewayError | None = None
         self._lingering = False
         self._lingered_bytes = 0
-        self._upgrade = False  # the request being parsed asks to switch protocols
         self._after_upgrade = False  # an upgrade request was served: nothing after it is parsed
         # The body being parsed: its chunks, its bytes (of the connection so far), its framing bytes.
         self._messages = 0  # requests parsed whole on this connection
@@ -334,6 +334,7 @@ class HttpConnection(asyncio.Protocol):
         self._head_begun = True
         self._url = b""
         self._headers = []
+        self._expect_continue = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -344,7 +345,10 @@ class HttpConnection(asyncio.Protocol):
                 "this server accepts no trailers after a chunked body; send every header in the request's head"
             )
             raise _Refused
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
 
     def on_chunk_header(self) -> None:
         self._chunks += 1
@@ -365,7 +369,7 @@ class HttpConnection(asyncio.Protocol):
         if size + _HEADER_OVERHEAD * len(headers) > self.limits.max_header_bytes:
             self._refusal = self._head_too_large()
             raise _Refused
-        self._upgrade = upgrade = self.parser.should_upgrade()
+        upgrade = self.parser.should_upgrade()
         if upgrade and any(
             name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
             for name, value in headers
@@ -382,9 +386,7 @@ class HttpConnection(asyncio.Protocol):
         self._awaiting_head = False
         self._chunks = self._framing_bytes = 0
         http_1_1 = self.parser.get_http_version() == "1.1"
-        expect_continue = http_1_1 and any(
-            name == b"expect" and value.lower() == b"100-continue" for name, value in headers
-        )  # RFC 9110 §15.2: no 1xx to an HTTP/1.0 client
+        expect_continue = http_1_1 and self._expect_continue  # RFC 9110 §15.2: no 1xx to an HTTP/1.0 client
         keep_alive = http_1_1 and self.parser.should_keep_alive() and not upgrade
         cycle = RequestCycle(self, self.parser.get_method(), path, self._url, headers, keep_alive, expect_continue)
         existing, self.cycle = self.cycle, cycle
