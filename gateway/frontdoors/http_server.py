@@ -345,7 +345,6 @@ def check_content_length(content_length: str | None, limit: int) -> None:
             raise body_too_large(int(content_length), limit)
 
 
-# The request headers the generation endpoints read (hot_headers).
 # The request headers the endpoints read (read_headers).
 _READ_HEADERS = frozenset(
     (
