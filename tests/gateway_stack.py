@@ -27,9 +27,9 @@ import uvloop
 
 from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
-from gateway.cli_gateway import HttpServer
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.frontdoors.grpc_server import GatewayGrpcServer, start_grpc_server
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_server import build_app
 from gateway.frontdoors.metrics_port import metrics_app
 from gateway.metrics import GatewayMetrics

@@ -21,7 +21,8 @@ import httpx
 import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions, stack_fixture
 
-from gateway.cli_gateway import HttpServer, add_arguments, build_gateway
+from gateway.cli_gateway import add_arguments, build_gateway
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.frontdoors.http_server import build_app
 from gateway.frontdoors.openai_protocol import ErrorResponse
