@@ -26,10 +26,10 @@ from test_epp_envoy import _spawn, _wait
 from gateway.admission.auth import Authenticator, cache_salt, key_sha256
 from gateway.admission.limits import TenantConcurrency
 from gateway.cli_epp import EndpointPicker
-from gateway.cli_gateway import HttpServer
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.frontdoors.ext_proc import EndpointMap
 from gateway.frontdoors.grpc_server import start_grpc_server
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Pools

@@ -36,6 +36,8 @@ from launch.cli import build_parser
 for command in ("gateway", "epp", "export-tokenizer"):
     build_parser([command])
 import gateway.cli_gateway, gateway.cli_epp
+# Every HTTP door's modules: our own HTTP server, no uvicorn or Starlette (not base dependencies).
+import gateway.frontdoors.http_server, gateway.frontdoors.metrics_port, gateway.frontdoors.render_endpoints
 assert "torch" not in sys.modules and "triton" not in sys.modules
 """
 )
