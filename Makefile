@@ -33,10 +33,11 @@ run: setup
 	$(PY) -m launch.demo --workers 2 --model smollm2
 	$(VENV)/bin/kvroute replay synthetic:multiturn --replicas 4 --policies round_robin,prefix,kv_aware
 
-# The suite in parallel, a test file to a worker process (a file's fleets and fixtures stay in one process): most
-# tests wait on the processes they start, so 2 workers on 2 cores take ~0.6x the serial time (docs/architecture.md).
+# The suite in parallel, a test file to a worker process (a file's fleets and fixtures stay in one process), the
+# longest files first (tests/conftest.py, LONGEST_FILES_FIRST): most tests wait on the processes they start, so
+# 2 workers on 2 cores take ~0.6x the serial time (docs/architecture.md).
 test: setup
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # What CI checks before the tests: ruff's lints and formatting, and the packages' types ([tool.mypy]).
 lint: setup

@@ -1,7 +1,7 @@
-"""The HTTP front door's own cost per request: gateway.frontdoors.http_server.build_app served by uvicorn (uvloop,
-httptools, the gateway's protocol: gateway.frontdoors.http_protocol) over a request path that answers at once
-(16 chunks of one token, no worker), against a bare Starlette JSON endpoint on the same server setup, measured
-in the same run.
+"""The HTTP front door's own cost per request: gateway.frontdoors.http_server.build_app served by the gateway's
+HTTP server (uvloop, httptools, gateway.frontdoors.http_protocol) over a request path that answers at once
+(16 chunks of one token, no worker), against a bare JSON route on the same server (the transport's floor),
+measured in the same run.
 
 Run: python -m benchmarks.front_door_bench
 What it isolates: body read + strict pydantic validation + GatewayRequest + response/SSE rendering + the
@@ -24,16 +24,16 @@ N_CHUNKS = 16
 
 
 def serve(kind: str, port: int) -> None:
+    import asyncio
+
     import orjson
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.responses import Response
-    from starlette.routing import Route
-    from starlette.types import ASGIApp
+    import uvloop
 
     from gateway.admission.auth import Authenticator
-    from gateway.frontdoors.http_protocol import HttpLimits
-    from gateway.frontdoors.http_server import build_app
+    from gateway.frontdoors.http_listener import HttpServer
+    from gateway.frontdoors.http_protocol import Exchange, HttpApp
+    from gateway.frontdoors.http_routes import HttpRoutes, Reply, Route
+    from gateway.frontdoors.http_server import DEFAULT_MAX_BODY_BYTES, build_app
     from gateway.metrics import GatewayMetrics
     from gateway.request import Chunk, Generation, RouteInfo, Usage
 
@@ -72,18 +72,22 @@ def serve(kind: str, port: int) -> None:
         def pools(self):
             return [self]
 
-    app: ASGIApp
+    app: HttpApp
     if kind == "bare":
 
-        async def ok(request):
-            await request.body()
-            return Response(orjson.dumps({"ok": True}), media_type="application/json")
+        async def ok(exchange: Exchange) -> Reply:
+            await exchange.body()
+            return Reply(200, {}, orjson.dumps({"ok": True}))
 
-        app = Starlette(routes=[Route("/v1/chat/completions", ok, methods=["POST"])])
+        app = HttpRoutes([Route(b"POST", "/v1/chat/completions", ok)], DEFAULT_MAX_BODY_BYTES)
     else:
         app = build_app(InstantPath(), default_max_tokens=256)
-    http = HttpLimits().protocol_factory()  # the gateway's own protocol: both sides pay its limits alike
-    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=http, log_level="error", access_log=False)
+
+    async def serve_forever() -> None:
+        HttpServer.start(app, "127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve_forever())
 
 
 BODY = json.dumps(

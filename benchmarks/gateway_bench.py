@@ -468,9 +468,8 @@ def profiled_gateway(argv: list[str]) -> None:
 # (file "~") goes where its caller goes.
 STAGES = (
     ("event loop (uvloop: sockets, callbacks)", ("asyncio/", "uvloop/")),
-    ("HTTP server (uvicorn, httptools, our protocol: limits, HotCycle)",
-     ("uvicorn/", "gateway/frontdoors/http_protocol.py", "h11")),
-    ("web framework (Starlette)", ("starlette/",)),
+    ("HTTP server (httptools, our protocol: limits, request cycle, routes)",
+     ("gateway/frontdoors/http_protocol.py", "gateway/frontdoors/http_routes.py", "http_listener.py")),
     ("front door: parse, validate, render (pydantic, orjson)",
      ("gateway/frontdoors/http_server.py", "openai_protocol.py", "pydantic", "gateway/request.py")),
     ("chat template + tokenize, detokenize", ("kvroute/tokenizer.py", "chat_template.py", "jinja2", "<template>",

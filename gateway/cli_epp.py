@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 async def serve(picker: Picker, args: argparse.Namespace) -> int:
     """Start the fleet states, the metrics port and the picker; serve until a signal, then drain as the
     module docstring says."""
-    from gateway.metrics import metrics_app
+    from gateway.frontdoors.metrics_port import metrics_app
     from kvroute.tracing import flush_tracing, setup_tracing
 
     setup_tracing("kvroute-epp")

@@ -34,17 +34,14 @@ import dataclasses
 import json
 import logging
 import signal
-import socket
 import sys
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
-from gateway.frontdoors.http_protocol import HttpLimits, raise_open_files_limit
+from gateway.frontdoors.http_listener import HttpServer, bound_socket
+from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.routing.router import POLICY_NAMES
 from kvroute.errors import UserError
 from kvroute.heap import freeze_start_up_heap
@@ -505,82 +502,12 @@ def run_group(args: argparse.Namespace) -> int:
     return next((code for code in codes if code != 0), 0)
 
 
-def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A bound TCP socket (port 0: a free one); `reuse_port`: SO_REUSEPORT, for several processes."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP spelled out: asyncio disables Nagle only on sockets whose proto says TCP, and accepted
-    # sockets inherit it (with proto 0, keep-alive responses waited ~40 ms for delayed ACKs).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    return sock
-
-
-def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A bound, listening TCP socket (port 0: a free one), so the real port is known before serving."""
-    sock = bound_socket(host, port, reuse_port)
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's Server without its own signal handlers: the process drains on SIGTERM itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-@dataclass
-class HttpServer:
-    """An ASGI app served by uvicorn (httptools) in the running event loop."""
-
-    port: int
-    _server: _Server
-    task: asyncio.Task[None]
-
-    @classmethod
-    def start(
-        cls, app: Any, host: str, port: int, limits: HttpLimits | None = None, reuse_port: bool = False
-    ) -> HttpServer:
-        """Serve `app` on host:port (0: a free one) under `limits` (gateway.frontdoors.http_protocol; default: its
-        defaults), sharing the port with other processes when `reuse_port`. No WebSocket upgrade (the API
-        has none) and no `server` header."""
-        limits = limits or HttpLimits()
-        raise_open_files_limit(limits.max_connections)
-        sock = listen_socket(host, port, reuse_port)
-        config = uvicorn.Config(
-            app, loop="none", http=limits.protocol_factory(), ws="none", lifespan="off", access_log=False,
-            log_level="warning", timeout_graceful_shutdown=5,
-            timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # typed int, read as call_later's float
-            server_header=False,
-        )  # fmt: skip
-        server = _Server(config)
-        return cls(sock.getsockname()[1], server, asyncio.create_task(server.serve(sockets=[sock])))
-
-    def force_exit(self) -> None:
-        """Make the next `stop` close open connections without waiting for their responses to end."""
-        self._server.force_exit = True
-
-    async def stop(self) -> None:
-        """Stop listening; open requests get uvicorn's graceful-shutdown timeout."""
-        self._server.should_exit = True
-        await self.task
-
-
 async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     """Start the fleet state and both front doors, print where they listen, and serve until a signal; then
     drain and stop as the module docstring says. Returns the exit code: 0 after a drain, 130 after a second
     signal."""
     from gateway.frontdoors import http_server
-    from gateway.metrics import metrics_app
+    from gateway.frontdoors.metrics_port import metrics_app
     from kvroute.tracing import flush_tracing, setup_tracing
 
     setup_tracing("kvroute-gateway")

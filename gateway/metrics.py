@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics, in the worker's naming style (`kvroute:` prefix, own registry; the
-exposition appends `_total` to counters). Served on their own port (`metrics_app`, `--metrics-port`), never
-on the API port, in the Prometheus text format 0.0.4 whatever the Accept header (in OpenMetrics this
-prometheus_client escapes ':' and a Prometheus server would store `kvroute_...`).
+exposition appends `_total` to counters). Served on their own port (`--metrics-port`,
+gateway.frontdoors.metrics_port), never on the API port, in the Prometheus text format 0.0.4 whatever the Accept
+header (in OpenMetrics this prometheus_client escapes ':' and a Prometheus server would store `kvroute_...`).
 
 One registry per gateway, whatever its pools (gateway.pools): each pool's `GatewayMetrics` is a view of it
 (`for_model`) whose `model_name` label, on the series vLLM labels so (TTFT, E2E, finished requests, requests in
@@ -37,12 +37,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from gateway.request import Tenant
 from kvroute.prefix import common_prefix_length
@@ -336,13 +332,3 @@ class GatewayMetrics:
             return (tenant, OTHER_APP)
         shared.apps_per_tenant[tenant] = apps + 1
         return key
-
-
-def metrics_app(metrics: GatewayMetrics) -> Starlette:
-    """The metrics port's app: `GET /metrics`, the registry in the text format 0.0.4 whatever the Accept
-    header asks for; nothing else."""
-
-    async def serve_metrics(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
-
-    return Starlette(routes=[Route("/metrics", serve_metrics, methods=["GET"])])

@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +40,11 @@ AVX2_REQUIRED_FLAGS = ("avx2", "fma")
 AVX2_COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 HEAD_DIMS = (32, 64, 128)
 BUILD_NOTICE_S = 2.0  # a load that takes longer is compiling, and says so (load_extension)
+# torch's build lock (wait_for_build_lock): one nobody holds for this long was left by a killed build; one held
+# past BUILD_LOCK_WAIT_S (longer than any compile of ours, a few minutes at most) fails the load naming the file.
+STALE_LOCK_GRACE_S = 2.0
+BUILD_LOCK_WAIT_S = 600.0
+LOCK_POLL_S = 0.2
 # Comma-separated flags to treat as absent: runs (and measures) on this machine the branch a CPU without them
 # takes, e.g. KVROUTE_CPU_HIDE_FLAGS=avx512_bf16,amx_bf16 for an AVX2-only CPU's dtype and attention path.
 HIDE_FLAGS_ENV = "KVROUTE_CPU_HIDE_FLAGS"
@@ -137,23 +143,34 @@ def missing_x86_flags(required: tuple[str, ...]) -> str | None:
 
 def load_extension(what: str, name: str, source: Path, cflags: list[str], required: tuple[str, ...]) -> bool:
     """Compile (or load the cached build of) a C++ op library with torch's cpp_extension, which registers its ops;
-    False, with a warning naming `what` and why (the flags of `required` this CPU lacks, or the first compiler
-    error line), when it cannot run here."""
+    False, with a warning naming `what` and why (the flags of `required` this CPU lacks, the first compiler error
+    line, or a build lock held past BUILD_LOCK_WAIT_S), when it cannot run here."""
     reason = missing_x86_flags(required)
     if reason is None:
         try:
-            from torch.utils.cpp_extension import get_default_build_root, load
+            from torch.utils.cpp_extension import load
 
+            build_directory = _build_directory(name)
+            build_directory.mkdir(parents=True, exist_ok=True)
             # A cached build loads in ~0.1 s; a compile takes 10 s to a few minutes, a first start's wait.
-            build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-            notice = threading.Timer(BUILD_NOTICE_S, _say_compiling, (what, build_root))
+            notice = threading.Timer(BUILD_NOTICE_S, _say_compiling, (what, build_directory))
             notice.daemon = True
             notice.start()
             try:
-                load(name=name, sources=[str(source)], extra_cflags=cflags, is_python_module=False, verbose=False)
+                wait_for_build_lock(build_directory / "lock")
+                load(
+                    name=name,
+                    sources=[str(source)],
+                    extra_cflags=cflags,
+                    build_directory=str(build_directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
             finally:
                 notice.cancel()
             return True
+        except BuildLockHeld as exc:
+            reason = str(exc)
         except (RuntimeError, OSError, ImportError) as exc:
             errors = [line for line in str(exc).splitlines() if "error" in line] or [str(exc)]
             reason = f"it did not build: {errors[0].strip()}"
@@ -161,9 +178,96 @@ def load_extension(what: str, name: str, source: Path, cflags: list[str], requir
     return False
 
 
-def _say_compiling(what: str, build_root: str) -> None:
+def _build_directory(name: str) -> Path:
+    """Where torch builds and caches `name`: $TORCH_EXTENSIONS_DIR/name, else torch's default root with its
+    Python tag (torch's own layout for a CPU build). Named here, not left to torch, so that the lock
+    wait_for_build_lock watches is the one torch takes."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    return Path(root) / name
+
+
+class BuildLockHeld(RuntimeError):
+    """A build lock stayed held by a live process past BUILD_LOCK_WAIT_S."""
+
+
+def wait_for_build_lock(lock: Path) -> None:
+    """Return once `lock` (torch's build lock for one extension) is gone, instead of torch's unbounded wait.
+
+    torch's FileBaton creates the file and keeps it open for the whole build, then closes and removes it. A build
+    that was killed leaves the file behind, and every later load would wait on it forever. So: a lock that no
+    process has had open for STALE_LOCK_GRACE_S (the gap between torch's close and remove is microseconds) is
+    stale, removed with a line on stderr, and the build runs again; a lock still held after BUILD_LOCK_WAIT_S
+    (a build hung elsewhere, or one whose holder this process cannot see, e.g. another container sharing the
+    cache) raises BuildLockHeld naming the file to delete. Holders are read from /proc (Linux); where it cannot
+    tell (no /proc, or a lock another user created, whose processes this one may not read), a lock counts as
+    held."""
+    started = time.monotonic()
+    unheld_since: float | None = None
+    while lock.exists():
+        now = time.monotonic()
+        holders = _lock_holders(lock)
+        if holders == []:
+            unheld_since = unheld_since if unheld_since is not None else now
+            if now - unheld_since >= STALE_LOCK_GRACE_S:
+                print(
+                    f"kvroute: removing the stale build lock {lock} (no process holds it: a build was killed); "
+                    "building again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                lock.unlink(missing_ok=True)
+                return
+        else:
+            unheld_since = None
+        if now - started >= BUILD_LOCK_WAIT_S:
+            by = f"process {', '.join(map(str, holders))}" if holders else "a process this one cannot see"
+            message = (
+                f"the build lock {lock} has been held by {by} for {BUILD_LOCK_WAIT_S:.0f} s; "
+                f"if no build is running, delete {lock}"
+            )
+            print(f"kvroute: {message}", file=sys.stderr, flush=True)
+            raise BuildLockHeld(message)
+        time.sleep(LOCK_POLL_S)
+
+
+def _lock_holders(lock: Path) -> list[int] | None:
+    """The ids of the processes that have `lock` open, or None where this process cannot tell: no /proc (not
+    Linux), or a lock of another user's (only root reads every process's open files)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    try:
+        owner = lock.stat().st_uid
+    except FileNotFoundError:
+        return []
+    if os.getuid() not in (0, owner):
+        return None
+    target = str(lock.resolve())
+    holders = []
+    for pid_dir in proc.iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            fds = list((pid_dir / "fd").iterdir())
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    holders.append(int(pid_dir.name))
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+def _say_compiling(what: str, build_directory: Path) -> None:
     print(
-        f"kvroute: compiling the {what} (first use; cached under {build_root} for the next start)",
+        f"kvroute: compiling the {what} (first use; cached under {build_directory} for the next start)",
         file=sys.stderr,
         flush=True,
     )

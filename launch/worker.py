@@ -35,11 +35,9 @@ from launch.fleet import free_port
 from worker import cli_worker
 
 if TYPE_CHECKING:
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
-
-    from gateway.cli_gateway import HttpServer
+    from gateway.frontdoors.http_listener import HttpServer
+    from gateway.frontdoors.http_protocol import Exchange
+    from gateway.frontdoors.http_routes import Reply, Route
     from gateway.request_path import RequestPath
     from launch.in_process_backend import InProcessBackend
     from worker.engine import LLMEngine
@@ -88,32 +86,32 @@ class EngineRoutes:
         self.server = server
 
     def routes(self) -> list[Route]:
-        from starlette.routing import Route
+        from gateway.frontdoors.http_routes import Route
 
-        return [Route("/metrics", self.metrics, methods=["GET"]), Route("/health", self.health, methods=["GET"])]
+        return [Route(b"GET", "/metrics", self.metrics), Route(b"GET", "/health", self.health)]
 
-    async def metrics(self, request: Request) -> Response:
-        from starlette.responses import Response
-
+    async def metrics(self, exchange: Exchange) -> Reply:
+        from gateway.frontdoors.http_routes import Reply
         from worker.metrics import TEXT_FORMAT
 
         if self.server is None:
-            return Response(b"the worker is not serving yet\n", status_code=503, media_type="text/plain")
-        return Response(self.server.metrics.text_format(), media_type=TEXT_FORMAT)
+            return Reply(503, {}, b"the worker is not serving yet\n", b"text/plain; charset=utf-8")
+        return Reply(200, {}, self.server.metrics.text_format(), TEXT_FORMAT.encode())
 
-    async def health(self, request: Request) -> Response:
-        from starlette.responses import JSONResponse
+    async def health(self, exchange: Exchange) -> Reply:
+        import orjson
 
+        from gateway.frontdoors.http_routes import Reply
         from worker.async_engine import Lifecycle
 
         server = self.server
         if server is None:
-            return JSONResponse({"status": "starting"}, status_code=503)
+            return Reply(503, {}, b'{"status":"starting"}')
         if server.engine.state is Lifecycle.DEAD:
-            return JSONResponse({"status": "dead", "error": server.engine.error}, status_code=503)
+            return Reply(503, {}, orjson.dumps({"status": "dead", "error": server.engine.error}))
         if server.servicer.draining or server.engine.state is not Lifecycle.RUNNING:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return Reply(503, {}, b'{"status":"draining"}')
+        return Reply(200, {}, b'{"status":"ok"}')
 
 
 @dataclass
@@ -137,9 +135,9 @@ class FrontDoor:
 async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> FrontDoor:
     from gateway.admission.auth import Authenticator
     from gateway.admission.limits import Limits
-    from gateway.cli_gateway import HttpServer
     from gateway.fleet.embedded_fleet import EmbeddedFleetState
     from gateway.frontdoors import http_server
+    from gateway.frontdoors.http_listener import HttpServer
     from gateway.frontdoors.render_endpoints import RenderEndpoints
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity

@@ -22,8 +22,8 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -84,7 +84,11 @@ class Arrivals:
 
 @dataclass
 class Target:
-    """Where requests go: an OpenAI-compatible base URL and the model name it serves."""
+    """Where requests go: an OpenAI-compatible base URL and the model name it serves. A request of a traffic
+    mix (loadtest.traffic_mix) carries its band's `priority` in the body, and its tenant's key from
+    `tenant_keys` (a router with API keys), or with `salt_by_tenant` its tenant's name as `cache_salt` (a router
+    without tenants: the workers still keep each tenant's blocks apart, as our gateway's tenant salts do);
+    `band_headers` adds headers per band (smg's priority class)."""
 
     url: str
     model: str
@@ -92,13 +96,18 @@ class Target:
     ignore_eos: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     exact_length: bool = False  # min_tokens = max_tokens
+    tenant_keys: Mapping[str, str] = field(default_factory=dict)
+    salt_by_tenant: bool = False
+    band_headers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def headers(self, request: BenchRequest) -> dict[str, str]:
         headers = {"content-type": "application/json"}
-        if self.api_key:
-            headers["authorization"] = f"Bearer {self.api_key}"
+        api_key = self.tenant_keys.get(request.tenant or "", self.api_key)
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
         if request.session:
             headers["x-session-id"] = request.session
+        headers.update(self.band_headers.get(request.band or "", {}))
         return headers
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
@@ -113,8 +122,13 @@ class Target:
             body["messages"] = list(request.messages)
         else:
             body["prompt"] = request.prompt
-        if request.cache_salt:
-            body["cache_salt"] = request.cache_salt
+        salt = request.cache_salt
+        if self.salt_by_tenant and request.tenant:
+            salt = f"{request.tenant}:{salt}" if salt else request.tenant
+        if salt:
+            body["cache_salt"] = salt
+        if request.priority is not None:
+            body["priority"] = request.priority
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.exact_length:
@@ -129,7 +143,7 @@ async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequ
     as vLLM's benchmark counts it; one with neither is `empty_stream`."""
     payload = orjson.dumps(target.body(request))
     start = time.perf_counter()
-    record = RequestRecord(request.index, start - t0, session=request.session)
+    record = RequestRecord(request.index, start - t0, session=request.session, tenant=request.tenant, band=request.band)
     last_content: float | None = None
     done = False
     pieces: list[str] = []
@@ -234,13 +248,14 @@ class GrpcSender:
 
         self._channel = grpc.aio.insecure_channel(address.removeprefix("grpc://"))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._ignore_eos = ignore_eos
         self._exact_length = exact_length
         self._timeout_s = timeout_s
 
     async def send(self, request: BenchRequest, t0: float) -> RequestRecord:
-        """As `send_one`, over gRPC: a reply with text is a content chunk; errors are `grpc_<code>`."""
+        """As `send_one`, over gRPC: a reply with text is a content chunk; errors are `grpc_<code>`. A band's
+        priority goes as the `x-kvroute-priority` metadata (the proto has no field for it)."""
         import grpc
 
         from proto import gateway_pb2, worker_pb2
@@ -258,12 +273,15 @@ class GrpcSender:
             message.chat.messages.extend(gateway_pb2.ChatMessage(**m) for m in request.messages)
         else:
             message.prompt = request.prompt or ""
+        metadata = self._metadata
+        if request.priority is not None:
+            metadata += (("x-kvroute-priority", str(request.priority)),)
         start = time.perf_counter()
-        record = RequestRecord(request.index, start - t0, session=request.session)
+        record = RequestRecord(request.index, start - t0, session=request.session, band=request.band)
         last_content: float | None = None
         pieces: list[str] = []
         try:
-            async for reply in self._stub.Generate(message, metadata=self._metadata, timeout=self._timeout_s):
+            async for reply in self._stub.Generate(message, metadata=metadata, timeout=self._timeout_s):
                 now = time.perf_counter()
                 if reply.route.worker_id:
                     record.worker = reply.route.worker_id
@@ -426,6 +444,8 @@ def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]
                 "worker": r.worker,
                 **({"route": r.route} if r.route is not None else {}),
                 "session": r.session,
+                **({"tenant": r.tenant} if r.tenant is not None else {}),
+                **({"band": r.band} if r.band is not None else {}),
                 **({"error": r.error} if r.status != OK else {}),
             }
             for r in records

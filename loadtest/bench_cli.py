@@ -7,6 +7,9 @@ instead (loadtest.compare), `--faults` a soak through worker kills and Redis and
 Arrivals: `--rate R` is open-loop Poisson at R requests/s (seeded); `--concurrency C` keeps C requests in
 flight; neither replays the workload's own timestamps. Sessions are closed-loop by default (`--history
 live`). `--requests N` takes the workload's first N requests; `--duration S` stops sending after S seconds.
+
+A traffic mix (loadtest.traffic_mix): `--tenants` deals the conversations over tenants (fleets started here get
+an API key each), `--bands` the requests over priority bands, `--band-slo` sets a band's objectives.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from loadtest.bench import (
     run_requests,
     served_model,
 )
-from loadtest.bench_stats import SLO, format_summary, summarize
+from loadtest.bench_stats import SLO, Objectives, format_summary, summarize
 from loadtest.compare import add_compare_arguments, run_compare
 from loadtest.render import CHAT_THINK_MS, RenderError, Workload, dump_jsonl, render, workload_names
 from loadtest.soak import run_soak
+from loadtest.traffic_mix import TrafficMix, parse_band_slos, parse_bands, parse_tenants
 from sim.traces import MOONCAKE_BLOCK_TOKENS
 
 
@@ -59,6 +63,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT objective, ms")
     parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT objective, ms")
     parser.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: end-to-end objective, ms")
+    parser.add_argument(
+        "--tenants",
+        default=None,
+        metavar="NAME:SHARE[:WEIGHT],...",
+        help="deal the conversations over tenants in these shares (e.g. a:4,b:1), each with its API key and fair-share "
+        "weight (default 1) in the API-keys file of the gateways started here (--compare)",
+    )
+    parser.add_argument(
+        "--bands",
+        default=None,
+        metavar="NAME=PRIORITY:SHARE,...",
+        help="deal the requests over priority bands (e.g. interactive=0:0.2,batch=1:0.8); each request carries its "
+        "band's `priority` in the body (lower is more urgent)",
+    )
+    parser.add_argument(
+        "--band-slo",
+        action="append",
+        default=[],
+        metavar="BAND:ttft=S[,tpot=S][,e2e=S]",
+        help="a band's objectives in seconds (repeat per band); what a band does not set is --slo-*'s",
+    )
     parser.add_argument("--served-model-name", default=None, help="the request's `model` (default: GET /v1/models)")
     parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
     parser.add_argument(
@@ -105,14 +130,19 @@ def arrivals_from(args: argparse.Namespace) -> Arrivals:
         raise UserError(str(exc)) from None
 
 
-def slo_from(args: argparse.Namespace) -> SLO:
+def mix_from(args: argparse.Namespace) -> TrafficMix:
+    return TrafficMix(parse_tenants(args.tenants), parse_bands(args.bands))
+
+
+def objectives_from(args: argparse.Namespace, mix: TrafficMix) -> Objectives:
     try:
-        return SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+        slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    return Objectives(slo, parse_band_slos(args.band_slo, mix.bands, slo), mix.weights)
 
 
-def workload_from(args: argparse.Namespace) -> Workload:
+def workload_from(args: argparse.Namespace, mix: TrafficMix | None = None) -> Workload:
     requests = args.requests
     if requests is None and args.duration is not None and args.rate is not None:
         requests = math.ceil(args.rate * args.duration) + 1  # enough to keep the rate for the whole duration
@@ -127,6 +157,8 @@ def workload_from(args: argparse.Namespace) -> Workload:
         )
     except RenderError as exc:
         raise UserError(str(exc)) from None
+    if mix is not None:
+        workload = mix.apply(workload, args.seed)
     if args.dump_workload is not None:
         dump_jsonl(workload, args.dump_workload)
     return workload
@@ -135,13 +167,19 @@ def workload_from(args: argparse.Namespace) -> Workload:
 def run(args: argparse.Namespace) -> int:
     if args.compare and args.faults:
         raise UserError("give --compare or --faults, not both")
+    mix = mix_from(args)
+    objectives = objectives_from(args, mix)
     if args.compare:
-        return run_compare(args, workload_from(args), arrivals_from(args), slo_from(args))
+        return run_compare(args, workload_from(args, mix), arrivals_from(args), objectives, mix)
     if args.faults:
+        if mix.tenants or mix.bands:
+            raise UserError("--tenants and --bands are for --url and --compare runs, not --faults")
         return run_soak(args, workload_from(args), arrivals_from(args))
     if not args.url:
         raise UserError("give --url URL (a running server), --compare LIST or --faults (fleets started here)")
-    arrivals, slo = arrivals_from(args), slo_from(args)
+    if mix.tenants:
+        raise UserError("--tenants needs fleets the bench starts (--compare), whose gateways get one key per tenant")
+    arrivals = arrivals_from(args)
     make_sender: Callable[[], Sender]
     if args.grpc:
         model = args.served_model_name or "the served model"
@@ -151,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         make_sender = partial(
             HttpSender, Target(args.url, model, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
         )
-    workload = workload_from(args)
+    workload = workload_from(args, mix)
     print(
         f"kvroute bench: {len(workload.requests):,} requests of {workload.name} to {args.url} ({model}), "
         f"{arrivals.describe()}",
@@ -162,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             workload, make_sender, arrivals, progress=not args.no_progress, live_history=args.history == "live"
         )
     )
-    summary = summarize(records, duration, slo)
+    summary = summarize(records, duration, objectives)
     print(format_summary(summary, f"{workload.name} @ {args.url}"))
     if args.json is not None:
         report = {

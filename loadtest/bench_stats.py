@@ -15,7 +15,19 @@ Summary:
   percentiles  `numpy.percentile` (linear interpolation) over the completed requests;
   throughput   completed requests, output tokens and all tokens per second of the run's wall time;
   goodput      the share of all requests sent that completed and met every SLO given (vLLM's
-               `request_goodput` is the same count per second, also reported);
+               `request_goodput` is the same count per second, also reported); with bands, each request
+               against its band's SLOs (`Objectives`), and the share per band and per tenant too;
+  per band     its requests, goodput and TTFT percentiles;
+  per tenant   its requests, goodput and served tokens (prompt + output tokens of its completed requests);
+  fairness     Jain's index over the tenants' served tokens, each divided by its weight:
+               (sum x)^2 / (n * sum x^2), 1 when every tenant got the same tokens per unit of weight, 1/n
+               when one got them all; None with fewer than two tenants;
+  hits lost in the queue
+               of the requests our gateway routed as a prefix `hit` (its `x-kvroute-route`: reason=hit,
+               matched_blocks=M), those whose worker found fewer blocks when it admitted them than the pick
+               matched (cached tokens // block size < M, M capped at the blocks a prompt may reuse: all but
+               its last token): their blocks were evicted while they waited in the worker's queue; None
+               when no response carried a route (a peer router);
   errors       failed requests by kind (`http_429`, `http_503`, `stream_error`, `timeout`, ...);
   cached share cached prompt tokens / prompt tokens, over the completed requests.
 """
@@ -24,9 +36,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from kvroute.hashing import DEFAULT_BLOCK_SIZE
 
 PERCENTILES = (50, 90, 99)
 OK = "ok"
@@ -49,6 +64,8 @@ class RequestRecord:
     route: str | None = None  # x-kvroute-route of the response (kvroute's gateway: policy, reason, matched blocks)
     error: str = ""  # the server's message, for a failed request
     session: str | None = None
+    tenant: str | None = None  # the request's tenant and band (loadtest.traffic_mix), None outside a mix
+    band: str | None = None
     output_text: str = field(default="", repr=False)  # what was streamed (the next chat turn may resend it)
 
     @property
@@ -91,6 +108,48 @@ class SLO:
         return all(limit is None or value is None or value * 1e3 <= limit for limit, value in checks)
 
 
+@dataclass(frozen=True)
+class Objectives:
+    """What counts as goodput and as a fair share: each band's SLOs (`slo` for a request without a band, or
+    in a band not listed) and each tenant's weight (1 for one not listed)."""
+
+    slo: SLO = field(default_factory=SLO)
+    band_slos: Mapping[str, SLO] = field(default_factory=dict)
+    weights: Mapping[str, float] = field(default_factory=dict)
+
+    def slo_of(self, record: RequestRecord) -> SLO:
+        return self.band_slos.get(record.band or "", self.slo)
+
+    def met_by(self, record: RequestRecord) -> bool:
+        return self.slo_of(record).met_by(record)
+
+
+def jain_index(values: list[float]) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n * sum x^2); None for fewer than two values, 1.0 when all are 0."""
+    if len(values) < 2:
+        return None
+    squares = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
+
+
+def queue_lost_hits(records: list[RequestRecord], block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, float] | None:
+    """`{"hits", "lost", "share"}` over the completed requests our gateway routed as `hit` (module docstring);
+    None when no record carries a route."""
+    if not any(r.route for r in records):
+        return None
+    hits = lost = 0
+    for record in records:
+        route = dict(part.partition("=")[::2] for part in (record.route or "").split("; "))
+        if not record.ok or route.get("reason") != "hit":
+            continue
+        matched = min(int(route.get("matched_blocks") or 0), max(record.prompt_tokens - 1, 0) // block_size)
+        if matched <= 0:
+            continue
+        hits += 1
+        lost += record.cached_tokens // block_size < matched
+    return {"hits": hits, "lost": lost, "share": round(lost / hits, 6) if hits else 0.0}
+
+
 def percentiles(values_s: list[float], ps: tuple[int, ...] = PERCENTILES) -> dict[str, float | None]:
     """`{"mean", "p50", "p90", "p99"}` in milliseconds as numpy computes them; None for no samples."""
     if not values_s:
@@ -120,6 +179,13 @@ class Summary:
     output_tokens: int
     cached_token_share: float
     per_worker_requests: dict[str, int]
+    # With a traffic mix: {band: {"requests", "completed", "goodput", "ttft_ms": {"p50", "p99"}, "slo_ms"}},
+    # {tenant: {"requests", "completed", "goodput", "served_tokens", "weight"}}, Jain's index over the
+    # tenants' served tokens per weight; and the hits lost in the workers' queues.
+    per_band: dict[str, dict] = field(default_factory=dict)
+    per_tenant: dict[str, dict] = field(default_factory=dict)
+    fairness: float | None = None
+    lost_hits: dict[str, float] | None = None
 
     def to_json(self) -> dict:
         def rounded(stats: dict[str, float | None]) -> dict[str, float | None]:
@@ -145,19 +211,28 @@ class Summary:
             "output_tokens": self.output_tokens,
             "cached_token_share": round(self.cached_token_share, 6),
             "per_worker_requests": self.per_worker_requests,
+            **({"per_band": self.per_band} if self.per_band else {}),
+            **({"per_tenant": self.per_tenant} if self.per_tenant else {}),
+            **({"fairness": _rounded(self.fairness)} if self.per_tenant else {}),
+            **({"queue_lost_hits": self.lost_hits} if self.lost_hits is not None else {}),
         }
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None = None) -> Summary:
+def _rounded(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(records: list[RequestRecord], duration_s: float, objectives: Objectives | None = None) -> Summary:
     """The run's summary (see the module docstring). `duration_s` is the wall time from the first request
     sent to the last one finished."""
-    slo = slo or SLO()
+    objectives = objectives or Objectives()
     done = [r for r in records if r.ok]
     duration = max(duration_s, 1e-9)
     output_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
     cached_tokens = sum(r.cached_tokens for r in done)
-    good = sum(slo.met_by(r) for r in records)
+    good = sum(objectives.met_by(r) for r in records)
+    per_tenant = _per_tenant(records, objectives)
     return Summary(
         requests=len(records),
         completed=len(done),
@@ -171,14 +246,47 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
         e2e_ms=percentiles([r.e2e_s for r in done if r.e2e_s is not None]),
         goodput=good / len(records) if records else 0.0,
         goodput_rps=good / duration,
-        slo=slo,
+        slo=objectives.slo,
         errors=dict(sorted(Counter(r.status for r in records if not r.ok).items())),
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         output_tokens=output_tokens,
         cached_token_share=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         per_worker_requests=dict(sorted(Counter(r.worker or "?" for r in done).items())),
+        per_band=_per_band(records, objectives),
+        per_tenant=per_tenant,
+        fairness=jain_index([t["served_tokens"] / t["weight"] for t in per_tenant.values()]),
+        lost_hits=queue_lost_hits(records),
     )
+
+
+def _per_band(records: list[RequestRecord], objectives: Objectives) -> dict[str, dict]:
+    out = {}
+    for band in sorted({r.band for r in records if r.band is not None}):
+        mine = [r for r in records if r.band == band]
+        ttft = percentiles([r.ttft_s for r in mine if r.ok and r.ttft_s is not None], (50, 99))
+        out[band] = {
+            "requests": len(mine),
+            "completed": sum(r.ok for r in mine),
+            "goodput": round(sum(objectives.met_by(r) for r in mine) / len(mine), 6),
+            "ttft_ms": {k: _rounded(ttft[k], 3) for k in ("p50", "p99")},
+            "slo_ms": objectives.slo_of(mine[0]).to_json(),
+        }
+    return out
+
+
+def _per_tenant(records: list[RequestRecord], objectives: Objectives) -> dict[str, dict]:
+    out = {}
+    for tenant in sorted({r.tenant for r in records if r.tenant is not None}):
+        mine = [r for r in records if r.tenant == tenant]
+        out[tenant] = {
+            "requests": len(mine),
+            "completed": sum(r.ok for r in mine),
+            "goodput": round(sum(objectives.met_by(r) for r in mine) / len(mine), 6),
+            "served_tokens": sum(r.prompt_tokens + r.output_tokens for r in mine if r.ok),
+            "weight": objectives.weights.get(tenant, 1.0),
+        }
+    return out
 
 
 def format_summary(summary: Summary, title: str = "") -> str:
@@ -212,6 +320,22 @@ def format_summary(summary: Summary, title: str = "") -> str:
         f"cached tokens        {summary.cached_tokens:,} of {summary.prompt_tokens:,} prompt tokens"
         f" ({summary.cached_token_share:.1%})"
     )
+    for band, figures in summary.per_band.items():
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in figures["slo_ms"].items()) or "no SLO"
+        lines.append(
+            f"band {band:<15} {figures['goodput']:.1%} goodput of {figures['requests']:,} ({slo}), TTFT p50"
+            f" {ms(figures['ttft_ms']['p50'])} p99 {ms(figures['ttft_ms']['p99'])} ms"
+        )
+    for tenant, figures in summary.per_tenant.items():
+        lines.append(
+            f"tenant {tenant:<13} {figures['goodput']:.1%} goodput of {figures['requests']:,},"
+            f" {figures['served_tokens']:,} tokens served (weight {figures['weight']:g})"
+        )
+    if summary.fairness is not None:
+        lines.append(f"fairness             {summary.fairness:.3f} (Jain's index, served tokens per weight)")
+    if summary.lost_hits is not None:
+        lost = summary.lost_hits
+        lines.append(f"hits lost in queue   {lost['lost']:,} of {lost['hits']:,} prefix hits ({lost['share']:.1%})")
     errors = ", ".join(f"{k}: {v}" for k, v in summary.errors.items()) or "none"
     lines.append(f"errors               {errors}")
     workers = ", ".join(f"{k}: {v}" for k, v in summary.per_worker_requests.items()) or "-"

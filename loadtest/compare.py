@@ -10,7 +10,15 @@ routes from their ZMQ events and forwards over their OpenAI HTTP ports, as in fr
 every worker's event and replay source, as its `--help` asks). A peer whose binary is not installed is skipped
 with one line. The worker mode is a part of the entry, not a flag over all of them, because it is a property of
 one fleet: one entry is one fleet and one column, `kv_aware` and `kv_aware@vllm` stand side by side in one run,
-and the peers, which reach the workers over HTTP only, take no mode.
+and the peers, which reach the workers over HTTP only, take no mode. `POLICY[@MODE]+flow-off` runs our gateway
+with `--flow-control off` (its flow control is on by default), so a run can hold it against the same policy
+with it on.
+
+A traffic mix (loadtest.traffic_mix): our gateways get an API-keys file with one key per tenant (and a drawn
+cache-salt secret) and each request its tenant's key; a peer gets no keys and each request its tenant's name as
+`cache_salt`, so its workers keep tenants' blocks apart as ours do. Every router gets each band's `priority` in
+the body; smg also its priority class as `x-smg-priority` (the most urgent band `interactive`, the least `bulk`),
+with its priority scheduler on and every class allowed.
 
 Every router is measured alike, from the workers' own Prometheus counters read before and after the
 run: prefill tokens = prompt tokens received - prefix-cache hits, the cached-token share, and requests
@@ -32,8 +40,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,8 +61,9 @@ from loadtest.bench import (
     run_requests,
     send_one,
 )
-from loadtest.bench_stats import SLO, RequestRecord, Summary, format_summary, summarize
+from loadtest.bench_stats import Objectives, RequestRecord, Summary, format_summary, summarize
 from loadtest.render import BenchRequest, Workload, token_ids
+from loadtest.traffic_mix import TenantKeys, TrafficMix
 
 if TYPE_CHECKING:
     from kvroute.tokenizer import Tokenizer
@@ -62,6 +71,7 @@ if TYPE_CHECKING:
 KVROUTE = "kvroute"
 PEERS = ("smg", "vllm-router")
 WORKER_MODES = ("grpc", "vllm")  # how our gateway reaches the workers; grpc: the default, unnamed
+FLOW_OFF = "flow-off"  # `POLICY+flow-off`: our gateway with --flow-control off
 PEER_INSTALL_HINT = "pip install 'kvroute[peers]'"
 STARTUP_TIMEOUT_S = 180.0
 PROBES = 40
@@ -76,6 +86,7 @@ class Entry:
     router: str  # "kvroute", "smg" or "vllm-router"
     policy: str
     mode: str = "grpc"  # one of WORKER_MODES
+    flow_control: bool = True  # our gateway's --flow-control (on by default)
 
     @property
     def reads_kv_events(self) -> bool:
@@ -89,7 +100,8 @@ class Entry:
     def name(self) -> str:
         if self.router != KVROUTE:
             return f"{self.router}:{self.policy}"
-        return self.policy if self.mode == "grpc" else f"{self.policy}@{self.mode}"
+        name = self.policy if self.mode == "grpc" else f"{self.policy}@{self.mode}"
+        return name if self.flow_control else f"{name}+{FLOW_OFF}"
 
 
 def parse_entries(text: str) -> list[Entry]:
@@ -99,7 +111,10 @@ def parse_entries(text: str) -> list[Entry]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        routed, at, mode = item.partition("@")
+        spelled, plus, option = item.partition("+")
+        if plus and option != FLOW_OFF:
+            raise UserError(f"--compare: unknown option {option!r} in {item!r}; the one option is +{FLOW_OFF}")
+        routed, at, mode = spelled.partition("@")
         router, _, policy = routed.rpartition(":")
         if router and router not in PEERS:
             raise UserError(f"--compare: unknown router {router!r} in {item!r}; peers: {', '.join(PEERS)}")
@@ -113,7 +128,9 @@ def parse_entries(text: str) -> list[Entry]:
             raise UserError(
                 f"--compare: unknown worker mode {mode!r} in {item!r}; choose from {', '.join(WORKER_MODES)}"
             )
-        entries.append(Entry(router or KVROUTE, policy, mode or "grpc"))
+        if plus and router:
+            raise UserError(f"--compare: {item!r}: +{FLOW_OFF} is our gateway's flag; {router} has no flow control")
+        entries.append(Entry(router or KVROUTE, policy, mode or "grpc", flow_control=not plus))
     if not entries:
         raise UserError("--compare: no entries")
     names = [e.name for e in entries]
@@ -138,6 +155,8 @@ class FleetConfig:
     num_kv_blocks: int | None
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    mix: TrafficMix = TrafficMix()
+    tenant_keys: TenantKeys | None = None  # our gateways' API keys, with a mix of tenants
 
 
 @dataclass
@@ -219,8 +238,10 @@ class RouterFleet:
         ours = self.entry.router == KVROUTE
         # Our gateway finds workers as they come up, so it starts alongside them; the peers check their
         # workers once at startup (and are told the workers' block size), so they start after.
+        keys = self.config.tenant_keys
+        env = keys.gateway_env() if ours and keys is not None else None
         if ours:
-            self.fleet.spawn(self.entry.name, self._router_argv())
+            self.fleet.spawn(self.entry.name, self._router_argv(), env)
         for worker in self.workers:
             url = worker.http_url + "/health"
             self.fleet.wait_until(partial(http_ok, url), f"worker {worker.worker_id} at {url}", STARTUP_TIMEOUT_S)
@@ -247,14 +268,29 @@ class RouterFleet:
                 return
             time.sleep(0.2)
 
+    def target(self, model: str, args: argparse.Namespace) -> Target:
+        """Where the bench sends: this router, with the mix's keys (ours) or tenant salts and smg's classes."""
+        keys, bands = self.config.tenant_keys, self.config.mix.bands
+        ours = self.entry.router == KVROUTE
+        smg = self.entry.router == "smg" and bands
+        return Target(
+            self.url, model, None, args.ignore_eos, args.timeout, args.exact_length,
+            tenant_keys=keys.keys if ours and keys is not None else {},
+            salt_by_tenant=not ours,
+            band_headers={b: {"x-smg-priority": c} for b, c in self.config.mix.smg_classes().items()} if smg else {},
+        )  # fmt: skip
+
     def _router_argv(self) -> list[str]:
         port = str(self.router_port)
         if self.entry.router == KVROUTE:
             addresses = ",".join(w.spec for w in self.workers)
+            keys = self.config.tenant_keys
             return kvroute_argv(
                 "gateway", "--model", self.config.model,
                 "--host", "127.0.0.1", "--http-port", port, "--grpc-port", "0",
                 "--metrics-port", str(self.router_metrics_port), "--workers", addresses, "--policy", self.entry.policy,
+                *(["--api-keys-file", str(keys.api_keys_file)] if keys is not None else []),
+                *([] if self.entry.flow_control else ["--flow-control", "off"]),
                 *self.config.gateway_args,
             )  # fmt: skip
         binary = peer_binary(self.entry.router)
@@ -264,6 +300,9 @@ class RouterFleet:
         argv = [*prefix, "--host", "127.0.0.1", "--port", port, "--worker-urls", *urls, "--policy", self.entry.policy]
         # Both serve their metrics on port 29000 of every interface unless told: two runs at once would collide.
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.router_metrics_port)]
+        if self.entry.router == "smg" and self.config.mix.bands:
+            # Its admission scheduler orders by `x-smg-priority`; a tenant it does not know may ask for any class.
+            argv += ["--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "interactive"]
         return argv + self._peer_kv_event_args()
 
     def _peer_kv_event_args(self) -> list[str]:
@@ -408,14 +447,17 @@ def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
 
 async def probe_overhead(fleet: RouterFleet, model: str, probes: int = PROBES) -> dict[str, float]:
     """TTFT through the router minus TTFT straight to a worker, p50 and p99, from `probes` short requests
-    each way, alternated (the same text each time, so both paths see a warm cache after the first)."""
+    each way, alternated (the same text each time, so both paths see a warm cache after the first); through
+    a gateway with API keys, with the first tenant's."""
     prompt = " probe" * PROBE_TOKENS
+    keys = fleet.config.tenant_keys
+    api_key = next(iter(keys.keys.values())) if keys is not None and fleet.entry.router == KVROUTE else None
     via_router, direct = [], []
     async with httpx.AsyncClient(timeout=60.0) as client:
         for i in range(probes + 2):  # the first pair warms caches and connections
             request = BenchRequest(i, 0.0, 1, prompt=prompt)
             worker = fleet.workers[i % len(fleet.workers)]
-            routed = await send_one(client, Target(fleet.url, model), request, time.perf_counter())
+            routed = await send_one(client, Target(fleet.url, model, api_key), request, time.perf_counter())
             straight = await send_one(client, Target(worker.http_url, model), request, time.perf_counter())
             if i >= 2 and routed.ok and straight.ok:
                 via_router.append(routed.ttft_s)
@@ -451,6 +493,10 @@ class RunResult:
             "prompt_tokens": self.workers["prompt_tokens"],
             "cached_token_share": round(self.workers["cached_token_share"], 6),
             "goodput": round(self.summary.goodput, 6),
+            **self._mix_json(),
+            "completed_tokens_per_s": round(self.summary.total_token_throughput, 2),
+            "preemptions": self.workers["preemptions"],
+            "queue_lost_hits": self.summary.lost_hits,
             "errors": self.summary.errors,
             "completed": self.summary.completed,
             "requests": self.summary.requests,
@@ -460,17 +506,13 @@ class RunResult:
             **({"gateway": self.gateway} if self.gateway else {}),
             "request_throughput": round(self.summary.request_throughput, 4),
             **({"replay_prediction": self.prediction} if self.prediction else {}),
-            "per_request": self._per_request(),
+            "per_request": bench_json(self.summary, self.records)["per_request"],
         }
 
-    def _per_request(self) -> list[dict[str, Any]]:
-        """bench's per-request figures; a peer router's without `route` (what it passes on is the worker's own
-        front door's header, not a routing decision of the router's)."""
-        rows = bench_json(self.summary, self.records)["per_request"]
-        if self.entry.router != KVROUTE:
-            for row in rows:
-                row.pop("route", None)
-        return rows
+    def _mix_json(self) -> dict[str, Any]:
+        """Per band and per tenant figures, and the tenants' fairness, for a run of a traffic mix."""
+        figures = self.summary.to_json()
+        return {k: figures[k] for k in ("per_band", "per_tenant", "fairness") if k in figures}
 
 
 def run_entry(
@@ -478,7 +520,7 @@ def run_entry(
     config: FleetConfig,
     workload: Workload,
     arrivals: Arrivals,
-    slo: SLO,
+    objectives: Objectives,
     args: argparse.Namespace,
     log_dir: Path,
 ) -> RunResult:
@@ -486,9 +528,7 @@ def run_entry(
         model = args.served_model_name or config.model
         capacity_blocks = worker_capacity_blocks(fleet.workers[0].grpc_port)
         before, gateway_before = fleet.counters(), fleet.gateway_counters()
-        make_sender = partial(
-            HttpSender, Target(fleet.url, model, None, args.ignore_eos, args.timeout, args.exact_length)
-        )
+        make_sender = partial(HttpSender, fleet.target(model, args))
         records, duration = asyncio.run(
             run_requests(
                 workload, make_sender, arrivals, progress=not args.no_progress, live_history=args.history == "live"
@@ -499,31 +539,38 @@ def run_entry(
         gateway = gateway_delta(gateway_before, fleet.gateway_counters())
         overhead = asyncio.run(probe_overhead(fleet, model, args.probes))
         routed_ids = tuple(w.routed_id for w in fleet.workers)
-    summary = summarize(records, duration, slo)
+    if entry.router != KVROUTE:
+        # A peer passes on the worker's own front door's x-kvroute-route, which is no routing decision of its own.
+        for record in records:
+            record.route = None
+    summary = summarize(records, duration, objectives)
     return RunResult(entry, records, summary, workers, overhead, capacity_blocks, routed_ids, gateway=gateway)
+
+
+TableRow = tuple[str, Callable[[RunResult], str]]  # a label and its cell for each run
 
 
 def format_table(results: dict[str, RunResult]) -> str:
     """One side-by-side table of the runs."""
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None or value != value else f"{value:,.1f}"
-
-    rows = [
-        ("TTFT p50 ms", lambda r: ms(r.summary.ttft_ms["p50"])),
-        ("TTFT p90 ms", lambda r: ms(r.summary.ttft_ms["p90"])),
-        ("TTFT p99 ms", lambda r: ms(r.summary.ttft_ms["p99"])),
-        ("E2E p50 ms", lambda r: ms(r.summary.e2e_ms["p50"])),
-        ("E2E p99 ms", lambda r: ms(r.summary.e2e_ms["p99"])),
-        ("TPOT p50 ms", lambda r: ms(r.summary.tpot_ms["p50"])),
+    rows: list[TableRow] = [
+        ("TTFT p50 ms", lambda r: _ms(r.summary.ttft_ms["p50"])),
+        ("TTFT p90 ms", lambda r: _ms(r.summary.ttft_ms["p90"])),
+        ("TTFT p99 ms", lambda r: _ms(r.summary.ttft_ms["p99"])),
+        ("E2E p50 ms", lambda r: _ms(r.summary.e2e_ms["p50"])),
+        ("E2E p99 ms", lambda r: _ms(r.summary.e2e_ms["p99"])),
+        ("TPOT p50 ms", lambda r: _ms(r.summary.tpot_ms["p50"])),
         ("prefill tokens", lambda r: f"{r.workers['prefill_tokens']:,}"),
         ("cached share", lambda r: f"{r.workers['cached_token_share']:.1%}"),
         ("goodput", lambda r: f"{r.summary.goodput:.1%}"),
+        *_mix_rows(results),
         ("req/s", lambda r: f"{r.summary.request_throughput:.2f}"),
+        ("completed tok/s", lambda r: f"{r.summary.total_token_throughput:,.0f}"),
+        ("preemptions", lambda r: f"{r.workers['preemptions']:,}"),
+        ("hits lost in queue", lambda r: _lost_hits(r.summary.lost_hits)),
         ("errors", lambda r: str(sum(r.summary.errors.values()))),
         ("requests/worker", lambda r: "/".join(str(v) for v in r.workers["per_worker_requests"].values())),
-        ("overhead p50 ms", lambda r: ms(r.overhead_ms["p50"])),
-        ("overhead p99 ms", lambda r: ms(r.overhead_ms["p99"])),
+        ("overhead p50 ms", lambda r: _ms(r.overhead_ms["p50"])),
+        ("overhead p99 ms", lambda r: _ms(r.overhead_ms["p99"])),
         ("replay prefill", lambda r: f"{r.prediction['prefill_tokens']:,}" if r.prediction else "-"),
         ("replay hit rate", lambda r: f"{r.prediction['hit_rate']:.1%}" if r.prediction else "-"),
         ("ideal prefill", lambda r: f"{r.prediction['ideal_prefill_tokens']:,}" if r.prediction else "-"),
@@ -531,10 +578,44 @@ def format_table(results: dict[str, RunResult]) -> str:
     ]
     names = list(results)
     width = max(12, *(len(n) for n in names)) + 2
-    lines = [f"{'':<18}" + "".join(f"{n:>{width}}" for n in names)]
+    label_width = max(18, *(len(label) + 1 for label, _ in rows))
+    lines = [f"{'':<{label_width}}" + "".join(f"{n:>{width}}" for n in names)]
     for label, cell in rows:
-        lines.append(f"{label:<18}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
+        lines.append(f"{label:<{label_width}}" + "".join(f"{cell(results[n]):>{width}}" for n in names))
     return "\n".join(lines)
+
+
+def _mix_rows(results: dict[str, RunResult]) -> list[TableRow]:
+    """The table's rows of a traffic mix: goodput and TTFT p50 / p99 per band, goodput per tenant, fairness."""
+    first = next(iter(results.values())).summary
+
+    def band(name: str, key: str, cell: Callable[[dict], str]) -> TableRow:
+        return f"{name} {key}", lambda r: cell(r.summary.per_band[name]) if name in r.summary.per_band else "-"
+
+    def tenant(name: str) -> TableRow:
+        def cell(run: RunResult) -> str:
+            figures = run.summary.per_tenant.get(name)
+            return "-" if figures is None else f"{figures['goodput']:.1%}"
+
+        return f"tenant {name} goodput", cell
+
+    rows: list[TableRow] = []
+    for name in first.per_band:
+        rows.append(band(name, "goodput", lambda b: f"{b['goodput']:.1%}"))
+        rows.append(band(name, "TTFT p50 ms", lambda b: _ms(b["ttft_ms"]["p50"])))
+        rows.append(band(name, "TTFT p99 ms", lambda b: _ms(b["ttft_ms"]["p99"])))
+    rows += [tenant(name) for name in first.per_tenant]
+    if first.per_tenant:
+        rows.append(("fairness (Jain)", lambda r: "-" if r.summary.fairness is None else f"{r.summary.fairness:.3f}"))
+    return rows
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:,.1f}"
+
+
+def _lost_hits(lost: dict[str, float] | None) -> str:
+    return "-" if lost is None else f"{lost['lost']:.0f}/{lost['hits']:.0f} ({lost['share']:.0%})"
 
 
 def format_mode_ratios(results: dict[str, RunResult]) -> list[str]:
@@ -599,7 +680,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals, slo: SLO) -> int:
+def run_compare(
+    args: argparse.Namespace, workload: Workload, arrivals: Arrivals, objectives: Objectives, mix: TrafficMix
+) -> int:
     """`--compare`: each entry over a fresh fleet, the table on stdout; 0 when every entry ran without errors."""
     entries = parse_entries(args.compare)
     if args.url:
@@ -609,7 +692,7 @@ def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals
     if args.probes < 2:
         raise UserError(f"--probes must be >= 2 (percentiles of each side), got {args.probes}")
     config = FleetConfig(
-        args.workers, args.model, args.seed, args.num_kv_blocks, tuple(args.worker_arg), tuple(args.gateway_arg)
+        args.workers, args.model, args.seed, args.num_kv_blocks, tuple(args.worker_arg), tuple(args.gateway_arg), mix
     )
     print(
         f"kvroute bench --compare: {len(workload.requests):,} requests of {workload.name}, {arrivals.describe()}, "
@@ -619,6 +702,8 @@ def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals
     results: dict[str, RunResult] = {}
     skipped: dict[str, str] = {}
     with _log_dir(args.keep_logs) as log_dir:
+        if mix.tenants:
+            config = replace(config, tenant_keys=TenantKeys.write(mix.tenants, log_dir))
         for entry in entries:
             if entry.router != KVROUTE and peer_binary(entry.router) is None:
                 skipped[entry.name] = f"{entry.router} is not installed: {PEER_INSTALL_HINT}"
@@ -627,7 +712,7 @@ def run_compare(args: argparse.Namespace, workload: Workload, arrivals: Arrivals
             try:
                 logs = log_dir / entry.name.replace(":", "-")
                 logs.mkdir(parents=True, exist_ok=True)
-                results[entry.name] = run_entry(entry, config, workload, arrivals, slo, args, logs)
+                results[entry.name] = run_entry(entry, config, workload, arrivals, objectives, args, logs)
             except LaunchError as exc:
                 skipped[entry.name] = str(exc).splitlines()[0]
                 print(f"{entry.name} failed: {exc}", file=sys.stderr)
@@ -696,12 +781,12 @@ def predict(
     the cost model alone gives the same requests, simulated first). The simulated gateway reads each
     worker on a poller of its own, as the embedded fleet state does, at intervals drawn from the live gateway's
     own (`view_refresh_ms` their mean, `view_draw`); the instants they fall at are not measured, so the
-    prediction is the median run (by TTFT p50) of VIEW_SEEDS draws (`ttft_ms_p50_per_seed`). TTFT: the
+    prediction is the median run (by TTFT p50) of VIEW_SEEDS draws (`ttft_ms_p50_per_seed`). A traffic mix's
+    requests are hashed with their tenant's salt, as the gateway derives it (its bands are not modelled). TTFT: the
     simulated engine's (`ttft_ms`), and with the run's measured time outside the engines added
     (`ttft_ms_with_outside_engine`, `outside_engine_ms`)."""
-    from dataclasses import replace
-
     from gateway.admission.auth import OPEN_TENANT, cache_salt
+    from gateway.request import Tenant
     from kvroute.model_source import resolve_model
     from loadtest.bench import with_answers
     from loadtest.render import vocabulary
@@ -709,6 +794,7 @@ def predict(
     from sim.traces import Trace, TraceRequest
 
     tokenizer = vocabulary(tokenizer_spec).tokenizer
+    salts = config.tenant_keys.salts() if config.tenant_keys is not None else {}
     answers = {r.index: r.output_text for r in run.records if r.ok}
     requests = []
     for record in sorted(run.records, key=lambda r: r.sent_s):
@@ -724,7 +810,10 @@ def predict(
                 token_ids=ids,
                 output_token_ids=decoded_ids(request, ids, answers.get(record.index), record.output_tokens, tokenizer),
                 session_id=request.session,
-                cache_salt=cache_salt(OPEN_TENANT, request.cache_salt),
+                cache_salt=cache_salt(
+                    Tenant(request.tenant, salts[request.tenant]) if request.tenant in salts else OPEN_TENANT,
+                    request.cache_salt,
+                ),
             )
         )
     trace = Trace(f"live:{workload.name}", "tokens", DEFAULT_BLOCK_SIZE, tuple(requests))

@@ -74,6 +74,9 @@ class BenchRequest:
     after: int | None = None  # index of the request this one follows (its session's previous turn)
     cache_salt: str = ""
     think_s: float = 0.0  # the pause before sending, after the previous turn finished or the schedule allows
+    tenant: str | None = None  # who sends it (loadtest.traffic_mix): its API key, or its cache salt to a peer
+    band: str | None = None  # its priority band's name (loadtest.traffic_mix)
+    priority: int | None = None  # the body's `priority`, as vLLM takes it: lower is more urgent
 
     @property
     def endpoint(self) -> str:

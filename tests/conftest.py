@@ -14,6 +14,38 @@ from launch.fleet import Child, Fleet, kvroute_argv
 
 UP_READY_LINE = "Ctrl-C stops them all"  # what `kvroute up` prints once its fleet serves
 
+# The test files that take longest, longest first (their summed test times in a 2-worker run, --junitxml): under
+# `make test` (xdist, a file to a worker, --no-loadscope-reorder) a worker takes the next file as it frees, so
+# starting the long ones first keeps one of them from being the last to start (xdist's own order, by test count,
+# started the 3 tests and 2 minutes of test_cpu_classes last). The rest follow in collection order.
+LONGEST_FILES_FIRST = (
+    "test_replay.py",
+    "test_bench.py",
+    "test_engine_reference.py",
+    "test_cpu_classes.py",
+    "test_engine_fleet.py",
+    "test_epp_envoy.py",
+    "test_worker_service.py",
+    "test_model_reference.py",
+    "test_kernels_cpu_fused.py",
+    "test_kernels_cpu.py",
+    "test_tracing.py",
+    "test_stream_faults.py",
+    "test_engine_cli_parsers.py",
+    "test_kernels_triton.py",
+    "test_helm.py",
+    "test_tokenizer.py",
+    "test_engine.py",
+    "test_worker_spec.py",
+    "test_epp_envoy_fleets.py",
+    "test_epp_replicas.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def model_smollm2_source() -> ModelSource:

@@ -18,7 +18,6 @@ from typing import Any
 
 from gateway.admission.auth import Authenticator
 from gateway.admission.limits import Limits
-from gateway.cli_gateway import HttpServer
 from gateway.fleet.engine_fleet import (
     EngineFleetState,
     EngineOptions,
@@ -29,6 +28,7 @@ from gateway.fleet.engine_fleet import (
 )
 from gateway.forwarding.backends import HttpBackend
 from gateway.forwarding.retry import StreamDeadlines
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity

@@ -1,5 +1,6 @@
 """A real gateway over real workers, for the front doors' tests: `sim` or `tiny` workers on free ports, the
-embedded fleet state over them, the real request path, the OpenAI HTTP app on uvicorn and the gRPC server.
+embedded fleet state over them, the real request path, the OpenAI HTTP app on the gateway's HTTP
+server and the gRPC server.
 
 It runs in a background thread's event loop (uvloop, as `kvroute gateway` does), so a test talks to it with
 ordinary synchronous clients (httpx, the `openai` package, grpc stubs) over real sockets, and reaches into it
@@ -26,11 +27,12 @@ import uvloop
 
 from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
-from gateway.cli_gateway import HttpServer
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.frontdoors.grpc_server import GatewayGrpcServer, start_grpc_server
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_server import build_app
-from gateway.metrics import GatewayMetrics, metrics_app
+from gateway.frontdoors.metrics_port import metrics_app
+from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity
 from gateway.routing.router import make_policy
 from kvroute.model_source import resolve_model
@@ -205,8 +207,9 @@ class GatewayStack(LoopThreadStack):
         app = build_app(request_path, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens)
         http = HttpServer.start(app, "127.0.0.1", 0)
         grpc_server = await start_grpc_server(
-            request_path, "127.0.0.1", 0, default_max_tokens=o.limits.max_tokens, health_interval_s=0.1
-        )
+            request_path, "127.0.0.1", 0, default_max_tokens=o.limits.max_tokens,
+            max_body_bytes=o.limits.max_body_bytes, health_interval_s=0.1,
+        )  # fmt: skip
         self._closers.append((http, grpc_server, fleet, request_path))
         return request_path, http, grpc_server
 

@@ -3,6 +3,7 @@ compare run over real sim workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import subprocess
@@ -12,10 +13,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from gateway.admission.auth import Authenticator
 from kvroute.errors import UserError
 from kvroute.tokenizer import Tokenizer
-from loadtest.bench import Arrivals, with_answers
-from loadtest.bench_stats import SLO, RequestRecord, format_summary, percentiles, summarize
+from loadtest.bench import Arrivals, Target, with_answers
+from loadtest.bench_stats import (
+    SLO,
+    Objectives,
+    RequestRecord,
+    format_summary,
+    jain_index,
+    percentiles,
+    queue_lost_hits,
+    summarize,
+)
 from loadtest.compare import VIEW_SEEDS, parse_entries, sim_costs, view_draw, view_refresh_s
 from loadtest.render import (
     CHAT_ANSWER_TOKENS,
@@ -28,6 +39,7 @@ from loadtest.render import (
     render,
     vocabulary,
 )
+from loadtest.traffic_mix import TenantKeys, TenantShare, TrafficMix, parse_band_slos, parse_bands, parse_tenants
 from sim.replay import ReplayConfig
 from sim.sweep import main as sweep_main
 from sim.sweep import parse_axes, sweep
@@ -95,7 +107,7 @@ def test_goodput_is_the_share_of_all_requests_within_every_slo():
     slo = SLO(ttft_ms=300, tpot_ms=40)
     tpot = np.where(tokens > 1, (e2e - ttft) / np.maximum(tokens - 1, 1), 0.0)
     expected = int(np.sum((ttft * 1e3 <= 300) & (tpot * 1e3 <= 40)))
-    summary = summarize(records, duration_s=10.0, slo=slo)
+    summary = summarize(records, duration_s=10.0, objectives=Objectives(slo))
     assert 0 < expected < 200
     assert summary.goodput == pytest.approx(expected / 210)
     assert summary.goodput_rps == pytest.approx(expected / 10.0)
@@ -107,6 +119,128 @@ def test_slo_rejects_a_non_positive_objective_naming_it():
         SLO(ttft_ms=0)
     with pytest.raises(ValueError, match="tpot_ms"):
         SLO(tpot_ms=float("nan"))
+
+
+def test_each_band_is_held_to_its_own_slo_and_each_tenant_to_its_weight():
+    """Worked by hand: interactive (TTFT <= 1 s) meets 1 of 2, batch (the default: none) its completed one and
+    not its 503; tenant a served 3,000 tokens at weight 2, b 1,000 at weight 1: x = (1,500, 1,000), Jain =
+    2,500^2 / (2 * (1,500^2 + 1,000^2)) = 0.9615."""
+
+    def sent(i: int, ttft: float, band: str, tenant: str, prompt: int = 900, **kw) -> RequestRecord:
+        return record(i, ttft, ttft + 1.0, 100, prompt_tokens=prompt, band=band, tenant=tenant, **kw)
+
+    records = [
+        sent(0, 0.4, "interactive", "a", 1900),
+        sent(1, 1.5, "interactive", "b"),
+        sent(2, 3.0, "batch", "a"),
+        RequestRecord(3, 0.0, status="http_503", band="batch", tenant="b"),
+    ]
+    objectives = Objectives(SLO(), {"interactive": SLO(ttft_ms=1000), "batch": SLO()}, {"a": 2.0})
+    summary = summarize(records, 10.0, objectives)
+    assert summary.goodput == pytest.approx(2 / 4)
+    assert summary.per_band["interactive"] == {
+        "requests": 2,
+        "completed": 2,
+        "goodput": 0.5,
+        "ttft_ms": {"p50": pytest.approx(950.0), "p99": pytest.approx(1489.0)},
+        "slo_ms": {"ttft": 1000},
+    }
+    assert summary.per_band["batch"]["goodput"] == 0.5 and summary.per_band["batch"]["slo_ms"] == {}
+    assert summary.per_tenant["a"] == {
+        "requests": 2,
+        "completed": 2,
+        "goodput": 1.0,
+        "served_tokens": 2000 + 1000,
+        "weight": 2.0,
+    }
+    assert summary.per_tenant["b"]["served_tokens"] == 1000 and summary.per_tenant["b"]["weight"] == 1.0
+    assert summary.fairness == pytest.approx(2500**2 / (2 * (1500**2 + 1000**2)))
+    assert jain_index([5.0, 5.0]) == 1.0 and jain_index([1.0, 0.0]) == 0.5 and jain_index([3.0]) is None
+    report = json.loads(json.dumps(summary.to_json()))
+    assert set(report["per_band"]) == {"interactive", "batch"} and report["fairness"] == pytest.approx(0.961538)
+    text = format_summary(summary)
+    assert "band interactive" in text and "tenant a" in text and "fairness             0.962" in text
+
+
+def test_a_hit_whose_blocks_were_gone_at_admission_was_lost_in_the_queue():
+    """Of our gateway's `hit`s, those that found fewer blocks cached when admitted than the pick matched; the
+    match is capped at the blocks a prompt may reuse (all but its last token: 160 tokens reuse 9 of 10)."""
+
+    def routed(i: int, reason: str, matched: int, cached: int, prompt: int = 400, **kw) -> RequestRecord:
+        route = f"policy=kv_aware; reason={reason}; matched_blocks={matched}; attempts=1"
+        return record(i, 0.1, 0.5, 10, prompt_tokens=prompt, cached_tokens=cached, route=route, **kw)
+
+    records = [
+        routed(0, "hit", 20, 320),  # found all 20
+        routed(1, "hit", 20, 160),  # found 10: lost
+        routed(2, "hit", 10, 144, prompt=160),  # matched 10, may reuse 9, found 9
+        routed(3, "ring", 0, 0),  # not a hit
+        routed(4, "hit", 5, 0, status="timeout"),  # no admission seen
+    ]
+    assert queue_lost_hits(records) == {"hits": 3, "lost": 1, "share": pytest.approx(1 / 3)}
+    assert queue_lost_hits([record(0, 0.1, 0.5, 10)]) is None  # no route: a peer router
+    assert "hits lost in queue   1 of 3 prefix hits (33.3%)" in format_summary(summarize(records, 1.0))
+
+
+def test_a_traffic_mix_deals_conversations_to_tenants_and_requests_to_bands():
+    mix = TrafficMix(parse_tenants("a:4,b:1"), parse_bands("interactive=0:0.2,batch=1:0.8"))
+    workload = render("chat", 80, seed=3, think_ms=0)
+    mixed = mix.apply(workload, seed=3)
+    assert mixed.requests == mix.apply(workload, seed=3).requests != mix.apply(workload, seed=4).requests
+    sessions: dict[str, set] = {}
+    for request in mixed.requests:
+        sessions.setdefault(request.session, set()).add(request.tenant)
+    assert all(len(tenants) == 1 for tenants in sessions.values())  # one tenant per conversation
+    dealt = [tenants.pop() for tenants in sessions.values()]
+    assert dealt.count("a") == 4 * dealt.count("b") and len(dealt) == 10
+    bands = [(r.band, r.priority) for r in mixed.requests]
+    assert bands.count(("interactive", 0)) == 16 and bands.count(("batch", 1)) == 64
+    assert [dataclasses.replace(r, tenant=None, band=None, priority=None) for r in mixed.requests] == list(
+        workload.requests
+    )
+    assert mix.smg_classes() == {"interactive": "interactive", "batch": "bulk"}
+    # What goes on the wire: the band's priority in the body; our gateway gets the tenant's key, a peer its salt.
+    request = next(r for r in mixed.requests if r.tenant == "b" and r.band == "interactive")
+    ours = Target("http://gw", "sim", tenant_keys={"a": "key-a", "b": "key-b"})
+    assert ours.body(request)["priority"] == 0 and "cache_salt" not in ours.body(request)
+    assert ours.headers(request)["authorization"] == "Bearer key-b"
+    peer = Target(
+        "http://smg", "sim", salt_by_tenant=True, band_headers={"interactive": {"x-smg-priority": "interactive"}}
+    )
+    assert peer.body(request)["cache_salt"] == "b" and "authorization" not in peer.headers(request)
+    assert peer.headers(request)["x-smg-priority"] == "interactive"
+    assert "priority" not in Target("http://gw", "sim").body(workload.requests[0])
+
+
+def test_traffic_mix_flags_are_checked_naming_the_fault():
+    assert parse_tenants("a:4:2, b:1") == (TenantShare("a", 4.0, 2.0), TenantShare("b", 1.0, 1.0))
+    bands = parse_bands("interactive=0:0.2,batch=1:0.8")
+    slos = parse_band_slos(["interactive:ttft=1,e2e=30"], bands, SLO(tpot_ms=50))
+    assert slos == {"interactive": SLO(1000.0, 50, 30000.0), "batch": SLO(tpot_ms=50)}
+    for call, message in (
+        (lambda: parse_tenants("a"), "not NAME:SHARE"),
+        (lambda: parse_tenants("a:x"), "a's share must be a number"),
+        (lambda: parse_tenants("a:1:0"), "a's weight must be > 0"),
+        (lambda: parse_tenants("a:1,a:2"), "listed twice"),
+        (lambda: parse_bands("batch=low:1"), "batch's priority must be an integer"),
+        (lambda: parse_bands("batch=1"), "not NAME=PRIORITY:SHARE"),
+        (lambda: parse_band_slos(["bulk:ttft=1"], bands, SLO()), "unknown band 'bulk'"),
+        (lambda: parse_band_slos(["batch:p99=1"], bands, SLO()), "give ttft=S"),
+        (lambda: parse_band_slos(["batch:ttft=-1"], bands, SLO()), "batch's ttft must be > 0"),
+    ):
+        with pytest.raises(UserError, match=message):
+            call()
+
+
+def test_the_bench_keys_file_is_one_the_gateway_reads_with_each_tenants_salt(tmp_path):
+    keys = TenantKeys.write(parse_tenants("a:4,b:1"), tmp_path)
+    authenticator = Authenticator.from_config(str(keys.api_keys_file), keys.gateway_env())
+    assert {authenticator.authenticate(keys.keys[name]).name for name in ("a", "b")} == {"a", "b"}
+    assert {name: authenticator.authenticate(key).cache_salt for name, key in keys.keys.items()} == keys.salts()
+    assert keys.api_keys_file.stat().st_mode & 0o077 == 0 and keys.secret_file.stat().st_mode & 0o077 == 0
+    (tmp_path / "weighted").mkdir()
+    weighted = TenantKeys.write(parse_tenants("a:4:3,b:1"), tmp_path / "weighted")
+    assert [e.get("weight") for e in json.loads(weighted.api_keys_file.read_text())] == [3.0, None]
 
 
 # -- workloads rendered to text --------------------------------------------------------------------------
@@ -291,11 +425,13 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
         "smg:cache_aware",
         "vllm-router:round_robin",
     ]
-    entries = parse_entries("kv_aware,kv_aware@vllm,round_robin@grpc")
-    assert [(e.name, e.mode) for e in entries] == [
-        ("kv_aware", "grpc"),
-        ("kv_aware@vllm", "vllm"),
-        ("round_robin", "grpc"),
+    entries = parse_entries("kv_aware,kv_aware@vllm,round_robin@grpc,kv_aware+flow-off,kv_aware@vllm+flow-off")
+    assert [(e.name, e.mode, e.flow_control) for e in entries] == [
+        ("kv_aware", "grpc", True),
+        ("kv_aware@vllm", "vllm", True),
+        ("round_robin", "grpc", True),
+        ("kv_aware+flow-off", "grpc", False),
+        ("kv_aware@vllm+flow-off", "vllm", False),
     ]
     for bad, message in (
         ("nginx:rr", "unknown router 'nginx'"),
@@ -305,6 +441,9 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
         ("kv_aware,kv_aware@grpc", "listed twice"),
         ("kv_aware@sglang", "unknown worker mode 'sglang'"),
         ("smg:cache_aware@vllm", "smg reaches the workers over HTTP only"),
+        ("kv_aware+flow-on", "unknown option 'flow-on'"),
+        ("smg:cache_aware+flow-off", "smg has no flow control"),
+        ("kv_aware+flow-off,kv_aware@grpc+flow-off", "listed twice"),
         (" , ", "no entries"),
     ):
         with pytest.raises(UserError, match=message):
@@ -312,18 +451,19 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
 
 
 def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path):
-    """Three fresh fleets of 2 sim workers in one run: `kv_aware`, smg's `cache_aware` over the workers' HTTP
-    ports, and `kv_aware@vllm` over workers that publish their KV events in vLLM's wire format and are named
-    `vllm://` (the gateway routes from their ZMQ events and forwards over their HTTP front doors). The same 5
-    closed-loop chat turns with think times; figures from the workers' own counters. Most of its time is the
-    workers' start (torch import, tokenizer), so it sends few requests and few overhead probes."""
+    """Three fresh fleets of one sim worker in one run: `kv_aware`, smg's `cache_aware` over the worker's HTTP
+    port, and `kv_aware@vllm` over a worker that publishes its KV events in vLLM's wire format and is named
+    `vllm://` (the gateway routes from its ZMQ events and forwards over its HTTP front door). The same 3
+    closed-loop chat turns with think times, in two priority bands; figures from the workers' own counters. Most
+    of its time is the workers' start (torch import, tokenizer), so it sends few requests and few overhead
+    probes."""
     out = tmp_path / "compare.json"
     entries = ("kv_aware", "smg:cache_aware", "kv_aware@vllm")
     argv = [
         sys.executable, "-m", "launch.cli", "bench", "--compare", ",".join(entries),
-        "--workers", "2", "--model", "sim", "--workload", "chat", "--requests", "5", "--concurrency", "2",
-        "--probes", "4", "--worker-arg=--sim-decode-ms-per-step=1", "--think-ms", "100", "--no-progress",
-        "--json", str(out),
+        "--workers", "1", "--model", "sim", "--workload", "chat", "--requests", "3", "--concurrency", "2",
+        "--probes", "2", "--worker-arg=--sim-decode-ms-per-step=1", "--think-ms", "100", "--no-progress",
+        "--bands", "interactive=0:1,batch=1:2", "--band-slo", "interactive:ttft=60", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
     assert out.exists(), done.stderr[-3000:]
@@ -333,22 +473,35 @@ def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path
     assert done.returncode == 0 and report["skipped"] == {}
     assert runs["kv_aware"]["worker_mode"] == "grpc" and runs["kv_aware@vllm"]["worker_mode"] == "vllm"
     for name, run in runs.items():
-        assert run["errors"] == {} and run["completed"] == 5, name
+        assert run["errors"] == {} and run["completed"] == 3, name
         assert set(run["ttft_ms"]) == {"p50", "p90", "p99"} and run["ttft_ms"]["p50"] > 0
         assert run["e2e_ms"]["p99"] >= run["ttft_ms"]["p99"]
-        assert sorted(run["per_worker_requests"]) == ["w0", "w1"]  # the workers' own counters, by their ids
-        assert sum(run["per_worker_requests"].values()) == 5
-        # 5 turns of one session, 1,114 to 2,800 prompt tokens: the system prompt and every earlier turn are
+        assert run["per_worker_requests"] == {"w0": 3}  # the workers' own counters, by their ids
+        # 3 turns of one session, 1,114 to 1,900 prompt tokens: the system prompt and every earlier turn are
         # reused wherever the router keeps the session on its worker.
-        assert run["prompt_tokens"] > 5 * 1100 and 0 < run["prefill_tokens"] < run["prompt_tokens"]
+        assert run["prompt_tokens"] > 3 * 1100 and 0 < run["prefill_tokens"] < run["prompt_tokens"]
         assert 0 < run["cached_token_share"] < 1 and run["goodput"] == 1.0
         assert set(run["router_overhead_ms"]) >= {"p50", "p99"}
+        # Every router took each band's `priority` in the body (smg also its class as x-smg-priority, its
+        # priority scheduler on): one interactive request and two batch, each band with its own objectives.
+        bands = run["per_band"]
+        assert {b: (v["requests"], v["goodput"], v["slo_ms"]) for b, v in bands.items()} == {
+            "interactive": (1, 1.0, {"ttft": 60000.0}),
+            "batch": (2, 1.0, {}),
+        }, name
+        assert bands["interactive"]["ttft_ms"]["p50"] > 0 and "per_tenant" not in run
+        assert run["completed_tokens_per_s"] > 0 and run["preemptions"] == 0
+    # Our gateway says which requests it routed as a hit and with how many blocks (x-kvroute-route): none of them
+    # found fewer at admission on an idle worker. A peer's routing is not known: no figure.
+    for name in ("kv_aware", "kv_aware@vllm"):
+        assert runs[name]["queue_lost_hits"]["lost"] == 0 and runs[name]["queue_lost_hits"]["hits"] >= 1, name
+    assert runs["smg:cache_aware"]["queue_lost_hits"] is None
     # Closed loop: each turn carries the answer its worker streamed (sim answers depend on the context and the
-    # seed only, so every fleet gets the same prompts) and that worker cached it as it decoded, so a session
-    # kept on one worker prefills only the new question: exactly the ideal, as the replay predicts, whether the
-    # gateway's index was read over gRPC or built from ZMQ events.
+    # seed only, so every fleet gets the same prompts) and that worker cached it as it decoded, so the session
+    # prefills only the new question: exactly the ideal, as the replay predicts, whether the gateway's index was
+    # read over gRPC or built from ZMQ events.
     ideal = runs["kv_aware"]["replay_prediction"]["ideal_prefill_tokens"]
-    assert ideal < 1200 + 4 * 150  # the first turn, then ~110 new tokens a turn
+    assert ideal < 1200 + 2 * 150  # the first turn, then ~110 new tokens a turn
     for name in ("kv_aware", "kv_aware@vllm"):
         prediction = runs[name]["replay_prediction"]
         assert runs[name]["prefill_tokens"] == prediction["prefill_tokens"] == prediction["ideal_prefill_tokens"]
@@ -362,8 +515,8 @@ def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path
     assert all("route" not in r for r in runs["smg:cache_aware"]["per_request"])
     assert "replay_prediction" not in runs["smg:cache_aware"]
     # Each turn went out its think time after the previous one finished.
-    think = {r.index: r.think_s for r in render("chat", 5, think_ms=100).requests}
-    after = {r.index: r.after for r in render("chat", 5, think_ms=100).requests}
+    think = {r.index: r.think_s for r in render("chat", 3, think_ms=100).requests}
+    after = {r.index: r.after for r in render("chat", 3, think_ms=100).requests}
     for run in runs.values():
         sent = {r["index"]: r for r in run["per_request"]}
         for index, previous in after.items():
@@ -381,7 +534,46 @@ def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path
     assert runs["kv_aware@vllm"]["replay_prediction"]["view_refresh_ms"] == 100.0
     assert runs["kv_aware@vllm"]["replay_prediction"]["view_seeds"] == 1
     assert all(name in done.stdout for name in entries)  # the side-by-side table
+    assert "interactive goodput" in done.stdout and "hits lost in queue" in done.stdout
     assert "kv_aware@vllm / kv_aware: prefill x1.000, TTFT p50 x" in done.stdout
+
+
+def test_a_short_run_of_two_tenants_reports_each_tenants_share_and_the_fairness(tmp_path):
+    """Two tenants, each with its own API key in the gateway's keys file (a request without one would get 401),
+    two sessions each of the `tenants` workload, open-loop: each tenant's goodput and served tokens, Jain's
+    index over them, and the replay over the tenants' own salts predicting the live prefill. With a gateway that
+    has flow control (`--flow-control`), its `+flow-off` arm runs beside it."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "gateway", "--help"], capture_output=True, text=True
+    )
+    entries = ("kv_aware", "kv_aware+flow-off") if "--flow-control" in help_text.stdout else ("kv_aware",)
+    out = tmp_path / "mix.json"
+    argv = [
+        sys.executable, "-m", "launch.cli", "bench", "--compare", ",".join(entries),
+        "--workers", "1", "--model", "sim", "--workload", "tenants", "--requests", "8", "--rate", "20",
+        "--probes", "2", "--worker-arg=--sim-decode-ms-per-step=1", "--no-progress",
+        "--tenants", "a:1,b:1", "--bands", "interactive=0:1,batch=1:1", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert out.exists(), done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == set(entries) and done.returncode == 0, done.stderr[-3000:]
+    for name, run in runs.items():
+        assert run["errors"] == {} and run["completed"] == 8, name
+        tenants = run["per_tenant"]
+        assert {t: (v["requests"], v["goodput"], v["weight"]) for t, v in tenants.items()} == {
+            "a": (4, 1.0, 1.0),
+            "b": (4, 1.0, 1.0),
+        }
+        served = [v["served_tokens"] for v in tenants.values()]
+        assert sum(served) == run["prompt_tokens"] + sum(r["output_tokens"] for r in run["per_request"])
+        assert run["fairness"] == pytest.approx(sum(served) ** 2 / (2 * sum(x * x for x in served)), abs=1e-6)
+        assert {b: v["requests"] for b, v in run["per_band"].items()} == {"interactive": 4, "batch": 4}
+        assert {(r["tenant"], r["band"]) for r in run["per_request"]} <= {(t, b) for t in "ab" for b in run["per_band"]}
+        # Open loop: a session's requests may overlap, and which of two caches its blocks first is the run's
+        # timing, so the replay over the tenants' salts comes close, not to the token.
+        assert run["replay_prediction"]["prefill_tokens"] == pytest.approx(run["prefill_tokens"], rel=0.1), name
+    assert "tenant a goodput" in done.stdout and "fairness (Jain)" in done.stdout
 
 
 def test_the_prediction_draws_the_live_gateways_report_intervals_from_its_histogram():

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.bench_stats import SLO, RequestRecord, summarize
+from loadtest.bench_stats import RequestRecord, summarize
 from loadtest.compare import (
     Entry,
     FleetConfig,
@@ -37,7 +37,7 @@ def run_of(engine_s: list[float], outside_s: list[float]) -> RunResult:
         "ttft_buckets": {str(b): int(np.searchsorted(ordered, b, side="right")) for b in BOUNDS},
         "ttft_ms_mean": float(np.mean(engine_s)) * 1e3 if engine_s else 0.0,
     }
-    return RunResult(Entry("kvroute", "kv_aware"), records, summarize(records, 30.0, SLO()), workers, {}, 64)
+    return RunResult(Entry("kvroute", "kv_aware"), records, summarize(records, 30.0), workers, {}, 64)
 
 
 def test_a_quantile_is_read_linearly_within_its_bucket_as_prometheus_reads_it():

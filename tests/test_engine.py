@@ -65,7 +65,7 @@ def test_prefix_caching_preemption_and_chunking_do_not_change_tokens() -> None:
     expected = [r.token_ids for r in baseline.generate(prompts, GREEDY)]
     variants = {
         "prefix caching, chunks of 64": make_engine(),
-        "tiny pool (preempts)": make_engine(num_kv_blocks=14, max_num_batched_tokens=32),
+        "tiny pool (preempts)": make_engine(num_kv_blocks=14, max_num_batched_tokens=32, decode_reserve_tokens=0),
     }
     for name, engine in variants.items():
         for i, prompt in enumerate(prompts):
@@ -308,7 +308,9 @@ def test_a_preempted_request_keeps_its_first_cached_figure_and_counts_one_prefix
     from worker.clock import VirtualClock
     from worker.sim_runner import SimRunner
 
-    config = EngineConfig(model="sim", num_kv_blocks=8, block_size=4, max_num_batched_tokens=64, watermark=0.0)
+    config = EngineConfig(
+        model="sim", num_kv_blocks=8, block_size=4, max_num_batched_tokens=64, watermark=0.0, decode_reserve_tokens=0
+    )
     runner = SimRunner(config, clock=VirtualClock(), outputs=lambda seq: 7)
     engine = LLMEngine(config, clock=runner.clock, sim_runner=runner)
     params = SamplingParams(max_tokens=14)

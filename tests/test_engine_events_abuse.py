@@ -18,11 +18,19 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from gateway.fleet.engine_events import EngineEventSource, EngineEventSubscriber
+from gateway.fleet.engine_events import (
+    MAX_MESSAGE_BYTES,
+    MAX_REPLAY_BYTES,
+    RCV_HWM,
+    EngineEventSource,
+    EngineEventSubscriber,
+    event_socket,
+)
 from gateway.fleet.engine_fleet import EngineOptions, subscribe
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
 from gateway.worker_spec import parse_worker_spec
 from kvroute.engine_kv_events import (
+    END_SEQ,
     MAX_BLOCKS_PER_BATCH,
     MAX_BLOCKS_PER_EVENT,
     MAX_EVENTS_PER_BATCH,
@@ -248,6 +256,36 @@ def test_batches_held_during_a_replay_are_bounded_by_bytes() -> None:
     run(main())
 
 
+def test_a_replay_is_bounded_by_bytes() -> None:
+    """A replay socket answering with 12 batches of 8 MiB (96 MiB) before its end: the subscriber keeps 64 MiB of
+    them, reads no further and rebuilds the worker from what follows (before: all of it, up to 20,000 batches of
+    16 MiB)."""
+    payload = b"\x00" * (8 << 20)
+
+    async def main() -> EngineEventSubscriber:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        source = EngineEventSource("w", None, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        subscriber = EngineEventSubscriber(pool_book(), source, replay_timeout=10.0)
+        try:
+            subscriber.handle([b"", encode_seq(20), chain(2, 2)])  # a subscriber starting late: replay from 0
+            async with asyncio.timeout(10):
+                identity, _, _ = await router.recv_multipart()
+            for seq in range(12):
+                await router.send_multipart([identity, b"", encode_seq(seq), payload], copy=False)
+            await router.send_multipart([identity, b"", encode_seq(END_SEQ), b""])
+            await until(lambda: subscriber.counters.replayed_batches > 0, timeout=30, what="the replay applied")
+        finally:
+            await subscriber.stop()
+            router.close()
+        return subscriber
+
+    subscriber = run(main())
+    assert subscriber.counters.replayed_batches == MAX_REPLAY_BYTES // len(payload)
+    assert subscriber.counters.dropped.get("replay") == 1
+
+
 def test_the_engines_capacity_bounds_its_block_map_where_it_is_larger() -> None:
     spec = parse_worker_spec("vllm://127.0.0.1:8000?events=tcp://127.0.0.1:5557")
     book = pool_book()
@@ -311,3 +349,75 @@ def test_a_flooding_publisher_does_not_starve_the_gateways_health() -> None:
     finally:
         flooder.kill()
         flooder.wait()
+
+
+def test_every_event_socket_bounds_its_receive_queue() -> None:
+    """ZMQ_RCVHWM: libzmq's default queues 1,000 messages a connection, each up to MAX_MESSAGE_BYTES."""
+    context = zmq.asyncio.Context()
+    try:
+        for kind in (zmq.SUB, zmq.DEALER):
+            sock = event_socket(context, kind)
+            try:
+                assert sock.getsockopt(zmq.RCVHWM) == RCV_HWM
+                assert sock.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES
+            finally:
+                sock.close(linger=0)
+    finally:
+        context.term()
+    assert RCV_HWM * MAX_MESSAGE_BYTES <= 64 << 20
+
+
+FLOOD = r"""
+import sys, zmq
+pub = zmq.Context.instance().socket(zmq.PUB)
+pub.setsockopt(zmq.LINGER, 0)
+pub.setsockopt(zmq.SNDHWM, 0)  # the engine's side keeps the whole flood: only the gateway's queue is measured
+port = pub.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+sys.stdin.readline()  # the subscriber has connected
+payload = b"\x00" * (15 << 20)  # one buffer, sent without copies: the publisher's own memory stays small
+for seq in range(int(sys.argv[1])):
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), payload], copy=False)
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_a_flood_while_the_reader_is_behind_stays_within_the_receive_queue_bound() -> None:
+    """40 messages of 15 MiB (600 MiB) from one publisher while the gateway's event loop is held: the gateway's
+    queue keeps RCV_HWM of them (plus the one being read and the socket buffers), not all 600 MiB."""
+    messages = 40
+
+    async def main() -> int:
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, str(messages)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert flood.stdin is not None and flood.stdout is not None
+        port = int(flood.stdout.readline())
+        subscriber = EngineEventSubscriber(pool_book(), EngineEventSource("w", f"tcp://127.0.0.1:{port}"))
+        try:
+            await subscriber.start()
+            await asyncio.sleep(0.5)  # connected and subscribed
+            gc.collect()
+            before = _rss_bytes()
+            flood.stdin.write("go\n")
+            flood.stdin.flush()
+            assert flood.stdout.readline().strip() == "sent"
+            time.sleep(3)  # the event loop held: nothing is read off the socket, libzmq's I/O thread queues
+            grown = _rss_bytes() - before
+            flood.stdin.write("done\n")
+            flood.stdin.flush()
+            return grown
+        finally:
+            await subscriber.stop()
+            flood.kill()
+            flood.wait(timeout=10)
+
+    grown = run(main())
+    print(f"RSS grew {grown / (1 << 20):.0f} MiB under a 600 MiB flood")
+    assert grown < (RCV_HWM + 2) * MAX_MESSAGE_BYTES + (32 << 20), f"{grown >> 20} MiB queued"

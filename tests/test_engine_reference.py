@@ -173,8 +173,10 @@ def test_cached_prefix_gives_the_same_tokens(reference: Reference) -> None:
 def test_preempted_run_gives_the_same_tokens(reference: Reference) -> None:
     prompts = reference.prompts if reference.name == "tiny" else [reference.prompts[i] for i in (0, 3, 4)]
     needs = [-(-(len(p) + NUM_TOKENS) // 16) for p in prompts]
-    # Room for the largest request alone, not for all of them at once: the newest is preempted near the end.
-    engine = reference.engine(num_kv_blocks=max(max(needs), int(0.7 * sum(needs))), max_num_batched_tokens=64)
+    # Room for the largest request alone, not for all of them at once, and admitted without a decode reserve:
+    # the newest is preempted near the end.
+    blocks = max(max(needs), int(0.7 * sum(needs)))
+    engine = reference.engine(num_kv_blocks=blocks, max_num_batched_tokens=64, decode_reserve_tokens=0)
     outputs = run_checked(engine, prompts)
     assert engine.stats().num_preemptions > 0
     assert hf_greedy_mismatches(reference.hf, prompts, outputs) == [[]] * len(outputs)

@@ -176,8 +176,8 @@ def test_errors_are_status_codes_naming_the_field(
 
 def test_errors_quote_a_short_prefix_of_what_the_client_sent(gateway: gateway_pb2_grpc.GatewayStub) -> None:
     for fields in (
-        {"prompt": "hi", "model": "m" * 1_000_000},
-        {"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="r" * 100_000)])},
+        {"prompt": "hi", "model": "m" * 60_000},  # long, within the stack's 64 KiB body limit
+        {"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="r" * 60_000)])},
     ):
         with pytest.raises(grpc.RpcError) as raised:
             generate(gateway, **fields)
@@ -343,6 +343,16 @@ def test_the_default_message_limit_is_the_http_body_limit(stack: GatewayStack) -
         assert str(4 * 2**20) in raised.value.details()
     finally:
         stack.call(server.stop(0))
+
+
+def test_the_stacks_door_keeps_the_stacks_body_limit(channel: grpc.Channel, stack: GatewayStack) -> None:
+    """The test stack's gRPC door is started as the gateway starts its own, with the configured body limit (64
+    KiB here, as its HTTP door), not the default's 4 MiB: a test of the limit over the stack tests the gateway's."""
+    limit = stack.options.limits.max_body_bytes
+    with pytest.raises(grpc.RpcError) as raised:
+        generate(gateway_pb2_grpc.GatewayStub(channel), prompt="x" * (limit + 1), sampling=sampling(max_tokens=2))
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(limit) in raised.value.details()
 
 
 def test_connections_over_the_cap_are_closed_and_open_ones_served(small_door: GatewayGrpcServer) -> None:

@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP front door over the real request path and two real `sim` workers, through uvicorn
-on a real socket (tests/gateway_stack.py): every bad input gets its 4xx in OpenAI's error shape naming the
-field (and the server keeps serving), response and stream shapes, include_usage, stop strings, n, logprobs,
-headers, cache salts, and client disconnects cancelling the worker's request.
+"""The OpenAI-compatible HTTP front door over the real request path and two real `sim` workers, through the
+gateway's HTTP server on a real socket (tests/gateway_stack.py): every bad input gets its 4xx in OpenAI's error
+shape naming the field (and the server keeps serving), response and stream shapes, include_usage, stop strings,
+n, logprobs, headers, cache salts, and client disconnects cancelling the worker's request.
 
 `sim` workers emit deterministic token ids (a function of the context), so the same prompt gives the same
 text streamed or not, whatever the sampling parameters.
@@ -440,8 +440,8 @@ def test_request_id_is_echoed_or_generated(client: httpx.Client) -> None:
 
 
 def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(client: httpx.Client) -> None:
-    """The generation endpoints are served by the HTTP protocol itself (HotCycle), the rest through Starlette: a
-    chunked body and a repeated header (the first counts) read the same way, and a wrong method is a 405 in
+    """Every endpoint is served by the one request cycle: a chunked body and a repeated header (the first
+    counts) read the same way by the generation and the tokenizer endpoints, and a wrong method is a 405 in
     OpenAI's error shape."""
 
     def chunked(body: bytes) -> Iterator[bytes]:
@@ -455,13 +455,14 @@ def test_generation_endpoints_read_headers_and_bodies_as_the_other_endpoints(cli
         assert response.headers["x-request-id"] == "first-1"
     wrong = client.get(CHAT_URL)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+    assert wrong.headers["allow"] == "POST"
+    head = client.head("/health")
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-length"] == "15"
 
 
-def test_a_generation_request_that_misses_the_hot_path_is_served_alike_through_asgi(
-    client: httpx.Client, stack: GatewayStack
-) -> None:
-    """A target with a query string is not one of the protocol's hot endpoints: Starlette's route serves it
-    (GenerationEndpoint over ASGI), with the same bodies, headers and refusals, whole and streamed."""
+def test_a_generation_request_with_a_query_string_is_served_alike(client: httpx.Client, stack: GatewayStack) -> None:
+    """A target with a query string is routed by its path: the same bodies, headers and refusals, whole and
+    streamed."""
     body = {"prompt": "hi", "max_tokens": 3}
     for path in (C, C + "?via=asgi"):
         whole = client.post(path, json=body, headers={"x-request-id": "asgi-or-not"})

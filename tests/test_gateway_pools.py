@@ -26,10 +26,10 @@ from test_epp_envoy import _spawn, _wait
 from gateway.admission.auth import Authenticator, cache_salt, key_sha256
 from gateway.admission.limits import TenantConcurrency
 from gateway.cli_epp import EndpointPicker
-from gateway.cli_gateway import HttpServer
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
 from gateway.frontdoors.ext_proc import EndpointMap
 from gateway.frontdoors.grpc_server import start_grpc_server
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Pools
@@ -97,7 +97,9 @@ class PoolsStack(GatewayStack):
         self.pools = Pools(paths)
         app = build_app(self.pools, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens)
         self.http = HttpServer.start(app, "127.0.0.1", 0)
-        self.grpc = await start_grpc_server(self.pools, "127.0.0.1", 0, health_interval_s=0.1)
+        self.grpc = await start_grpc_server(
+            self.pools, "127.0.0.1", 0, max_body_bytes=o.limits.max_body_bytes, health_interval_s=0.1
+        )
 
     async def _stop(self) -> None:
         await self.grpc.stop(grace=0)

@@ -52,8 +52,9 @@ DOCKER = ROOT / "deploy" / "docker"
 RELEASE = "kvroute"
 NAMESPACE = "llm"
 MIN_KUBE_VERSION = "1.30.0"
-# Custom resources whose schemas kubernetes-validate does not carry: their wiring is checked below instead.
-CUSTOM_KINDS = {"ServiceMonitor", "HTTPRoute", "GRPCRoute"}
+# Custom resources whose schemas kubernetes-validate does not carry: their wiring is checked below instead (the
+# PrometheusRule in tests/test_helm_alerts.py).
+CUSTOM_KINDS = {"ServiceMonitor", "HTTPRoute", "GRPCRoute", "PrometheusRule"}
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet"})
 EVERY_POD_KIND = WORKLOAD_KINDS | {"Pod"}
 # What the kubelet would put in the downward-API and Secret-backed variables.
@@ -178,6 +179,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "observability": {
             "otel": {"endpoint": "http://otel-collector.monitoring:4317", "resourceAttributes": {"env": "prod"}},
             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+            "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
             "prometheus": {"scrapeAnnotations": False},
         },
         "networkPolicy": {"enabled": True, "gatewayFrom": [MONITORING], "metricsFrom": [MONITORING]},

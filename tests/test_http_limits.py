@@ -1,7 +1,7 @@
-"""The HTTP connection's limits (gateway.frontdoors.http_protocol) on a real uvicorn socket in front of the real gateway
-app and request path: header size and count (431), malformed HTTP (400), both in OpenAI's error body; the
-head timeout (slowloris: 408, then closed), idle fresh and keep-alive connections closed after their
-timeouts, and connections over the cap refused with a fast 503. The server under test has small limits
+"""The HTTP connection's limits (gateway.frontdoors.http_protocol) on a real socket of the gateway's HTTP server in
+front of the real gateway app and request path: header size and count (431), malformed HTTP (400), both in
+OpenAI's error body; the head timeout (slowloris: 408, then closed), idle fresh and keep-alive connections closed
+after their timeouts, and connections over the cap refused with a fast 503. The server under test has small limits
 and second-long timeouts, so that each test takes about a second.
 """
 
@@ -21,7 +21,8 @@ import httpx
 import pytest
 from gateway_stack import KEY, GatewayStack, StackOptions, stack_fixture
 
-from gateway.cli_gateway import HttpServer, add_arguments, build_gateway
+from gateway.cli_gateway import add_arguments, build_gateway
+from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_protocol import HttpLimits
 from gateway.frontdoors.http_server import build_app
 from gateway.frontdoors.openai_protocol import ErrorResponse
@@ -54,7 +55,7 @@ def idle_server(server: HttpServer, stack: GatewayStack) -> HttpServer:
     """The server once every connection of an earlier test has gone."""
 
     async def open_connections() -> int:
-        return len(server._server.server_state.connections)
+        return server.open_connections
 
     deadline = time.monotonic() + 5
     while stack.call(open_connections()) and time.monotonic() < deadline:
@@ -311,9 +312,8 @@ def responses(raw: bytes, methods: list[bytes]) -> list[tuple[h11.Response, byte
 
 
 def test_generation_requests_pipelined_on_one_connection_are_answered_in_order(idle_server: HttpServer) -> None:
-    """The generation endpoints are served by the protocol itself (HotCycle), not uvicorn's request cycle: a
-    whole answer, a stream and a GET written in one go come back in order on the one connection, each
-    whole, and the last one's `connection: close` closes it."""
+    """Pipelining: a whole answer, a stream and a GET written in one go come back in order on the one
+    connection, each whole, and the last one's `connection: close` closes it."""
     with connect(idle_server) as sock:
         sock.sendall(
             post(b"/v1/completions", {"prompt": "hi", "max_tokens": 2}, b"x-request-id: first-1")

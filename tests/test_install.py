@@ -36,6 +36,8 @@ from launch.cli import build_parser
 for command in ("gateway", "epp", "export-tokenizer"):
     build_parser([command])
 import gateway.cli_gateway, gateway.cli_epp
+# Every HTTP door's modules: our own HTTP server, no uvicorn or Starlette (not base dependencies).
+import gateway.frontdoors.http_server, gateway.frontdoors.metrics_port, gateway.frontdoors.render_endpoints
 assert "torch" not in sys.modules and "triton" not in sys.modules
 """
 )
@@ -155,32 +157,96 @@ LOAD_EXTENSION = r"""
 import sys
 from pathlib import Path
 from kvkernels.cpu_backend import load_extension
-load_extension("test op library", "kvroute_test_notice", Path(sys.argv[1]), [], ())
+loaded = load_extension("test op library", "kvroute_test_notice", Path(sys.argv[1]), [], ())
 """
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the C++ kernels build on x86_64 only")
-def test_a_kernel_load_that_waits_on_a_build_says_what_it_is_doing(tmp_path: Path) -> None:
-    """A first start's kernel compiles took minutes without a word. Here the build is held by another process
-    (torch's `lock` file in the extension's build directory: what a second worker of `kvroute up` waits on while
-    the first compiles), so the load waits past BUILD_NOTICE_S whatever the machine's speed."""
+def _test_op_library(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """A tiny C++ op library's source, its build lock's path and an environment whose TORCH_EXTENSIONS_DIR is
+    under tmp_path."""
     source = tmp_path / "notice.cpp"
     source.write_text("int kvroute_test_notice() { return 1; }\n")
     build_root = tmp_path / "torch_extensions"
     lock = build_root / "kvroute_test_notice" / "lock"
     lock.parent.mkdir(parents=True)
-    lock.touch()
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(build_root)}
+    return source, lock, {**os.environ, "TORCH_EXTENSIONS_DIR": str(build_root)}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the C++ kernels build on x86_64 only")
+def test_a_kernel_load_that_waits_on_a_build_says_what_it_is_doing(tmp_path: Path) -> None:
+    """A first start's kernel compiles took minutes without a word. Here the build is held by another process
+    (torch's `lock` file in the extension's build directory, kept open as torch's build keeps it: what a second
+    worker of `kvroute up` waits on while the first compiles), so the load waits past BUILD_NOTICE_S whatever the
+    machine's speed."""
+    source, lock, env = _test_op_library(tmp_path)
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)
     loader = subprocess.Popen(
         [sys.executable, "-c", LOAD_EXTENSION, str(source)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
     )
-    release = threading.Timer(60, lock.unlink)  # the load ends, and with it stderr, whatever it printed
-    release.start()
+
+    def release() -> None:
+        os.close(held)
+        lock.unlink()
+
+    releaser = threading.Timer(60, release)  # the load ends, and with it stderr, whatever it printed
+    releaser.start()
     try:
         assert loader.stderr is not None
         notice = next((line for line in loader.stderr if "kvroute: compiling" in line), "")
     finally:
-        release.cancel()
-        lock.unlink(missing_ok=True)
+        releaser.cancel()
+        if lock.exists():
+            release()
         loader.wait(timeout=120)
-    assert notice.startswith(f"kvroute: compiling the test op library (first use; cached under {build_root}")
+    assert notice.startswith(f"kvroute: compiling the test op library (first use; cached under {lock.parent}")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the C++ kernels build on x86_64 only")
+def test_a_stale_build_lock_is_removed_and_the_kernel_builds(tmp_path: Path) -> None:
+    """A compile killed mid-way leaves torch's lock file behind, and every later load waited on it forever. A lock
+    no process holds is removed, with a line on stderr naming it, and the library builds."""
+    source, lock, env = _test_op_library(tmp_path)
+    lock.touch()  # what a killed build leaves: the file, held by nobody
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_EXTENSION + "print(loaded)", str(source)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert f"kvroute: removing the stale build lock {lock}" in result.stderr
+    assert result.stdout.strip() == "True", result.stderr
+    assert (lock.parent / "kvroute_test_notice.so").exists()
+
+
+HELD_LOCK_LOAD = r"""
+import sys
+from pathlib import Path
+from kvkernels import cpu_backend
+cpu_backend.BUILD_LOCK_WAIT_S = 1.0
+print(cpu_backend.load_extension("test op library", "kvroute_test_notice", Path(sys.argv[1]), [], ()))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the C++ kernels build on x86_64 only")
+def test_a_build_lock_held_too_long_fails_the_load_naming_the_file(tmp_path: Path) -> None:
+    """A lock a live process holds past BUILD_LOCK_WAIT_S (a build hung elsewhere) ends the wait: the load says
+    on stderr which file to delete, and the torch path runs instead."""
+    source, lock, env = _test_op_library(tmp_path)
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", HELD_LOCK_LOAD, str(source)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(held)
+    assert result.stdout.strip() == "False"
+    assert f"held by process {os.getpid()}" in result.stderr
+    assert f"if no build is running, delete {lock}" in result.stderr
+    assert lock.exists()  # a live holder's lock is never removed

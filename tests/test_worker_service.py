@@ -46,8 +46,12 @@ def sim_engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> LLMEngine:
-    # float32: greedy tokens must not depend on how requests were batched (bf16 near-ties would flip).
-    return LLMEngine(EngineConfig(model="tiny", dtype="float32", num_kv_blocks=TINY_BLOCKS, max_num_batched_tokens=64))
+    # float32: greedy tokens must not depend on how requests were batched (bf16 near-ties would flip). No decode
+    # reserve: the pressure tests want admission on the prompts' blocks, and the preemptions that follow.
+    config = EngineConfig(
+        model="tiny", dtype="float32", num_kv_blocks=TINY_BLOCKS, max_num_batched_tokens=64, decode_reserve_tokens=0
+    )
+    return LLMEngine(config)
 
 
 @dataclass
@@ -474,7 +478,9 @@ def test_a_slow_consumer_gets_piled_up_outputs_merged(sim_engine: LLMEngine) -> 
 
 def test_cancellations_under_kv_pressure_keep_the_books_straight() -> None:
     """Requests that wait, run or were preempted are cancelled at random points; the rest complete."""
-    engine = LLMEngine(EngineConfig(model="sim", num_kv_blocks=10, max_model_len=SIM_MAX_MODEL_LEN))
+    engine = LLMEngine(
+        EngineConfig(model="sim", num_kv_blocks=10, max_model_len=SIM_MAX_MODEL_LEN, decode_reserve_tokens=0)
+    )
     engine.runner.cost = SimCostModel(prefill_us_per_token=0.0, decode_ms_per_step=2.0)
     rng = random.Random(0)
     plans = [(rng.randrange(30, 60), rng.choice([None, None, 0, 2, 6])) for _ in range(16)]

@@ -55,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="prefill chunk budget"
     )
+    parser.add_argument(
+        "--decode-reserve-tokens",
+        type=int,
+        default=defaults.decode_reserve_tokens,
+        help="admit a request only while the KV blocks stay free that every running request needs to finish its "
+        "prompt and decode up to this many more tokens (its max_tokens if fewer), so a burst waits in the queue "
+        "instead of preempting; 0: keep only the watermark free (default: %(default)s)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--device", default=defaults.device)
@@ -125,6 +133,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_reserve_tokens=args.decode_reserve_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         device=args.device,

@@ -22,6 +22,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # chunked prefill token budget per step (vLLM's CPU server default)
     watermark: float = 0.01  # share of blocks kept free when admitting
+    # Blocks kept free for each running sequence's growth when admitting: its prompt's rest and up to this many
+    # decode tokens (worker/scheduler.py, "Headroom"; the default's measured trade in docs/worker.md); 0: the
+    # watermark only.
+    decode_reserve_tokens: int = 32
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's
     device: str = "cpu"
@@ -47,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.sim_prefill_us_per_token < 0 or self.sim_decode_ms_per_step < 0:

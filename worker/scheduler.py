@@ -6,10 +6,17 @@ One step:
      sequence (its blocks are freed and it goes back to the front of the waiting queue, to be recomputed),
      or itself when it is the newest;
   2. if nothing was preempted, waiting sequences are admitted in FIFO order while the budget, `max_num_seqs`
-     and the free blocks above the watermark allow; each starts from its longest cached prefix. The first
+     and the free blocks above the headroom allow; each starts from its longest cached prefix. The first
      admission counts one prefix-cache query and sets the sequence's `num_cached_tokens` (less than its
      prompt); a re-admission after preemption reuses what it finds over prompt + output but counts nothing
      and keeps that figure.
+Headroom (while anything runs; an idle engine admits whatever fits): the watermark's share of the pool, plus,
+with `decode_reserve_tokens` R > 0, the blocks each running sequence still needs to finish its prompt and decode
+min(its remaining max_tokens, R) more tokens, and as much for the candidate itself. So a burst waits in the
+queue, where its prefix stays cached and no one's work is thrown away, instead of being admitted on the
+prompt's blocks alone and preempting (recomputing) the newest sequences as the batch grows. Sequences that
+decode past R, or an estimate that other sequences' cached blocks were free, can still preempt: the reserve
+makes it rare, not impossible (docs/worker.md, "Headroom": its figures).
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
@@ -74,6 +81,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.watermark_blocks = int(config.watermark * kv_manager.num_blocks)
+        self.decode_reserve_tokens = config.decode_reserve_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.requests: dict[str, Sequence] = {}
@@ -119,7 +127,7 @@ class Scheduler:
             # Recounted rather than decremented: a preempted sequence gives its tokens back to the budget.
             budget = self.max_num_batched_tokens - sum(chosen.values())
         if not preempted:
-            budget = self._admit(budget, chosen)
+            self._admit(budget, chosen)
         scheduled = [ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv) for seq, n in chosen.items()]
         return SchedulerOutput(scheduled, preempted)
 
@@ -144,26 +152,44 @@ class Scheduler:
         self._preempted.add(seq)
         self.num_preemptions += 1
 
-    def _admission(self, seq: Sequence, budget: int) -> tuple[PrefixHit, int] | None:
-        """The prefix hit and the tokens `seq` would be admitted with now, or None if it must wait."""
+    def _growth_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """The blocks `seq` would still take, beyond those for `num_tokens`, to finish its prompt and decode
+        its reserve (0 without one)."""
+        if self.decode_reserve_tokens == 0:
+            return 0
+        decode = min(seq.params.max_tokens - seq.num_output_tokens, self.decode_reserve_tokens)
+        return max(0, self.kv.num_blocks_for(seq.num_tokens + decode) - self.kv.num_blocks_for(num_tokens))
+
+    def _headroom(self) -> int:
+        """The free blocks an admission must leave while anything runs (module docstring)."""
+        held = self.kv.req_blocks
+        growth = sum(self._growth_blocks(s, len(held.get(s.request_id, ())) * self.block_size) for s in self.running)
+        return self.watermark_blocks + growth
+
+    def _admission(self, seq: Sequence, budget: int, headroom: int) -> tuple[PrefixHit, int, int] | None:
+        """The prefix hit, the tokens `seq` would be admitted with now and the blocks it reserves to grow, or
+        None if it must wait (`headroom`: what the running sequences need kept free)."""
         if budget <= 0 or len(self.running) >= self.max_num_seqs:
             return None
         hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
         num_new = min(seq.num_tokens - hit.num_tokens, budget)
         needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks)
-        # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
-        reserve = self.watermark_blocks if self.running else 0
-        if self.kv.num_free_blocks - needed < reserve:
+        growth = self._growth_blocks(seq, hit.num_tokens + num_new)
+        if self.running and self.kv.num_free_blocks - needed - growth < headroom:
             return None
-        return hit, num_new
+        return hit, num_new, growth
 
-    def _admit(self, budget: int, chosen: dict[Sequence, int]) -> int:
+    def _admit(self, budget: int, chosen: dict[Sequence, int]) -> None:
+        if not self.waiting:
+            return
+        headroom = self._headroom()
         while self.waiting:
             seq = self.waiting[0]
-            admission = self._admission(seq, budget)
+            admission = self._admission(seq, budget, headroom)
             if admission is None:
                 break
-            hit, num_new = admission
+            hit, num_new, growth = admission
+            headroom += growth  # what it holds now leaves the free count; what it will grow by is kept free
             allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
             assert allocated is not None, "admission checked the free blocks"
             self.waiting.popleft()
@@ -177,7 +203,6 @@ class Scheduler:
             self.running.append(seq)
             chosen[seq] = num_new
             budget -= num_new
-        return budget
 
     # -- plain decode steps ----------------------------------------------------------------------
 
@@ -185,7 +210,8 @@ class Scheduler:
         """How many of the next steps are plain decode steps (module docstring); 0 when the next one is not."""
         if not self.running or len(self.running) > self.max_num_batched_tokens:
             return 0
-        if self.waiting and self._admission(self.waiting[0], self.max_num_batched_tokens - len(self.running)):
+        budget = self.max_num_batched_tokens - len(self.running)
+        if self.waiting and self._admission(self.waiting[0], budget, self._headroom()):
             return 0
         bs = self.block_size
         ahead = self.max_num_batched_tokens

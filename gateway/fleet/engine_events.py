@@ -49,7 +49,8 @@ Caller contract:
   8. No batch holds the event loop: `receive(frames)` (what the reader and the hub call) decodes a batch one
      event at a time and applies it in slices of `SLICE_BLOCKS` blocks, the loop run between them, one batch at
      a time per subscriber (a replay's end waits its turn); `handle(frames)` applies it at once, for a caller
-     off the loop. Live batches held during a replay are bounded by `MAX_HELD_BATCHES` and `MAX_HELD_BYTES`.
+     off the loop. Live batches held during a replay are bounded by `MAX_HELD_BATCHES` and `MAX_HELD_BYTES`,
+     the batches a replay gives back by `MAX_REPLAY_BATCHES` and `MAX_REPLAY_BYTES`.
 """
 
 from __future__ import annotations
@@ -96,9 +97,11 @@ logger = logging.getLogger(__name__)
 # removal could no longer be read.
 DEFAULT_MAX_BLOCKS = 1 << 18
 # A replay is a few thousand batches at most (the engines' buffer_steps default is 10,000); these bound a
-# publisher that never ends one.
+# publisher that never ends one, or sends one too large to keep: past a bound the rest is not read, and the
+# worker's entries are rebuilt from the live batches after the replay, as for any lost batch.
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_BATCHES = 20_000
+MAX_REPLAY_BYTES = 4 * MAX_BATCH_BYTES
 # Live batches kept while a replay is in flight, by count and by bytes; past either they are lost too, and the
 # worker rebuilt after.
 MAX_HELD_BATCHES = 20_000
@@ -106,6 +109,11 @@ MAX_HELD_BYTES = 4 * MAX_BATCH_BYTES
 # ZMQ_MAXMSGSIZE on every socket that reads events: a larger frame is never delivered (the peer is
 # disconnected, as for a lost link), so no more than one batch's bound is ever read into memory.
 MAX_MESSAGE_BYTES = MAX_BATCH_BYTES
+# ZMQ_RCVHWM (messages queued per connection, libzmq's default 1,000) on the same sockets: a connection queues at
+# most RCV_HWM x MAX_MESSAGE_BYTES = 64 MiB in the gateway (the default's: 16 GiB) while the reader is behind.
+# Past it libzmq stops reading that connection, and the rest waits in the kernel's socket buffers and the engine's
+# send queue (a PUB drops past its own SNDHWM: a gap, replayed), so a small bound loses nothing a larger one keeps.
+RCV_HWM = 4
 # Blocks decoded, hashed and told to the book between two yields to the event loop while one batch is applied (about
 # 1 ms of work, a few on a loaded 2-core machine); messages handled per wake-up.
 SLICE_BLOCKS = 512
@@ -331,6 +339,16 @@ class _Ingest:
                 removed.append(ours)
 
 
+def event_socket(context: zmq.asyncio.Context, kind: int) -> zmq.asyncio.Socket:
+    """A socket of `kind` that reads KV events or replays, with the bounds every such socket keeps: no linger,
+    frames up to MAX_MESSAGE_BYTES (ZMQ_MAXMSGSIZE) and RCV_HWM messages queued per connection (ZMQ_RCVHWM)."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+    return sock
+
+
 class EngineEventSubscriber:
     """One routing target's KV events into a FleetBook (module docstring: the caller contract)."""
 
@@ -388,9 +406,7 @@ class EngineEventSubscriber:
         """Connect the SUB socket (none when fed by an EngineEventHub) and start reading."""
         if self.source.events_endpoint is None:
             return
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = event_socket(self._ctx, zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.source.events_endpoint)
@@ -686,12 +702,11 @@ class EngineEventSubscriber:
 
     async def _replay(self, start: int, check: tuple[int, bytes] | None) -> None:
         replayed: list[tuple[int, bytes]] = []
+        replayed_bytes = 0
         complete = False  # the end marker came
         endpoint = self.source.replay_endpoint
         assert endpoint is not None  # _begin_replay replays without one in place
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = event_socket(self._ctx, zmq.DEALER)
         try:
             sock.connect(endpoint)
             await sock.send_multipart([b"", encode_seq(start)])
@@ -708,6 +723,10 @@ class EngineEventSubscriber:
                     seq = decode_seq(frames[0])
                     if seq == END_SEQ:
                         complete = True
+                        break
+                    replayed_bytes += len(frames[1])
+                    if replayed_bytes > MAX_REPLAY_BYTES:
+                        self._drop("replay", f"a replay from {endpoint} is over {MAX_REPLAY_BYTES >> 20} MiB")
                         break
                     replayed.append((seq, frames[1]))
         except (TimeoutError, KVEventDecodeError, zmq.ZMQError) as exc:
@@ -798,9 +817,7 @@ class EngineEventHub:
         self._subscribers.pop(topic.encode(), None)
 
     async def start(self) -> None:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = event_socket(self._ctx, zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         if self.bind_endpoint.endswith(":0"):
             port = sock.bind_to_random_port(self.bind_endpoint.rsplit(":", 1)[0])

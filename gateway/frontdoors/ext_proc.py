@@ -96,10 +96,11 @@ _SLASHES = re.compile("/+")
 
 
 def canonical_path(raw: str) -> str:
-    """`raw` (a `:path`) without its query or fragment, percent-decoded whole (as uvicorn, and so the workers'
-    front doors and vLLM, decode it: `%2F` too, a superset of RFC 3986's unreserved characters), slashes
-    merged and dot segments removed (as Envoy's `normalize_path` / `merge_slashes` do). Whatever a worker
-    would serve as an inference request is one here, so no spelling of the path gets past the decision."""
+    """`raw` (a `:path`) without its query or fragment, percent-decoded whole (as the workers' front doors,
+    gateway.frontdoors.http_protocol.request_path, and vLLM's uvicorn decode it: `%2F` too, a superset of RFC
+    3986's unreserved characters), slashes merged and dot segments removed (as Envoy's `normalize_path` /
+    `merge_slashes` do). Whatever a worker would serve as an inference request is one here, so no spelling of
+    the path gets past the decision."""
     path = raw.partition("#")[0].partition("?")[0]
     return posixpath.normpath(_SLASHES.sub("/", unquote(path))) if path else path
 

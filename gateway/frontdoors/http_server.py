@@ -1,6 +1,6 @@
-"""The gateway's OpenAI-compatible HTTP front door: an ASGI app (served by uvicorn with uvloop and httptools)
-whose generation endpoints the connection's protocol calls without ASGI (`hot_endpoints`, served by
-gateway.frontdoors.http_protocol.HotCycle), the rest through Starlette.
+"""The gateway's OpenAI-compatible HTTP front door: a route table (gateway.frontdoors.http_routes) served by the
+gateway's own HTTP protocol (gateway.frontdoors.http_protocol: uvloop, httptools, every limit), one request cycle
+for every endpoint.
 
     POST /v1/completions, /v1/chat/completions ─► parse (openai_protocol) ─► GatewayRequest
         ─► RequestPath.generate ─► Generation ─► JSON body, or server-sent events ending in `data: [DONE]`
@@ -8,20 +8,20 @@ gateway.frontdoors.http_protocol.HotCycle), the rest through Starlette.
     GET /v1/models, /v1/models/{id}, /health (alive), /ready (a routable worker), /openapi.json
 
 Prometheus metrics are not on this port: they list workers and per-app series that API clients have no
-business reading, so they are served apart (`--metrics-port`, gateway.metrics.metrics_app).
+business reading, so they are served apart (`--metrics-port`, gateway.frontdoors.metrics_port).
 
-Starlette rather than FastAPI (why, measured: docs/gateway.md, "Why Starlette, not FastAPI"): what FastAPI would
-add here (body parsing, the OpenAPI document) is done explicitly below with the same pydantic models.
+No web framework: what one would add here (body parsing, the OpenAPI document) is done explicitly below with
+the same pydantic models, and routing is a dict (why, measured: docs/gateway.md, "The HTTP transport").
 
 The contract every response keeps:
 - With API keys configured, a /v1/, /tokenize or /detokenize request without a valid key gets 401 before its
-  body is read (`AuthenticateFirst`), whatever else is wrong with it.
+  body is read (`authenticate_first`), whatever else is wrong with it.
 - Errors are OpenAI's body `{"error": {"message", "type", "param", "code"}}` with the status of the
-  `GatewayError` (gateway.errors): 400 naming the field (never a 422), 401, 404, 413 (the body limit is
+  `GatewayError` (gateway.errors): 400 naming the field (never a 422), 401, 404, 405, 413 (the body limit is
   enforced while reading, before the body is held whole), 429 with Retry-After, 503. Any other exception is
   logged and answered 500 in the same shape, and the server keeps serving. The connection's own refusals
-  (malformed HTTP 400, 408, 431, 503 over the connection cap) are gateway.frontdoors.http_protocol's, in the same shape.
-  A message quotes at most a short prefix of what the client sent (`errors.quoted`).
+  (malformed HTTP 400, 408, 431, 503 over the connection cap) are gateway.frontdoors.http_protocol's, in the
+  same shape. A message quotes at most a short prefix of what the client sent (`errors.quoted`).
 - Once routed, every response (streamed or not, errors included) carries `x-kvroute-worker` and
   `x-kvroute-route`; every response carries `x-request-id` (the client's, echoed, or the gateway's own).
 - An error after a stream started is one last `data: {"error": ...}` event, then `data: [DONE]`.
@@ -31,26 +31,20 @@ The contract every response keeps:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from pydantic.json_schema import models_json_schema
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission.auth import Authenticator
 from gateway.admission.limits import Limits
 from gateway.errors import GatewayError, InvalidRequestError, quoted
 from gateway.frontdoors.http_protocol import Exchange, body_too_large, internal_error
+from gateway.frontdoors.http_routes import Guard, HttpRoutes, Reply, Route, StreamReply, error_reply
 from gateway.frontdoors.openai_protocol import (
     PRIORITY_HEADER,
     ChatCompletionChunk,
@@ -79,12 +73,11 @@ from kvroute.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = Limits().max_body_bytes
-JSON = "application/json"
-T = TypeVar("T")
 M = TypeVar("M", bound=OpenAIModel)
-# Where a client must present its API key (AuthenticateFirst): the OpenAI API and vLLM's tokenizer endpoints.
+# Where a client must present its API key (authenticate_first): the OpenAI API and vLLM's tokenizer endpoints.
 AUTHENTICATED_PREFIX = "/v1/"
 AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})
+MODEL_CARDS = "/v1/models/"
 
 
 class ServesModel(Protocol):
@@ -123,69 +116,46 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = None,
-    extra_routes: Sequence[BaseRoute] = (),
-) -> ASGIApp:
+    extra_routes: Sequence[Route] = (),
+) -> HttpRoutes:
     """The HTTP app over one request path. `max_body_bytes` bounds a request body (413 past it);
     `default_max_tokens` is a chat request's max_tokens when the client sets none (completions default to
     OpenAI's 16); `extra_routes` are matched first (a worker's front door serves its engine's /metrics and
-    its own /health).
-
-    The app is AuthenticateFirst over a Starlette app, and names the generation endpoints in `hot_endpoints`:
-    the HTTP protocol (gateway.frontdoors.http_protocol) serves a POST to one of those paths without ASGI,
-    everything else through Starlette's routing (the same endpoints are routes there too: a wrong method is
-    Starlette's 405, and any other ASGI server reaches them there)."""
+    its own /health, and vLLM's render endpoints)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
-    generation = (
-        GenerationEndpoint(server, "/v1/completions", CompletionRequest, CompletionRenderer),
-        GenerationEndpoint(server, "/v1/chat/completions", ChatCompletionRequest, ChatRenderer),
-    )
     routes = [
         *extra_routes,
-        *(Route(endpoint.path, endpoint, methods=["POST"]) for endpoint in generation),
-        Route("/tokenize", server.tokenize, methods=["POST"]),
-        Route("/detokenize", server.detokenize, methods=["POST"]),
-        Route("/v1/models", server.list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.get_model, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/ready", server.ready, methods=["GET"]),
-        Route("/openapi.json", server.openapi, methods=["GET"]),
+        Route(b"POST", "/v1/completions", server.completions),
+        Route(b"POST", "/v1/chat/completions", server.chat_completions),
+        Route(b"POST", "/tokenize", server.tokenize),
+        Route(b"POST", "/detokenize", server.detokenize),
+        Route(b"GET", "/v1/models", server.list_models),
+        Route(b"GET", MODEL_CARDS, server.get_model, subtree=True),
+        Route(b"GET", "/health", server.health),
+        Route(b"GET", "/ready", server.ready),
+        Route(b"GET", "/openapi.json", server.openapi),
     ]
-    app = Starlette(
-        routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _unexpected_exception}
-    )
-    taken = {path for route in extra_routes if (path := getattr(route, "path", None))}
-    hot = {endpoint.path.encode(): endpoint for endpoint in generation if endpoint.path not in taken}
-    return AuthenticateFirst(app, request_path=request_path, hot_endpoints=hot)
+    return HttpRoutes(routes, max_body_bytes, guard=authenticate_first(request_path))
 
 
-class AuthenticateFirst:
+def authenticate_first(request_path: ServesRequests) -> Guard:
     """Every /v1/, /tokenize and /detokenize request's API key is checked before anything else of the request
     is read, parsed or routed: a client without a valid key gets 401 and learns nothing else (not the body
     limit, not which fields are wrong, not the served model's name). /health, /ready, /metrics and
     /openapi.json stay open. The request path authenticates again (it is the contract of every caller); a key
-    is one SHA-256. The keys are the request path's at each request, so a SIGHUP reload applies here too.
-    `hot_endpoints` (raw path: endpoint) are what the HTTP protocol serves without ASGI; they call `refusal`
-    themselves first."""
+    is one SHA-256. The keys are the request path's at each request, so a SIGHUP reload applies here too."""
 
-    def __init__(
-        self, app: ASGIApp, request_path: ServesRequests, hot_endpoints: Mapping[bytes, GenerationEndpoint]
-    ) -> None:
-        self.app = app
-        self.request_path = request_path
-        self.metrics = request_path.metrics
-        self.hot_endpoints = hot_endpoints
+    def guard(exchange: Exchange) -> Reply | None:
+        path = exchange.path
+        if path.startswith(AUTHENTICATED_PREFIX) or path in AUTHENTICATED_PATHS:
+            return refusal(request_path, exchange.headers)
+        return None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        authenticated = path.startswith(AUTHENTICATED_PREFIX) or path in AUTHENTICATED_PATHS
-        if scope["type"] == "http" and authenticated and (refused := refusal(self.request_path, scope["headers"])):
-            await reply_response(refused)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+    return guard
 
 
 def refusal(request_path: ServesRequests, headers: list[tuple[bytes, bytes]]) -> Reply | None:
-    """The 401 for a request without a valid API key (AuthenticateFirst), or the 400 for one with two
+    """The 401 for a request without a valid API key (authenticate_first), or the 400 for one with two
     `Authorization` headers (the one place that decides: every later reader takes the first, which is then
     the only one), counted; None when the key is valid or the gateway is open. `headers` are the head's (the
     HTTP protocol refuses trailers)."""
@@ -206,76 +176,7 @@ def refusal(request_path: ServesRequests, headers: list[tuple[bytes, bytes]]) ->
     return None
 
 
-class Reply(NamedTuple):
-    """A whole JSON response."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-
-class StreamReply(NamedTuple):
-    """A 200 of server-sent events; `close` runs however the stream ends, also when it never started."""
-
-    headers: dict[str, str]
-    events: AsyncGenerator[bytes, None]
-    close: Callable[[], Awaitable[None]]
-
-
-class GenerationEndpoint:
-    """POST /v1/completions or /v1/chat/completions over an `Exchange`: the HTTP protocol's own
-    (gateway.frontdoors.http_protocol.HotCycle, `serve`), or ASGI's (`__call__`, Starlette's route). An
-    exception that escapes the request path is logged and answered 500 in OpenAI's shape."""
-
-    def __init__(
-        self, server: OpenAIServer, path: str, wire_type: type[SamplingFields], renderer_type: type[Renderer]
-    ) -> None:
-        self.server = server
-        self.path = path
-        self.wire_type = wire_type
-        self.renderer_type = renderer_type
-        self.max_body_bytes = server.max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.serve(AsgiExchange(scope, receive, send, self.max_body_bytes))
-
-    async def serve(self, exchange: Exchange) -> None:
-        try:
-            reply = refusal(self.server.request_path, exchange.headers) or await self.server.generate(
-                exchange, self.wire_type, self.renderer_type
-            )
-        except Exception:
-            logger.exception("POST %s failed", self.path)
-            reply = error_reply(internal_error())
-        if isinstance(reply, StreamReply):
-            try:
-                await exchange.stream(reply.headers, reply.events)
-            finally:
-                await reply.close()
-        else:
-            await exchange.respond(*reply)
-
-
-class AsgiExchange:
-    """An `Exchange` over ASGI: what GenerationEndpoint reads and writes when a server other than
-    gateway.frontdoors.http_protocol's calls it."""
-
-    def __init__(self, scope: Scope, receive: Receive, send: Send, max_body_bytes: int) -> None:
-        self.headers: list[tuple[bytes, bytes]] = scope["headers"]
-        self.scope, self.receive, self.send = scope, receive, send
-        self.max_body_bytes = max_body_bytes
-
-    async def body(self) -> bytes:
-        return await read_body(self.receive, None, self.max_body_bytes)
-
-    async def until_disconnected(self, work: Awaitable[T]) -> T | None:
-        return await until_disconnected(self.receive, work)
-
-    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        await reply_response(Reply(status, dict(headers), body))(self.scope, self.receive, self.send)
-
-    async def stream(self, headers: Mapping[str, str], events: AsyncGenerator[bytes, None]) -> None:
-        await EventStreamResponse(events, dict(headers))(self.scope, self.receive, self.send)
+NOBODY_LISTENS = Reply(499, {}, b"")  # the client left: written nowhere
 
 
 class OpenAIServer:
@@ -293,22 +194,25 @@ class OpenAIServer:
         self.started = int(time.time())
         self._openapi = orjson.dumps(openapi_document())
 
-    # -- generation endpoints (GenerationEndpoint) -------------------------------------------------------
+    # -- generation endpoints ---------------------------------------------------------------------------
+
+    async def completions(self, exchange: Exchange) -> Reply | StreamReply:
+        return await self.generate(exchange, CompletionRequest, CompletionRenderer)
+
+    async def chat_completions(self, exchange: Exchange) -> Reply | StreamReply:
+        return await self.generate(exchange, ChatCompletionRequest, ChatRenderer)
 
     async def generate(
         self, exchange: Exchange, wire_type: type[SamplingFields], renderer_type: type[Renderer]
     ) -> Reply | StreamReply:
         """The response to one generation request."""
-        headers = hot_headers(exchange.headers)
+        headers = read_headers(exchange.headers)
         client_request_id = client_request_id_of(headers.get("x-request-id"))
         try:
-            check_content_length(headers.get("content-length"), self.max_body_bytes)
-            body = await exchange.body()
+            body = await read_body(exchange, headers, self.max_body_bytes)
             wire = parse_request(wire_type, body)
             gateway_request = wire.to_gateway_request(request_headers(headers), self.default_max_tokens)
             gateway_request.api_json = body
-        except ClientDisconnect:  # left (or was cut off by the connection's timeouts) mid-body
-            return NOBODY_LISTENS
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
             return error_reply(exc, {"x-request-id": client_request_id or uuid.uuid4().hex})
@@ -349,42 +253,44 @@ class OpenAIServer:
 
     # -- vLLM's tokenizer endpoints -----------------------------------------------------------------------
 
-    async def tokenize(self, request: Request) -> Response:
+    async def tokenize(self, exchange: Exchange) -> Reply:
         """vLLM's /tokenize: `{"count", "max_model_len", "tokens", "token_strs"}` (token_strs null unless
         return_token_strs), the ids a generation with the same prompt or messages is sent with."""
 
-        async def answer(wire: TokenizeRequest) -> dict[str, Any]:
+        async def answer(wire: TokenizeRequest, headers: Mapping[str, str]) -> dict[str, Any]:
             pool = self.request_path.pool(wire.model)
-            result = await pool.tokenize(wire.to_gateway_request(request_headers(request.headers)))
+            result = await pool.tokenize(wire.to_gateway_request(request_headers(headers)))
             ids = result.token_ids
             token_strs = [pool.tokenizer.token_text(i) or "" for i in ids] if wire.return_token_strs else None
             return {"count": len(ids), "max_model_len": result.max_model_len, "tokens": ids, "token_strs": token_strs}
 
-        return await self._tokenizer_endpoint(request, TokenizeRequest, answer)
+        return await self._tokenizer_endpoint(exchange, TokenizeRequest, answer)
 
-    async def detokenize(self, request: Request) -> Response:
+    async def detokenize(self, exchange: Exchange) -> Reply:
         """vLLM's /detokenize: `{"prompt"}`, the text of the ids with special tokens written out."""
 
-        async def answer(wire: DetokenizeRequest) -> dict[str, Any]:
-            api_key = bearer_token(request.headers.get("authorization"))
+        async def answer(wire: DetokenizeRequest, headers: Mapping[str, str]) -> dict[str, Any]:
+            api_key = bearer_token(headers.get("authorization"))
             return {"prompt": await self.request_path.pool(wire.model).detokenize(api_key, wire.model, wire.tokens)}
 
-        return await self._tokenizer_endpoint(request, DetokenizeRequest, answer)
+        return await self._tokenizer_endpoint(exchange, DetokenizeRequest, answer)
 
     async def _tokenizer_endpoint(
-        self, request: Request, wire_type: type[M], answer: Callable[[M], Awaitable[dict[str, Any]]]
-    ) -> Response:
+        self,
+        exchange: Exchange,
+        wire_type: type[M],
+        answer: Callable[[M, Mapping[str, str]], Awaitable[dict[str, Any]]],
+    ) -> Reply:
         """Read and parse the body as `wire_type` (the body limit, OpenAI's error shape), then `answer` it."""
-        headers = {"x-request-id": client_request_id_of(request.headers.get("x-request-id")) or uuid.uuid4().hex}
+        headers = read_headers(exchange.headers)
+        reply_headers = {"x-request-id": client_request_id_of(headers.get("x-request-id")) or uuid.uuid4().hex}
         try:
-            body_bytes = await read_body(request.receive, request.headers.get("content-length"), self.max_body_bytes)
-            body = await answer(parse_request(wire_type, body_bytes))
-        except ClientDisconnect:
-            return Response(status_code=499)
+            body = await read_body(exchange, headers, self.max_body_bytes)
+            result = await answer(parse_request(wire_type, body), headers)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
-            return error_response(exc, headers)
-        return Response(orjson.dumps(body), media_type=JSON, headers=headers)
+            return error_reply(exc, reply_headers)
+        return Reply(200, reply_headers, orjson.dumps(result))
 
     # -- the rest -----------------------------------------------------------------------------------------
 
@@ -395,57 +301,41 @@ class OpenAIServer:
             "parent": None, "max_model_len": pool.max_model_len(),
         }  # fmt: skip
 
-    async def list_models(self, request: Request) -> Response:
+    async def list_models(self, exchange: Exchange) -> Reply:
         cards = [self._model_card(pool, name) for pool in self.request_path.pools() for name in pool.served_model_names]
-        return Response(orjson.dumps({"object": "list", "data": cards}), media_type=JSON)
+        return Reply(200, {}, orjson.dumps({"object": "list", "data": cards}))
 
-    async def get_model(self, request: Request) -> Response:
+    async def get_model(self, exchange: Exchange) -> Reply:
         try:
-            name = request.path_params["model"]
+            name = exchange.path.removeprefix(MODEL_CARDS)
             pool = self.request_path.pool(name)
         except GatewayError as exc:
-            return error_response(exc)
-        return Response(orjson.dumps(self._model_card(pool, name)), media_type=JSON)
+            return error_reply(exc)
+        return Reply(200, {}, orjson.dumps(self._model_card(pool, name)))
 
-    async def health(self, request: Request) -> Response:
-        return Response(b'{"status":"ok"}', media_type=JSON)
+    async def health(self, exchange: Exchange) -> Reply:
+        return Reply(200, {}, b'{"status":"ok"}')
 
-    async def ready(self, request: Request) -> Response:
+    async def ready(self, exchange: Exchange) -> Reply:
         """200 with at least one routable worker, else 503; the body counts them (`kvroute up` waits for all)."""
         workers = self.request_path.routable_workers()
         if workers:
-            return Response(orjson.dumps({"status": "ready", "workers": workers}), media_type=JSON)
-        return Response(b'{"status":"no routable worker","workers":0}', status_code=503, media_type=JSON)
+            return Reply(200, {}, orjson.dumps({"status": "ready", "workers": workers}))
+        return Reply(503, {}, b'{"status":"no routable worker","workers":0}')
 
-    async def openapi(self, request: Request) -> Response:
-        return Response(self._openapi, media_type=JSON)
+    async def openapi(self, exchange: Exchange) -> Reply:
+        return Reply(200, {}, self._openapi)
 
 
 # -- reading a request -------------------------------------------------------------------------------------
 
 
-async def read_body(receive: Receive, content_length: str | None, limit: int) -> bytes:
+async def read_body(exchange: Exchange, headers: Mapping[str, str], limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to pass `limit` bytes: at once from the
-    Content-Length header's value, else while it streams in (chunked), so an oversize body is never held
-    whole. ClientDisconnect if the client leaves before its end."""
-    check_content_length(content_length, limit)
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.request":
-            part = message.get("body", b"")
-            size += len(part)
-            if size > limit:
-                raise body_too_large(size, limit)
-            if not message.get("more_body", False):
-                if not parts:
-                    return part
-                parts.append(part)
-                return b"".join(parts)
-            parts.append(part)
-        elif message["type"] == "http.disconnect":
-            raise ClientDisconnect()
+    Content-Length header's value (`headers` by lower-case name), else while it streams in (chunked), so an
+    oversize body is never held whole."""
+    check_content_length(headers.get("content-length"), limit)
+    return await exchange.body()
 
 
 def check_content_length(content_length: str | None, limit: int) -> None:
@@ -457,8 +347,8 @@ def check_content_length(content_length: str | None, limit: int) -> None:
             raise body_too_large(int(content_length), limit)
 
 
-# The request headers the generation endpoints read (hot_headers).
-_HOT_HEADERS = frozenset(
+# The request headers the endpoints read (read_headers).
+_READ_HEADERS = frozenset(
     (
         b"content-length",
         b"x-request-id",
@@ -472,12 +362,11 @@ _HOT_HEADERS = frozenset(
 )
 
 
-def hot_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The generation endpoints' request headers by (lower-case) name, latin-1 text; of a repeated header
-    the first, as Starlette's `Headers.get`."""
+def read_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The endpoints' request headers by (lower-case) name, latin-1 text; of a repeated header the first."""
     headers: dict[str, str] = {}
     for name, value in raw:
-        if name in _HOT_HEADERS:
+        if name in _READ_HEADERS:
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
     return headers
 
@@ -704,90 +593,6 @@ class ChatRenderer(Renderer):
             "finish_reason": chunk.finish_reason,
         }
         return self.event(choice)
-
-
-# -- responses -----------------------------------------------------------------------------------------------
-
-
-class EventStreamResponse(Response):
-    """Server-sent events from `events`, while listening for the client's disconnect: when the client goes,
-    the events' iterator is cancelled and closed, even while no event is due (a long prefill); it is closed
-    however the response ends."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
-        self.status_code = 200
-        self.background = None
-        self.init_headers({**headers, "cache-control": "no-cache"})  # no body set: no Content-Length
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def send_all() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await until_disconnected(receive, send_all())
-        finally:
-            await self.events.aclose()
-
-
-async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None if the client disconnected first: then `work` is cancelled where it waits (so
-    its own cleanup runs) and the cancellation ends here. One listener task per call; `work` runs in the
-    caller's task."""
-    current = asyncio.current_task()
-    assert current is not None
-    disconnected = False
-
-    async def listen() -> None:
-        nonlocal disconnected
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        disconnected = True
-        current.cancel()
-
-    listener = asyncio.ensure_future(listen())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not disconnected:
-            raise
-        current.uncancel()
-        return None
-    finally:
-        listener.cancel()
-
-
-NOBODY_LISTENS = Reply(499, {}, b"")  # the client left: written nowhere
-
-
-def error_reply(exc: GatewayError, headers: dict[str, str] | None = None) -> Reply:
-    return Reply(exc.http_status, {**(headers or {}), **exc.http_headers()}, orjson.dumps(exc.to_openai()))
-
-
-def reply_response(reply: Reply) -> Response:
-    return Response(reply.body, status_code=reply.status, media_type=JSON, headers=reply.headers)
-
-
-def error_response(exc: GatewayError, headers: dict[str, str] | None = None) -> Response:
-    return reply_response(error_reply(exc, headers))
-
-
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (no such route, wrong method) in OpenAI's error shape."""
-    assert isinstance(exc, HTTPException)
-    error = GatewayError(f"{request.method} {quoted(request.url.path)}: {exc.detail}")
-    body = {"error": {"message": error.message, "type": "invalid_request_error", "param": None, "code": None}}
-    return Response(orjson.dumps(body), status_code=exc.status_code, media_type=JSON, headers=exc.headers)
-
-
-async def _unexpected_exception(request: Request, exc: Exception) -> Response:
-    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(internal_error())
 
 
 # -- the OpenAPI document ----------------------------------------------------------------------------------------

@@ -20,12 +20,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from gateway.errors import GatewayError
-from gateway.frontdoors.http_server import DEFAULT_MAX_BODY_BYTES, error_response, read_body, request_headers
+from gateway.frontdoors.http_protocol import Exchange
+from gateway.frontdoors.http_routes import Reply, Route, error_reply
+from gateway.frontdoors.http_server import DEFAULT_MAX_BODY_BYTES, read_body, read_headers, request_headers
 from gateway.frontdoors.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
 
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
 COMPLETION_RENDER_PATH = "/v1/completions/render"
-JSON = "application/json"
 # vLLM's SamplingParams defaults for the fields a kvroute request sets; equal ones are left out, as there.
 _SAMPLING_DEFAULTS: dict[str, Any] = {
     "n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": None, "stop_token_ids": None,
@@ -63,32 +61,31 @@ class RenderEndpoints:
 
     def routes(self) -> list[Route]:
         return [
-            Route(CHAT_RENDER_PATH, self.render_chat, methods=["POST"]),
-            Route(COMPLETION_RENDER_PATH, self.render_completion, methods=["POST"]),
+            Route(b"POST", CHAT_RENDER_PATH, self.render_chat),
+            Route(b"POST", COMPLETION_RENDER_PATH, self.render_completion),
         ]
 
-    async def render_chat(self, request: Request) -> Response:
-        return await self._render(request, ChatCompletionRequest, listed=False)
+    async def render_chat(self, exchange: Exchange) -> Reply:
+        return await self._render(exchange, ChatCompletionRequest, listed=False)
 
-    async def render_completion(self, request: Request) -> Response:
-        return await self._render(request, CompletionRequest, listed=True)
+    async def render_completion(self, exchange: Exchange) -> Reply:
+        return await self._render(exchange, CompletionRequest, listed=True)
 
-    async def _render(self, request: Request, wire_type: type[SamplingFields], listed: bool) -> Response:
-        request_id = client_request_id_of(request.headers.get("x-request-id")) or uuid.uuid4().hex
+    async def _render(self, exchange: Exchange, wire_type: type[SamplingFields], listed: bool) -> Reply:
+        read = read_headers(exchange.headers)
+        request_id = client_request_id_of(read.get("x-request-id")) or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         try:
-            body = await read_body(request.receive, request.headers.get("content-length"), self.max_body_bytes)
+            body = await read_body(exchange, read, self.max_body_bytes)
             wire = parse_request(wire_type, body)
-            gateway_request = wire.to_gateway_request(request_headers(request.headers), self.default_max_tokens)
+            gateway_request = wire.to_gateway_request(request_headers(read), self.default_max_tokens)
             pool = self.request_path.pool(gateway_request.model)
             result = await pool.tokenize(gateway_request)
-        except ClientDisconnect:
-            return Response(status_code=499)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
-            return error_response(exc, headers)
+            return error_reply(exc, headers)
         rendered = generate_request(request_id, result.token_ids, wire, gateway_request)
-        return Response(orjson.dumps([rendered] if listed else rendered), media_type=JSON, headers=headers)
+        return Reply(200, headers, orjson.dumps([rendered] if listed else rendered))
 
 
 def generate_request(
