@@ -541,12 +541,9 @@ def test_a_short_compare_run_reports_every_router_and_worker_mode_alike(tmp_path
 def test_a_short_run_of_two_tenants_reports_each_tenants_share_and_the_fairness(tmp_path):
     """Two tenants, each with its own API key in the gateway's keys file (a request without one would get 401),
     two sessions each of the `tenants` workload, open-loop: each tenant's goodput and served tokens, Jain's
-    index over them, and the replay over the tenants' own salts predicting the live prefill. With a gateway that
-    has flow control (`--flow-control`), its `+flow-off` arm runs beside it."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "gateway", "--help"], capture_output=True, text=True
-    )
-    entries = ("kv_aware", "kv_aware+flow-off") if "--flow-control" in help_text.stdout else ("kv_aware",)
+    index over them, and the replay over the tenants' own salts predicting the live prefill; with flow control
+    (the default) and without (`+flow-off`)."""
+    entries = ("kv_aware", "kv_aware+flow-off")
     out = tmp_path / "mix.json"
     argv = [
         sys.executable, "-m", "launch.cli", "bench", "--compare", ",".join(entries),
