@@ -157,3 +157,66 @@ def test_kvroute_up_with_a_local_redis_runs_it_and_stops_it_with_the_fleet(launc
         assert response.headers["x-kvroute-worker"] == "worker-0"
     assert up.signal(signal.SIGINT, wait_s=60) == 0
     assert not [pid for pid in children if alive(pid)]
+
+
+BUSY_GRPC_STARTS = """
+import asyncio, sys, threading, time
+import grpc
+from launch.fleet import Child
+
+async def busy() -> None:
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async def calls(channel):
+        call = channel.unary_unary("/none.None/None")
+        while True:
+            try:
+                await call(b"")
+            except grpc.aio.AioRpcError:
+                pass
+    await asyncio.gather(*(calls(grpc.aio.insecure_channel(f"127.0.0.1:{port}")) for _ in range(4)))
+
+threading.Thread(target=lambda: asyncio.run(busy()), daemon=True).start()
+time.sleep(0.5)
+codes = []
+for i in range(100):
+    child = Child(f"true{i}", ["true"])
+    child.start()
+    codes.append(child.process.wait())
+print([c for c in codes if c != 0])
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gRPC's fork handlers are the Linux poller's")
+def test_children_start_while_grpc_channels_are_busy_in_the_launching_process() -> None:
+    """A fork() beside gRPC's polling threads crashed 9% of children before exec (SIGSEGV/SIGABRT); a start must
+    not fork a copy of the parent's gRPC state."""
+    result = subprocess.run(
+        [sys.executable, "-c", BUSY_GRPC_STARTS], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", f"children that died before exec, by status: {result.stdout}"
+
+
+@pytest.mark.skipif(not Path("/usr/bin/setpriv").exists(), reason="needs util-linux's setpriv (Linux)")
+def test_a_killed_launcher_leaves_no_child_behind() -> None:
+    code = "from launch.fleet import Child; import time; Child('sleeper', ['sleep', '300']).start(); time.sleep(300)"
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    try:
+        assert poll(lambda: bool(children_of(launcher.pid)), 30), "the launcher never started its sleeper"
+        (sleeper,) = children_of(launcher.pid)
+        launcher.kill()
+        launcher.wait(10)
+        assert poll(lambda: not alive(sleeper), 10), "the sleeper outlived its killed launcher"
+    finally:
+        launcher.kill()
+
+
+def poll(done, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
