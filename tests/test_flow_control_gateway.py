@@ -291,6 +291,63 @@ def test_requests_waiting_while_a_worker_is_lost_go_to_another() -> None:
     run(body)
 
 
+def test_two_gateways_on_one_worker_share_it_and_neither_queue_starves() -> None:
+    """Two gateways, each with its own fleet state and queue, in front of one worker with room for one request at
+    a time: every request of both is served, and both gateways' requests start among the first ones (neither
+    waits for the other's queue to empty); the worker never queues more than the two gateways' bounds allow."""
+
+    async def body() -> None:
+        async with fleet() as f:
+            other_state = EmbeddedFleetState(
+                [f"127.0.0.1:{s.port}" for s in f.servers], fleet_identity(f.path.model_id, f.path.tokenizer),
+                poll_interval=0.05, unreachable_after=1.0,
+            )  # fmt: skip
+            await other_state.start()
+            other = RequestPath(
+                other_state, make_policy("kv_aware"), f.path.tokenizer, f.path.model_id, "sim",
+                f.path.auth, Limits(), GatewayMetrics("sim"), flow_control=DEFAULTS,
+            )  # fmt: skip
+            await until(lambda: len(other_state.view().replicas) == 1)
+            started: list[str] = []
+            worker_waiting: list[int] = []
+
+            async def one(path: RequestPath, name: str) -> None:
+                generation = await path.generate(ask(name))
+                started.append(name)
+                await complete(generation)
+
+            try:
+                blocker = await f.path.generate(ask("blocker", max_tokens=250))
+                await until(lambda: other_state.view().loads["w0"].in_flight > 0)
+                tasks = [
+                    asyncio.ensure_future(one(path, f"{gw}{i}"))
+                    for i in range(4)
+                    for gw, path in (("a", f.path), ("b", other))
+                ]
+                await until(lambda: len(f.path.flow.queue) == 4 and len(other.flow.queue) == 4)  # type: ignore[union-attr]
+                engine = f.servers[0].engine.engine
+                watcher = asyncio.ensure_future(_watch_waiting(engine, worker_waiting))
+                await complete(blocker)
+                await asyncio.gather(*tasks)
+                watcher.cancel()
+            finally:
+                await other_state.stop()
+                await other.close()
+            assert sorted(started) == sorted(f"{gw}{i}" for i in range(4) for gw in "ab")
+            first_half = started[:4]
+            assert any(n.startswith("a") for n in first_half) and any(n.startswith("b") for n in first_half), started
+            # each gateway grants while the worker's waiting count is under max_worker_waiting (2) as it last saw it
+            assert max(worker_waiting) <= 2 * DEFAULTS.max_worker_waiting, worker_waiting
+
+    run(body)
+
+
+async def _watch_waiting(engine: LLMEngine, seen: list[int]) -> None:
+    while True:
+        seen.append(len(engine.scheduler.waiting))
+        await asyncio.sleep(0.005)
+
+
 def test_requests_are_counted_against_their_band_slo() -> None:
     async def body() -> None:
         slo = {0: BandSettings(slo=Slo(ttft_s=30.0, e2e_s=60.0)), 3: BandSettings(slo=Slo(ttft_s=1e-6))}

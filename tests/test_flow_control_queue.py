@@ -144,15 +144,17 @@ def test_requests_past_their_band_max_wait_expire_oldest_first() -> None:
 def test_a_worker_is_dispatchable_with_room_for_the_uncached_blocks_and_the_decode_reserve() -> None:
     config = FlowControlConfig(max_worker_waiting=2, decode_reserve_tokens=64)
     assert blocks_needed(prompt_blocks=10, matched_blocks=4, max_tokens=1000, block_size=16, reserve=64) == 10
-    busy = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.9, num_blocks=100)  # 10 free
+    busy = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.9, num_blocks=100, busy_reported=3)  # 10 free
     assert dispatchable(busy, 0, 0, 10, config)
     assert not dispatchable(busy, 0, 0, 11, config)
     assert not dispatchable(busy, 0, 1, 10, config)  # blocks granted that its report cannot show yet
     assert not dispatchable(busy, 1, 0, 10, FlowControlConfig(max_worker_waiting=1))  # granted, not sent yet
-    waiting = ReplicaLoad(in_flight=5, queued=2, kv_usage=0.0, num_blocks=100)
+    waiting = ReplicaLoad(in_flight=5, queued=2, kv_usage=0.0, num_blocks=100, busy_reported=5)
     assert not dispatchable(waiting, 0, 0, 1, config)
     assert dispatchable(ReplicaLoad(), 0, 0, 10_000, config)  # an idle worker takes anything
-    engine = ReplicaLoad(in_flight=4, queued=1, kv_usage=0.96)  # no block count: by KV usage
+    # idle by this gateway's count (its own request just ended) is not idle until the worker's report says so
+    assert not dispatchable(ReplicaLoad(in_flight=0, num_blocks=100, kv_usage=0.9, busy_reported=1), 0, 0, 11, config)
+    engine = ReplicaLoad(in_flight=4, queued=1, kv_usage=0.96, busy_reported=4)  # no block count: by KV usage
     assert not dispatchable(engine, 0, 0, 1, config)
     engine.kv_usage = 0.5
     assert dispatchable(engine, 0, 0, 1, config)

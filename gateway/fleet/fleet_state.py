@@ -366,10 +366,11 @@ class FleetBook:
         reported = self._reported.get(worker_id)
         if reported is None:
             load.in_flight, load.queued, load.kv_usage = own, 0, 0.0
-            load.num_blocks = 0
+            load.num_blocks, load.busy_reported = 0, own
             return
         estimate = reported.running + reported.waiting + self._since_report[worker_id]
         load.in_flight = max(own, estimate)
+        load.busy_reported = max(own, reported.running + reported.waiting + max(0, self._since_report[worker_id]))
         load.queued = reported.waiting
         load.kv_usage = reported.kv_usage
         load.num_blocks = reported.num_blocks

@@ -3,7 +3,8 @@ ReplicaLoad): a kvroute worker's waiting count, block count and KV usage (GetSta
 or SGLang engine's `num_requests_waiting` and KV-cache usage (gateway.fleet.engine_fleet).
 
 A worker is dispatchable for a request when
-  1. it is idle (nothing in flight, nothing granted): it takes anything, so no request is too big to ever start;
+  1. it is idle (its last report showed nothing in it, and nothing was granted to it since): it takes anything,
+     so no request is too big to ever start;
   2. or fewer than `max_worker_waiting` requests wait in it (reported, plus those granted to it and not yet
      sent), and
        - with a block count: its free blocks (not held by a running request: cached ones are reusable), less
@@ -13,7 +14,9 @@ A worker is dispatchable for a request when
        - without one (an HTTP engine): its KV-cache usage is under `max_kv_usage`.
 A grant's blocks count until the second report after its first token (the worker had admitted it by then), so a
 burst between two reports cannot overfill a worker; what finished since is not credited until the next report
-(the worker's word), except that a worker this gateway sees idle takes a request at once.
+(the worker's word), nor is a worker idle before its report says so: room a gateway frees by its own request's
+end is then offered to every gateway at once, not refilled by that gateway alone (which starved the others'
+queues: tests/test_flow_control_gateway.py, two gateways).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def dispatchable(
 ) -> bool:
     """The module docstring's rule for one worker and one request needing `needed_blocks` blocks there; `unsent`:
     requests granted to it and not sent yet."""
-    if load.in_flight == 0 and unsent == 0:
+    if load.busy_reported == 0 and unsent == 0:
         return True
     if load.queued + unsent >= config.max_worker_waiting:
         return False

@@ -43,6 +43,11 @@ class ReplicaLoad:
     queued: int = 0  # of those, requests whose prefill has not started
     kv_usage: float = 0.0  # share of its KV blocks held by live requests, 0..1
     num_blocks: int = 0  # its KV blocks in all, as it last reported them (0: not reported)
+    # Requests its last report showed plus this gateway's sent since (at least its own in flight); unlike
+    # `in_flight`, not less this gateway's own finishes since (flow control's idle test: room one gateway frees is
+    # no one's until every gateway can see it, else that gateway refills it at once, every time, and another
+    # gateway's queue starves).
+    busy_reported: int = 0
     # Load reports this fleet state took from it so far (flow control's clock of them): this gateway's own count,
     # not the worker's load, so two views of one fleet compare equal without it.
     reports: int = field(default=0, compare=False)
