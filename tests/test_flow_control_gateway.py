@@ -39,7 +39,9 @@ from worker.service import WorkerServer, start_worker_server
 
 NUM_BLOCKS = 128
 KEYS = {"alpha": "key-alpha", "beta": "key-beta"}
-DEFAULTS = FlowControlConfig()
+# Room only: every request waits in the gateway until its worker's report shows room, so the order in which
+# requests reach the one worker is the stage's (staging one in the worker is tested on its own).
+DEFAULTS = FlowControlConfig(max_worker_staged=0)
 
 
 @dataclass
@@ -154,7 +156,9 @@ def test_a_worker_that_frees_room_takes_first_the_waiting_request_whose_prefix_i
     async def body() -> None:
         # a decode reserve that a busy worker cannot give: the waiting requests need a worker's room even on a hit
         # slow decoding: the blockers outlast the queued requests' tokenizing on a loaded machine
-        async with fleet(2, flow=FlowControlConfig(decode_reserve_tokens=2048), decode_ms=4.0) as f:
+        async with fleet(
+            2, flow=FlowControlConfig(decode_reserve_tokens=2048, max_worker_staged=0), decode_ms=4.0
+        ) as f:
             short = await f.path.generate(ask("prefix-a", max_tokens=150, user="first"))
             long = await f.path.generate(ask("prefix-b", max_tokens=400, user="first"))
             holder, other = short.route.worker_id, long.route.worker_id
@@ -206,7 +210,7 @@ def test_a_client_that_leaves_while_queued_frees_its_place_and_its_slot_at_once(
 
 def test_bounds_answer_429_for_the_tenant_503_for_the_fleet_and_shed_the_least_urgent_newest_first() -> None:
     async def body() -> None:
-        config = FlowControlConfig(max_queued=3, tenant_max_queued=2)
+        config = FlowControlConfig(max_queued=3, tenant_max_queued=2, max_worker_staged=0)
         async with fleet(flow=config) as f:
             assert f.path.flow is not None
             blocker = await f.path.generate(ask("blocker", max_tokens=250))
@@ -238,7 +242,7 @@ def test_bounds_answer_429_for_the_tenant_503_for_the_fleet_and_shed_the_least_u
 
 def test_a_request_past_its_band_max_wait_gets_a_503() -> None:
     async def body() -> None:
-        config = FlowControlConfig(bands={3: BandSettings(max_wait_s=0.2)})
+        config = FlowControlConfig(bands={3: BandSettings(max_wait_s=0.2)}, max_worker_staged=0)
         async with fleet(flow=config) as f:
             blocker = await f.path.generate(ask("blocker", max_tokens=200))
             with pytest.raises(NoWorkerAvailable, match="within its band's 0.2 s") as late:
@@ -351,7 +355,7 @@ async def _watch_waiting(engine: LLMEngine, seen: list[int]) -> None:
 def test_requests_are_counted_against_their_band_slo() -> None:
     async def body() -> None:
         slo = {0: BandSettings(slo=Slo(ttft_s=30.0, e2e_s=60.0)), 3: BandSettings(slo=Slo(ttft_s=1e-6))}
-        async with fleet(flow=FlowControlConfig(bands=slo)) as f:
+        async with fleet(flow=FlowControlConfig(bands=slo, max_worker_staged=0)) as f:
             for name, priority in (("kind", 0), ("kind-too", 0), ("strict", 3)):
                 await complete(await f.path.generate(ask(name, priority=priority)))
             assert f.sample("kvroute:gateway_slo_requests_total", band="0", met="true") == 2
@@ -406,7 +410,7 @@ def test_a_sighup_reload_applies_the_routing_configs_flow_control(tmp_path: Path
 
 def test_a_hostile_tenant_cannot_grow_the_queue_past_its_bound_nor_delay_another() -> None:
     async def body() -> None:
-        config = FlowControlConfig(tenant_max_queued=8, decode_reserve_tokens=2048)
+        config = FlowControlConfig(tenant_max_queued=8, decode_reserve_tokens=2048, max_worker_staged=0)
         async with fleet(flow=config) as f:
             assert f.path.flow is not None
             blocker = await f.path.generate(ask("blocker", max_tokens=250))

@@ -142,22 +142,34 @@ def test_requests_past_their_band_max_wait_expire_oldest_first() -> None:
 
 
 def test_a_worker_is_dispatchable_with_room_for_the_uncached_blocks_and_the_decode_reserve() -> None:
-    config = FlowControlConfig(max_worker_waiting=2, decode_reserve_tokens=64)
+    config = FlowControlConfig(max_worker_waiting=2, max_worker_staged=0, decode_reserve_tokens=64)
     assert blocks_needed(prompt_blocks=10, matched_blocks=4, max_tokens=1000, block_size=16, reserve=64) == 10
     busy = ReplicaLoad(in_flight=3, queued=0, kv_usage=0.9, num_blocks=100, busy_reported=3)  # 10 free
-    assert dispatchable(busy, 0, 0, 10, config)
-    assert not dispatchable(busy, 0, 0, 11, config)
-    assert not dispatchable(busy, 0, 1, 10, config)  # blocks granted that its report cannot show yet
-    assert not dispatchable(busy, 1, 0, 10, FlowControlConfig(max_worker_waiting=1))  # granted, not sent yet
+    assert dispatchable(busy, 0, 0, 0, 10, config)
+    assert not dispatchable(busy, 0, 0, 0, 11, config)
+    assert not dispatchable(busy, 0, 1, 0, 10, config)  # blocks granted that its report cannot show yet
+    one_waiting = FlowControlConfig(max_worker_waiting=1, max_worker_staged=0)
+    assert not dispatchable(busy, 1, 0, 1, 10, one_waiting)  # granted, not sent yet
     waiting = ReplicaLoad(in_flight=5, queued=2, kv_usage=0.0, num_blocks=100, busy_reported=5)
-    assert not dispatchable(waiting, 0, 0, 1, config)
-    assert dispatchable(ReplicaLoad(), 0, 0, 10_000, config)  # an idle worker takes anything
+    assert not dispatchable(waiting, 0, 0, 0, 1, config)
+    assert dispatchable(ReplicaLoad(), 0, 0, 0, 10_000, config)  # an idle worker takes anything
     # idle by this gateway's count (its own request just ended) is not idle until the worker's report says so
-    assert not dispatchable(ReplicaLoad(in_flight=0, num_blocks=100, kv_usage=0.9, busy_reported=1), 0, 0, 11, config)
+    just_freed = ReplicaLoad(in_flight=0, num_blocks=100, kv_usage=0.9, busy_reported=1)
+    assert not dispatchable(just_freed, 0, 0, 0, 11, config)
     engine = ReplicaLoad(in_flight=4, queued=1, kv_usage=0.96, busy_reported=4)  # no block count: by KV usage
-    assert not dispatchable(engine, 0, 0, 1, config)
+    assert not dispatchable(engine, 0, 0, 0, 1, config)
     engine.kv_usage = 0.5
-    assert dispatchable(engine, 0, 0, 1, config)
+    assert dispatchable(engine, 0, 0, 0, 1, config)
+
+
+def test_one_request_is_staged_in_a_worker_without_room_when_none_waits_there() -> None:
+    config = FlowControlConfig(max_worker_waiting=2, max_worker_staged=1)
+    full = ReplicaLoad(in_flight=3, queued=0, kv_usage=1.0, num_blocks=100, busy_reported=3)
+    assert dispatchable(full, 0, 0, 0, 50, config)  # nothing waits there: it waits in the worker for room
+    assert not dispatchable(full, 0, 0, 1, 50, config)  # one of ours on its way (no first token yet)
+    assert not dispatchable(ReplicaLoad(in_flight=4, queued=1, kv_usage=1.0, num_blocks=100, busy_reported=4),
+                            0, 0, 0, 50, config)  # fmt: skip
+    assert not dispatchable(full, 2, 0, 0, 50, config)  # max_worker_waiting still bounds what is sent
 
 
 def test_retry_after_follows_the_measured_drain_rate() -> None:
@@ -182,13 +194,14 @@ def test_the_routing_config_section_parses_with_defaults_and_band_overrides() ->
         "epsilon": 0.5,
         "flow_control": {
             "max_worker_waiting": 3,
+            "max_worker_staged": 0,
             "defaults": {"max_wait_s": 20},
             "bands": {"0": {"max_wait_s": 1, "slo": {"ttft_s": 1}}, "10": {"max_queued": 50}},
         },
     }
     config = FlowControlConfig.from_routing_config(options)
     assert options == {"epsilon": 0.5}
-    assert config.max_worker_waiting == 3
+    assert config.max_worker_waiting == 3 and config.max_worker_staged == 0
     assert config.band(0) == BandSettings(1.0, None, None, Slo(ttft_s=1.0))
     assert config.band(10) == BandSettings(20.0, 50, None, Slo())
     assert config.band(3).max_wait_s == 20.0

@@ -3,7 +3,7 @@
     "flow_control": {
       "max_queued": 4096, "max_queued_bytes": 536870912,            this gateway's whole queue
       "tenant_max_queued": 256, "tenant_max_queued_bytes": 67108864, one tenant's requests, every band together
-      "max_worker_waiting": 2, "decode_reserve_tokens": 256, "max_kv_usage": 0.95,   saturation
+      "max_worker_waiting": 2, "max_worker_staged": 1, "decode_reserve_tokens": 256, "max_kv_usage": 0.95,
       "cache_lookahead": 16, "deadline_share": 0.5,                  cache-aware dispatch
       "defaults": {"max_wait_s": 30, "max_queued": null, "max_queued_bytes": null, "slo": {}},
       "bands": {"0": {"max_wait_s": 1, "slo": {"ttft_s": 1}}, "10": {"max_wait_s": 120}}
@@ -67,6 +67,9 @@ class FlowControlConfig:
     # A worker is dispatchable while fewer requests than this wait in it (reported, plus those granted to it and
     # not yet sent): a request waiting in a worker holds no blocks, so its prefix can be evicted under it.
     max_worker_waiting: int = 2
+    # Requests sent to a worker without room, to wait there for it (reported waiting, plus grants without a first
+    # token): the next one starts as room frees, not a load report later; 0: only where a report shows room.
+    max_worker_staged: int = 1
     # Blocks kept free for the decode growth of each request sent: min(max_tokens, this) tokens' worth.
     decode_reserve_tokens: int = 256
     # An engine that reports no block count is dispatchable below this KV-cache usage.
@@ -105,7 +108,9 @@ class FlowControlConfig:
         values: dict[str, Any] = {}
         for name, kind in _TOP_LEVEL.items():
             if name in raw:
-                values[name] = _number(raw.pop(name), kind, f"{where}.{name}")
+                value = raw.pop(name)
+                zero_allowed = name == "max_worker_staged" and value == 0 and not isinstance(value, bool)
+                values[name] = 0 if zero_allowed else _number(value, kind, f"{where}.{name}")
         if raw:
             raise ValueError(f"{where} has the unknown key {sorted(raw)[0]!r}")
         config = cls(**{**{n: getattr(base, n) for n in _TOP_LEVEL}, **values}, defaults=defaults, bands=bands)
@@ -118,7 +123,8 @@ class FlowControlConfig:
 
 _TOP_LEVEL = {
     "max_queued": int, "max_queued_bytes": int, "tenant_max_queued": int, "tenant_max_queued_bytes": int,
-    "max_worker_waiting": int, "decode_reserve_tokens": int, "max_kv_usage": float, "cache_lookahead": int,
+    "max_worker_waiting": int, "max_worker_staged": int, "decode_reserve_tokens": int, "max_kv_usage": float,
+    "cache_lookahead": int,
     "deadline_share": float,
 }  # fmt: skip
 

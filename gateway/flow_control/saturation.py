@@ -7,6 +7,11 @@ A worker is dispatchable for a request when
      so no request is too big to ever start;
   2. or fewer than `max_worker_waiting` requests wait in it (reported, plus those granted to it and not yet
      sent), and
+       - fewer than `max_worker_staged` (1) wait in it or are on their way (reported waiting, plus this gateway's
+         grants without a first token): the request is staged there, to start the moment room frees, not a
+         report later (the report's delay was most of flow control's cost at light load; one staged request
+         per worker bounds what its wait can lose);
+       - or
        - with a block count: its free blocks (not held by a running request: cached ones are reusable), less
          the blocks of this gateway's grants its report cannot show yet (`pending_blocks`), cover the request's
          need: its prompt blocks the worker does not hold plus a decode reserve (min(max_tokens,
@@ -33,14 +38,21 @@ def blocks_needed(prompt_blocks: int, matched_blocks: int, max_tokens: int, bloc
 
 
 def dispatchable(
-    load: ReplicaLoad, unsent: int, pending_blocks: int, needed_blocks: int, config: FlowControlConfig
+    load: ReplicaLoad,
+    unsent: int,
+    pending_blocks: int,
+    unstarted: int,
+    needed_blocks: int,
+    config: FlowControlConfig,
 ) -> bool:
     """The module docstring's rule for one worker and one request needing `needed_blocks` blocks there; `unsent`:
-    requests granted to it and not sent yet."""
+    requests granted to it and not sent yet; `unstarted`: granted to it and without a first token yet."""
     if load.busy_reported == 0 and unsent == 0:
         return True
     if load.queued + unsent >= config.max_worker_waiting:
         return False
+    if load.queued + unstarted < config.max_worker_staged:
+        return True
     if load.num_blocks:
         used = round(load.num_blocks * load.kv_usage)  # usage is used / total as the worker computed it
         return needed_blocks <= load.num_blocks - used - pending_blocks

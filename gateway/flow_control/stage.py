@@ -313,12 +313,12 @@ class FlowControl:
         self._grants.setdefault(decision.replica, []).append(grant)
         return grant
 
-    def _room_taken(self, replica: str, reports: int) -> tuple[int, int]:
-        """The requests granted to `replica` and not sent yet, and the blocks of its grants that its report
-        (number `reports`) cannot show yet; grants counted out are forgotten."""
+    def _room_taken(self, replica: str, reports: int) -> tuple[int, int, int]:
+        """The requests granted to `replica` and not sent yet, the blocks of its grants that its report (number
+        `reports`) cannot show yet, and the grants without a first token yet; grants counted out are forgotten."""
         grants = self._grants.get(replica)
         if not grants:
-            return 0, 0
+            return 0, 0, 0
         # a report answered just after the first token may have been taken before it: the second one shows it
         live = [g for g in grants if g.open and (g.started_at_report is None or g.started_at_report + 1 >= reports)]
         if len(live) != len(grants):
@@ -326,7 +326,8 @@ class FlowControl:
                 self._grants[replica] = live
             else:
                 del self._grants[replica]
-        return sum(g.unsent for g in live), sum(g.blocks for g in live)
+        unstarted = sum(g.started_at_report is None for g in live)
+        return sum(g.unsent for g in live), sum(g.blocks for g in live), unstarted
 
     def started(self, grant: Grant) -> None:
         """The granted request's first token came (caller contract item 2)."""
