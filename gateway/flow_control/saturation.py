@@ -11,6 +11,10 @@ A worker is dispatchable for a request when
          need: its prompt blocks the worker does not hold plus a decode reserve (min(max_tokens,
          decode_reserve_tokens) tokens);
        - without one (an HTTP engine): its KV-cache usage is under `max_kv_usage`.
+A worker that schedules by priority (`--scheduling-policy priority`: it reports `priorities`, ReplicaLoad) puts a
+request of priority p ahead of its less urgent waiting requests and admits it by preempting less urgent running
+ones; so for such a request (`priority` given) the waiting count is of the requests at p or more urgent, and the
+free blocks include those its less urgent running requests hold (what preempting them frees, as it reports).
 A grant's blocks count until the second report after its first token (the worker had admitted it by then), so a
 burst between two reports cannot overfill a worker; what finished since is not credited until the next report
 (the worker's word), except that a worker this gateway sees idle takes a request at once.
@@ -30,15 +34,23 @@ def blocks_needed(prompt_blocks: int, matched_blocks: int, max_tokens: int, bloc
 
 
 def dispatchable(
-    load: ReplicaLoad, unsent: int, pending_blocks: int, needed_blocks: int, config: FlowControlConfig
+    load: ReplicaLoad,
+    unsent: int,
+    pending_blocks: int,
+    needed_blocks: int,
+    config: FlowControlConfig,
+    priority: int | None = None,
 ) -> bool:
     """The module docstring's rule for one worker and one request needing `needed_blocks` blocks there; `unsent`:
-    requests granted to it and not sent yet."""
+    requests granted to it and not sent yet; `priority`: the request's (None: counted as on a fcfs worker)."""
     if load.in_flight == 0 and unsent == 0:
         return True
-    if load.queued + unsent >= config.max_worker_waiting:
+    behind = [share for share in load.priorities if share.priority > priority] if priority is not None else []
+    waiting_ahead = max(load.queued - sum(share.waiting for share in behind), 0)
+    if waiting_ahead + unsent >= config.max_worker_waiting:
         return False
     if load.num_blocks:
         used = round(load.num_blocks * load.kv_usage)  # usage is used / total as the worker computed it
-        return needed_blocks <= load.num_blocks - used - pending_blocks
+        reclaimable = sum(share.running_blocks for share in behind)
+        return needed_blocks <= load.num_blocks - used - pending_blocks + reclaimable
     return load.kv_usage < config.max_kv_usage
