@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 import random
 
+import grpc
 import pytest
 
 from gateway.admission.auth import Authenticator, key_sha256
 from gateway.admission.limits import Limits
 from gateway.errors import InvalidRequestError
 from gateway.fleet.embedded_fleet import EmbeddedFleetState
+from gateway.fleet.fleet_state import BookkeepingFleetState, FleetIdentity
+from gateway.fleet.redis_fleet import RedisFleetState
 from gateway.flow_control.config import FlowControlConfig
 from gateway.flow_control.saturation import dispatchable
 from gateway.frontdoors.grpc_server import worker_request_to_gateway
@@ -27,11 +30,12 @@ from gateway.routing.router import make_policy
 from kvroute.fleet_keys import WorkerRecord, pack_priority_loads, unpack_priority_loads
 from kvroute.hashing import BlockHasher
 from kvroute.sampling import SamplingParams
-from proto import worker_pb2
+from proto import worker_pb2, worker_pb2_grpc
 from tests.test_gateway_e2e import SYSTEM, run, until
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.kv_cache_manager import KVCacheManager
+from worker.reporter import reporter_for_server
 from worker.scheduler import MAX_PRIORITY_LOADS, PriorityLoad, Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 from worker.service import start_worker_server
@@ -295,6 +299,58 @@ def test_a_requests_effective_priority_reaches_the_worker_and_comes_back_in_its_
         finally:
             await state.stop()
             await path.close()
+            await server.stop(drain_timeout=0)
+
+    run(body)
+
+
+@pytest.mark.parametrize("kind", ["embedded", "redis"])
+def test_a_worker_reports_what_each_priority_holds_through_either_fleet_state(kind: str, redis_server) -> None:
+    """A worker's own gRPC door takes `priority`, and its load report (GetStats, or its Redis record) carries what
+    that priority holds to a gateway's fleet view."""
+
+    async def body() -> None:
+        config = EngineConfig(
+            model="sim", num_kv_blocks=64, max_model_len=256, scheduling_policy="priority", sim_decode_ms_per_step=5.0
+        )
+        engine = LLMEngine(config)
+        server = await start_worker_server(engine, port=0, worker_id="w0")
+        reporter = None
+        if kind == "redis":
+            reporter = reporter_for_server(
+                server, redis_server.url, heartbeat_interval=0.1, heartbeat_ttl=0.6, publish_interval=0.02
+            )
+            await reporter.start()
+        info = server.servicer.info
+        identity = FleetIdentity(info.model_id, info.block_size, info.hash_fingerprint, info.tokenizer_fingerprint)
+        address = f"127.0.0.1:{server.port}"
+        state: BookkeepingFleetState = (
+            EmbeddedFleetState([address], identity, poll_interval=0.05)
+            if kind == "embedded"
+            else RedisFleetState(redis_server.url, identity, poll_interval=0.05)
+        )
+        await state.start()
+        channel = grpc.aio.insecure_channel(address)
+
+        def reported() -> tuple[PriorityShare, ...]:
+            load = state.view().loads.get("w0")
+            return load.priorities if load is not None else ()
+
+        try:
+            request = worker_pb2.GenerateRequest(
+                prompt_token_ids=list(range(1, 100)), priority=-2, sampling=worker_pb2.SamplingParams(max_tokens=150)
+            )
+            call = worker_pb2_grpc.WorkerStub(channel).Generate(request)
+            await call.read()
+            await until(lambda: [share.priority for share in reported()] == [-2])
+            assert reported()[0].running_blocks >= 7 and reported()[0].waiting == 0  # 99 prompt tokens and more
+            call.cancel()
+            await until(lambda: reported() == ())
+        finally:
+            await channel.close()
+            await state.stop()
+            if reporter is not None:
+                await reporter.stop()
             await server.stop(drain_timeout=0)
 
     run(body)
