@@ -25,7 +25,7 @@ sequence that cannot be admitted for blocks, headroom or `max_num_seqs` preempts
 less urgent priority, least urgent and newest first, when freeing the fewest of them lets it in now (counted
 exactly as the admission counts: blocks only they hold, their growth out of the headroom, their tokens back to
 the budget); it never preempts an equal or more urgent one, and never preempts for a token budget that the next
-step refills. `priority_loads()` reports what such an admission could reclaim (gateway flow control reads it).
+step refills. Admission stops at a sequence preempted in the same step. `priority_loads()` reports what such an admission could reclaim (gateway flow control reads it).
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
@@ -105,7 +105,7 @@ class Scheduler:
         self.watermark_blocks = int(config.watermark * kv_manager.num_blocks)
         self.decode_reserve_tokens = config.decode_reserve_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.running: list[Sequence] = []  # in admission order: fcfs preempts the newest first
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
@@ -199,8 +199,8 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
-        """Make `seq` hold blocks for its next `num_new` tokens, preempting from the newest end if needed.
-        False if `seq` itself had to be preempted."""
+        """Make `seq` hold blocks for its next `num_new` tokens, preempting if needed (the newest running sequence;
+        under the priority policy the least urgent, newest among equals). False if `seq` itself was preempted."""
         while self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new) is None:
             victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
             self.running.remove(victim)
