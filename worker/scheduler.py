@@ -25,7 +25,8 @@ sequence that cannot be admitted for blocks, headroom or `max_num_seqs` preempts
 less urgent priority, least urgent and newest first, when freeing the fewest of them lets it in now (counted
 exactly as the admission counts: blocks only they hold, their growth out of the headroom, their tokens back to
 the budget); it never preempts an equal or more urgent one, and never preempts for a token budget that the next
-step refills. Admission stops at a sequence preempted in the same step. `priority_loads()` reports what such an admission could reclaim (gateway flow control reads it).
+step refills. Admission stops at a sequence preempted in the same step. `priority_loads()` reports what such an
+admission could reclaim (gateway flow control reads it).
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
