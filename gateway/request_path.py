@@ -339,11 +339,12 @@ class RequestPath:
         span = tracing.start_request_span(request_id, request, self.served_model_name)
         streams: list[WorkerStream] = []
         grant: Grant | None = None
-        band = None if self.flow is None else tenant.clamped_priority(request.priority)
+        priority = tenant.clamped_priority(request.priority)
+        band = None if self.flow is None else priority
         try:
             forward = _Forward(
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
-                request.max_tokens_defaulted, span,
+                request.max_tokens_defaulted, span, priority=priority,
             )  # fmt: skip
             route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
             grant = await self.wait_for_worker(request, prepared, route_request)

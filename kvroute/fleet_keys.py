@@ -103,6 +103,9 @@ class WorkerRecord(WorkerDescription):
     num_blocks_total: int
     kv_cache_usage: float
     kv_event_seq: int  # the last event published to the stream (or covered by the snapshot)
+    # Under `--scheduling-policy priority`, GetStats' priority_loads as `pack_priority_loads` writes them; "" under
+    # fcfs, and for a record written before the field existed (the one field a record may lack).
+    priority_loads: str = ""
 
     def to_fields(self) -> dict[str, str]:
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
@@ -113,6 +116,8 @@ class WorkerRecord(WorkerDescription):
         text = {as_text(k): as_text(v) for k, v in raw.items()}
         values: dict[str, object] = {}
         for f in fields(cls):
+            if f.name not in text and f.name == "priority_loads":
+                continue
             if f.name not in text:
                 raise ValueError(f"worker record: missing field {f.name!r}")
             kind = {"int": int, "float": float}.get(str(f.type), str)
@@ -124,9 +129,39 @@ class WorkerRecord(WorkerDescription):
                 raise ValueError(f"worker record: field {f.name!r} is not {what}: {bad!r}") from None
         record = cls(**values)  # type: ignore[arg-type]
         check_worker_id(record.worker_id)
+        unpack_priority_loads(record.priority_loads)
         if record.engine_state not in ENGINE_STATES:
             raise ValueError(f"worker record: engine_state must be one of {ENGINE_STATES}, got {record.engine_state!r}")
         return record
+
+
+MAX_PRIORITY_LOADS = 8  # entries a record's priority_loads may hold (as GetStats: worker.scheduler bounds them)
+
+
+def pack_priority_loads(loads: Sequence[tuple[int, int, int]]) -> str:
+    """(priority, running blocks, waiting) triples as `p:blocks:waiting,...`."""
+    return ",".join(f"{p}:{blocks}:{waiting}" for p, blocks, waiting in loads)
+
+
+def unpack_priority_loads(text: str) -> list[tuple[int, int, int]]:
+    """`pack_priority_loads`' triples; ValueError naming the field for anything else, or more than
+    MAX_PRIORITY_LOADS of them."""
+    if not text:
+        return []
+    entries = text.split(",")
+    if len(entries) > MAX_PRIORITY_LOADS:
+        raise ValueError(f"worker record: priority_loads has {len(entries)} entries, at most {MAX_PRIORITY_LOADS}")
+    loads = []
+    for entry in entries:
+        parts = entry.split(":")
+        try:
+            priority, blocks, waiting = (int(part) for part in parts)
+        except ValueError:
+            raise ValueError(f"worker record: priority_loads entry {entry[:40]!r} is not p:blocks:waiting") from None
+        if blocks < 0 or waiting < 0:
+            raise ValueError(f"worker record: priority_loads entry {entry[:40]!r} has a negative count")
+        loads.append((priority, blocks, waiting))
+    return loads
 
 
 def pack_hashes(block_hashes: Sequence[BlockKey]) -> bytes:

@@ -35,6 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STOP_GRACE_S = 15.0
+# What `kvroute up` and the bench's fleets give every kvroute worker before their own extra flags (which may undo
+# it): priority scheduling, so that a request's priority holds inside its worker too (docs/worker.md, "Scheduling
+# policy": the overload benchmark's interactive band).
+FLEET_WORKER_FLAGS = ("--scheduling-policy", "priority")
 POLL_S = 0.2
 _SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 _HANDED_OUT: set[int] = set()

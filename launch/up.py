@@ -27,7 +27,7 @@ from gateway.admission.auth import SALT_SECRET_ENV, SALT_SECRET_FILE_ENV
 from gateway.routing.router import POLICY_NAMES
 from kvroute.credentials import WORKER_TOKEN_ENV, WORKER_TOKEN_FILE_ENV, generate_secret
 from kvroute.errors import UserError
-from launch.fleet import Fleet, LaunchError, free_port, grpc_serving, kvroute_argv, routable
+from launch.fleet import FLEET_WORKER_FLAGS, Fleet, LaunchError, free_port, grpc_serving, kvroute_argv, routable
 from launch.redis_server import RedisServer
 
 READY_TIMEOUT_S = 600.0  # SmolLM2 on two busy cores: load, warm-up (kernel build on first use)
@@ -54,7 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "loopback port, stopped with it (default: embedded)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="where the gateway listens (workers stay on loopback)")
-    parser.add_argument("--worker-args", default="", help='extra `kvroute worker` flags, e.g. "--num-kv-blocks 512"')
+    parser.add_argument(
+        "--worker-args",
+        default="",
+        help='extra `kvroute worker` flags, e.g. "--num-kv-blocks 512"; after up\'s own (--scheduling-policy '
+        'priority: "--scheduling-policy fcfs" undoes it)',
+    )
     parser.add_argument(
         "--gateway-args", default="", help='extra `kvroute gateway` flags, e.g. "--log-level info" (a line per request)'
     )
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 f"worker-{i}",
                 kvroute_argv(
                     "worker", "--model", args.model, "--host", "127.0.0.1", "--port", port,
-                    "--worker-id", f"worker-{i}", *redis, *shlex.split(args.worker_args),
+                    "--worker-id", f"worker-{i}", *FLEET_WORKER_FLAGS, *redis, *shlex.split(args.worker_args),
                 ),
             )  # fmt: skip
         fleet.spawn(

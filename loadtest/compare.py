@@ -52,7 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
-from launch.fleet import Child, Fleet, LaunchError, free_port, http_ok, kvroute_argv
+from launch.fleet import FLEET_WORKER_FLAGS, Child, Fleet, LaunchError, free_port, http_ok, kvroute_argv
 from loadtest.bench import (
     Arrivals,
     HttpSender,
@@ -231,7 +231,7 @@ class RouterFleet:
                 "--metrics-port", str(metrics_port), "--worker-id", f"w{i}", "--seed", str(self.config.seed),
                 *(["--num-kv-blocks", str(self.config.num_kv_blocks)] if self.config.num_kv_blocks else []),
                 *(["--kv-events-config", kv_events_config(*event_ports)] if event_ports else []),
-                *self.config.worker_args,
+                *FLEET_WORKER_FLAGS, *self.config.worker_args,
             )  # fmt: skip
             child = self.fleet.spawn(f"worker-{i}", argv)
             self.workers.append(WorkerProcess(f"w{i}", grpc_port, http_port, metrics_port, child, event_ports))
@@ -662,7 +662,12 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default="sim", help="the workers' model: sim | tiny | smollm2 | PATH (default sim)")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: the worker's)")
     group.add_argument(
-        "--worker-arg", action="append", default=[], metavar="ARG", help="extra argument for every worker (repeat)"
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every worker (repeat); after the fleet's own --scheduling-policy priority "
+        "(--worker-arg=--scheduling-policy=fcfs undoes it)",
     )
     group.add_argument(
         "--gateway-arg", action="append", default=[], metavar="ARG", help="extra argument for kvroute gateway"

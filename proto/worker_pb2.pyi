@@ -54,7 +54,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "block_hashes", "trace_context")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "block_hashes", "trace_context", "priority")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,13 +68,15 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     cache_salt: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -113,7 +115,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_running", "num_waiting", "prefix_queries", "prefix_hits", "num_preemptions", "kv_cache_usage", "prompt_tokens_total", "generation_tokens_total", "kv_event_seq", "worker_id", "incarnation", "engine_state", "engine_error")
+    __slots__ = ("num_blocks_total", "num_blocks_used", "num_blocks_cached", "num_running", "num_waiting", "prefix_queries", "prefix_hits", "num_preemptions", "kv_cache_usage", "prompt_tokens_total", "generation_tokens_total", "kv_event_seq", "worker_id", "incarnation", "engine_state", "engine_error", "priority_loads")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class WorkerStats(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LOADS_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_used: int
     num_blocks_cached: int
@@ -146,7 +149,18 @@ class WorkerStats(_message.Message):
     incarnation: int
     engine_state: EngineState
     engine_error: str
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_event_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_state: _Optional[_Union[EngineState, str]] = ..., engine_error: _Optional[str] = ...) -> None: ...
+    priority_loads: _containers.RepeatedCompositeFieldContainer[PriorityLoad]
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_event_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., engine_state: _Optional[_Union[EngineState, str]] = ..., engine_error: _Optional[str] = ..., priority_loads: _Optional[_Iterable[_Union[PriorityLoad, _Mapping]]] = ...) -> None: ...
+
+class PriorityLoad(_message.Message):
+    __slots__ = ("priority", "running_blocks", "waiting")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    running_blocks: int
+    waiting: int
+    def __init__(self, priority: _Optional[int] = ..., running_blocks: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -117,8 +117,10 @@ class SimReplica:
         answer: Sequence[int] = (),
         cache_salt: str = "",
         now: float = 0.0,
+        priority: int = 0,
     ) -> bool:
-        """Queue a request arriving at `now`; it samples `answer` first, then the token `_FILLER_BASE + filler`.
+        """Queue a request arriving at `now` (`priority`: vLLM's, read under the priority policy); it samples
+        `answer` first, then the token `_FILLER_BASE + filler`.
         An idle replica's clock moves to `now`; a busy one takes the request into its next step. True when
         `busy_until` moved (the replica was idle, or a run of plain decodes was cut at the step in progress)."""
         moved = self.idle
@@ -133,7 +135,7 @@ class SimReplica:
             moved = True
         self._answers[request_id] = (answer, _FILLER_BASE + filler)
         params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=0.0, ignore_eos=True)
-        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
         self.requests += 1
         return moved
 

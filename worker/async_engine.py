@@ -116,6 +116,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str
+    priority: int
 
 
 @dataclass
@@ -260,6 +261,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs; the last has `finished` set.
 
@@ -277,7 +279,7 @@ class AsyncEngine:
         self._open_ids.add(request_id)
         finished = False
         try:
-            self._submit(_Add(handle, prompt, params, cache_salt))
+            self._submit(_Add(handle, prompt, params, cache_salt, priority))
             while not finished:
                 item = _merge_ready(await stream.queue.get(), stream.queue)
                 if isinstance(item, BaseException):
@@ -422,7 +424,7 @@ class AsyncEngine:
     def _apply(self, op: _Op) -> list[_Delivery]:
         if isinstance(op, _Add):
             try:
-                self.engine.add_request(op.handle, op.prompt_token_ids, op.params, op.cache_salt)
+                self.engine.add_request(op.handle, op.prompt_token_ids, op.params, op.cache_salt, op.priority)
             except InvalidRequest as exc:
                 return [(op.handle, exc)]
             except Exception as exc:

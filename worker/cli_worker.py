@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from kvroute.errors import UserError
 from kvroute.heap import freeze_start_up_heap
 from kvroute.model_source import resolve_model
-from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 
 if TYPE_CHECKING:
     from worker.engine import LLMEngine
@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="admit a request only while the KV blocks stay free that every running request needs to finish its "
         "prompt and decode up to this many more tokens (its max_tokens if fewer), so a burst waits in the queue "
         "instead of preempting; 0: keep only the watermark free (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=defaults.scheduling_policy,
+        help="vLLM's: fcfs admits waiting requests in arrival order; priority by (priority, arrival), a more urgent "
+        "request preempting less urgent running ones when it does not fit (default: %(default)s)",
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -134,6 +141,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_reserve_tokens=args.decode_reserve_tokens,
+        scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         device=args.device,

@@ -8,6 +8,7 @@ from kvkernels.backend_select import BACKEND_NAMES as ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy names (worker/scheduler.py)
 
 
 @dataclass
@@ -26,6 +27,9 @@ class EngineConfig:
     # decode tokens (worker/scheduler.py, "Headroom"; the default's measured trade in docs/worker.md); 0: the
     # watermark only.
     decode_reserve_tokens: int = 32
+    # fcfs: waiting requests in arrival order; priority: by (priority, arrival), a more urgent request preempting
+    # less urgent running ones when it does not fit (worker/scheduler.py, "Priority")
+    scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's
     device: str = "cpu"
@@ -39,6 +43,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,

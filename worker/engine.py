@@ -31,7 +31,7 @@ from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model_runner import StepRunner
 from worker.sampler import TopLogprobs
-from worker.scheduler import Scheduler
+from worker.scheduler import PriorityLoad, Scheduler
 from worker.sequence import RequestTimings, Sequence
 from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
 
@@ -74,6 +74,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Under the priority policy, what each priority holds and has waiting (Scheduler.priority_loads); else empty.
+    priority_loads: dict[int, PriorityLoad] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -168,9 +170,15 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        priority: int = 0,
     ) -> None:
-        """Queue a request. Raises InvalidRequest naming the bad field; the engine is then unchanged."""
+        """Queue a request (`priority`: vLLM's, lower is more urgent; the priority scheduling policy reads it).
+        Raises InvalidRequest naming the bad field; the engine is then unchanged."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         self.validate_request(prompt_token_ids, params)
@@ -182,6 +190,7 @@ class LLMEngine:
             hasher,
             cache_salt,
             self.eos_token_ids,
+            priority,
             timings=RequestTimings(self.clock.now()),
         )
         self.scheduler.add(seq)
@@ -334,6 +343,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            priority_loads=self.scheduler.priority_loads(),
         )
 
     @torch.inference_mode()

@@ -34,6 +34,7 @@ from kvroute.fleet_keys import (
     WorkerRecord,
     check_worker_id,
     pack_hashes,
+    pack_priority_loads,
     redis_client,
     stream_id,
 )
@@ -200,7 +201,10 @@ class WorkerReporter:
     async def _heartbeat(self) -> None:
         stats = self.engine.latest_stats
         state = self.engine_state()
-        load = (state, stats.num_running, stats.num_waiting, stats.num_blocks_used, stats.num_blocks_total)
+        load = (
+            state, stats.num_running, stats.num_waiting, stats.num_blocks_used, stats.num_blocks_total,
+            _priority_loads(stats),
+        )  # fmt: skip
         now = time.monotonic()
         if load == self._last_load and now - self._last_beat_at < self.heartbeat_interval:
             return
@@ -221,6 +225,7 @@ class WorkerReporter:
             num_blocks_total=stats.num_blocks_total,
             kv_cache_usage=stats.kv_cache_usage,
             kv_event_seq=self._published_seq,
+            priority_loads=_priority_loads(stats),
         )
         pipe = self._redis.pipeline(transaction=False)
         # redis-py's mapping is invariant in its key type (FieldT, a union that str is one of)
@@ -231,6 +236,11 @@ class WorkerReporter:
         if engine_state != "stopped":  # (gateways prune ids whose record expired; this adds it back)
             pipe.sadd(self.keys.workers, self.identity.worker_id)
         await pipe.execute()
+
+
+def _priority_loads(stats: EngineStats) -> str:
+    """The record's `priority_loads` field (kvroute.fleet_keys)."""
+    return pack_priority_loads([(p, load.running_blocks, load.waiting) for p, load in stats.priority_loads.items()])
 
 
 def reporter_for_server(

@@ -17,6 +17,16 @@ queue, where its prefix stays cached and no one's work is thrown away, instead o
 prompt's blocks alone and preempting (recomputing) the newest sequences as the batch grows. Sequences that
 decode past R, or an estimate that other sequences' cached blocks were free, can still preempt: the reserve
 makes it rare, not impossible (docs/worker.md, "Headroom": its figures).
+Priority (`scheduling_policy` "priority", vLLM's `--scheduling-policy priority`; "fcfs" is all of the above):
+sequences carry vLLM's `priority` (lower is more urgent), and the waiting queue is kept in (priority, arrival)
+order, a preempted sequence going back to its place in it. A running sequence that cannot get a block preempts
+the least urgent running sequence, the newest among equals (vLLM's choice), or itself when that is it. A waiting
+sequence that cannot be admitted for blocks, headroom or `max_num_seqs` preempts running sequences of strictly
+less urgent priority, least urgent and newest first, when freeing the fewest of them lets it in now (counted
+exactly as the admission counts: blocks only they hold, their growth out of the headroom, their tokens back to
+the budget); it never preempts an equal or more urgent one, and never preempts for a token budget that the next
+step refills. Admission stops at a sequence preempted in the same step. `priority_loads()` reports what such an
+admission could reclaim (gateway flow control reads it).
 After the model has run, `update` advances the sequences, offers their newly filled blocks to the prefix
 cache (prompt and generated tokens alike, so a multi-turn chat reuses the answer), and frees the blocks of
 finished sequences at once.
@@ -29,8 +39,10 @@ but those sequences' tokens, so `advance_decodes` may take several of them at on
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections import deque
+import itertools
+from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -60,6 +72,17 @@ class ScheduledSeq:
         return self.start + self.num_new_tokens == self.seq.num_tokens
 
 
+MAX_PRIORITY_LOADS = 8  # priority values a worker reports (Scheduler.priority_loads)
+
+
+@dataclass
+class PriorityLoad:
+    """One priority's share of a worker under the priority policy (Scheduler.priority_loads)."""
+
+    running_blocks: int = 0
+    waiting: int = 0
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
@@ -83,14 +106,18 @@ class Scheduler:
         self.watermark_blocks = int(config.watermark * kv_manager.num_blocks)
         self.decode_reserve_tokens = config.decode_reserve_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.running: list[Sequence] = []  # in admission order: fcfs preempts the newest first
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
         self._preempted: set[Sequence] = set()  # waiting again after a preemption: re-admitted, not new
+        self._arrivals = itertools.count()
+        self._arrival: dict[Sequence, int] = {}  # each live sequence's arrival number
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self._arrival[seq] = next(self._arrivals)
+        self._enqueue(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -106,6 +133,47 @@ class Scheduler:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
         return seq
+
+    def _rank(self, seq: Sequence) -> tuple[int, int]:
+        """(priority, arrival): the lower, the sooner a sequence is admitted and the later it is preempted."""
+        return seq.priority, self._arrival[seq]
+
+    def _enqueue(self, seq: Sequence, preempted: bool = False) -> None:
+        """Into the waiting queue: at its (priority, arrival) place, or (fcfs) last, first after a preemption."""
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=self._rank)
+        elif preempted:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def priority_loads(self) -> dict[int, PriorityLoad]:
+        """Under the priority policy, per priority value p among the live sequences: the blocks that preempting
+        every running sequence of priority p or less urgent would free beyond what preempting only the less
+        urgent ones frees (each block counted once, at the most urgent priority holding it: so the blocks an
+        admission at priority q can reclaim are the sum over p > q), and the sequences waiting at p. Most urgent
+        first, at most MAX_PRIORITY_LOADS values: past them the most urgent are merged into one under the
+        smallest value (which under-counts what a request can reclaim and over-counts what waits ahead of it,
+        never the reverse). Empty under fcfs, where nothing is preempted for admission and nothing jumps the
+        queue."""
+        if not self.by_priority:
+            return {}
+        loads: dict[int, PriorityLoad] = {}
+        urgency: dict[int, int] = {}  # block id -> the most urgent priority holding it
+        for seq in self.running:
+            for block in self.kv.req_blocks.get(seq.request_id, ()):
+                urgency[block.block_id] = min(urgency.get(block.block_id, seq.priority), seq.priority)
+            loads.setdefault(seq.priority, PriorityLoad())
+        for priority in urgency.values():
+            loads[priority].running_blocks += 1
+        for seq in self.waiting:
+            loads.setdefault(seq.priority, PriorityLoad()).waiting += 1
+        ordered = sorted(loads.items())
+        merged = ordered[: max(len(ordered) - MAX_PRIORITY_LOADS + 1, 0)]
+        if len(merged) > 1:
+            first = PriorityLoad(sum(p.running_blocks for _, p in merged), sum(p.waiting for _, p in merged))
+            ordered[: len(merged)] = [(merged[0][0], first)]
+        return dict(ordered)
 
     # -- scheduling ------------------------------------------------------------------------------
 
@@ -127,15 +195,16 @@ class Scheduler:
             # Recounted rather than decremented: a preempted sequence gives its tokens back to the budget.
             budget = self.max_num_batched_tokens - sum(chosen.values())
         if not preempted:
-            self._admit(budget, chosen)
+            self._admit(budget, chosen, preempted)
         scheduled = [ScheduledSeq(seq, seq.num_computed_tokens, n, self.kv) for seq, n in chosen.items()]
         return SchedulerOutput(scheduled, preempted)
 
     def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
-        """Make `seq` hold blocks for its next `num_new` tokens, preempting from the newest end if needed.
-        False if `seq` itself had to be preempted."""
+        """Make `seq` hold blocks for its next `num_new` tokens, preempting if needed (the newest running sequence;
+        under the priority policy the least urgent, newest among equals). False if `seq` itself was preempted."""
         while self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new) is None:
-            victim = self.running.pop()
+            victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
+            self.running.remove(victim)
             chosen.pop(victim, None)
             self._preempt(victim)
             preempted.append(victim)
@@ -148,7 +217,7 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, preempted=True)
         self._preempted.add(seq)
         self.num_preemptions += 1
 
@@ -179,13 +248,60 @@ class Scheduler:
             return None
         return hit, num_new, growth
 
-    def _admit(self, budget: int, chosen: dict[Sequence, int]) -> None:
+    def _victims(self, seq: Sequence, budget: int, chosen: dict[Sequence, int]) -> list[Sequence] | None:
+        """Under the priority policy, the fewest running sequences of less urgent priority than `seq`, least
+        urgent and newest first, whose preemption lets `_admission` admit `seq` now (`budget`: the step's tokens
+        left; `chosen`: the tokens given this step, which a victim gives back); None when none does. Changes
+        nothing: it counts what `_preempt` would free as the admission will count it."""
+        candidates = [s for s in self.running if s.priority > seq.priority] if self.by_priority else []
+        if not candidates or budget <= 0:
+            return None
+        candidates.sort(key=self._rank, reverse=True)
+        hit = self.kv.find_prefix_hit(seq.block_hashes(), seq.num_tokens)
+        hit_ids = {b.block_id for b in hit.blocks}
+        held = self.kv.req_blocks
+        released: Counter[int] = Counter()  # block id -> references the victims so far hold on it
+        freed = freed_hits = 0  # blocks the victims so far free; of those, blocks of seq's prefix hit
+        headroom = self._headroom()
+        for count, victim in enumerate(candidates, 1):
+            blocks = held.get(victim.request_id, [])
+            for block in blocks:
+                released[block.block_id] += 1
+                if released[block.block_id] == block.ref_cnt:
+                    freed += 1
+                    freed_hits += block.block_id in hit_ids
+            budget += chosen.get(victim, 0)
+            headroom -= self._growth_blocks(victim, len(blocks) * self.block_size)
+            running = len(self.running) - count
+            if budget <= 0 or running >= self.max_num_seqs:
+                continue
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            needed = self.kv.num_free_blocks_needed(seq.request_id, hit.num_tokens + num_new, hit.blocks) + freed_hits
+            growth = self._growth_blocks(seq, hit.num_tokens + num_new)
+            if running == 0 or self.kv.num_free_blocks + freed - needed - growth >= headroom:
+                return candidates[:count]
+        return None
+
+    def _admit(self, budget: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> None:
         if not self.waiting:
             return
         headroom = self._headroom()
         while self.waiting:
             seq = self.waiting[0]
+            if seq in preempted:  # (priority) it just gave its room to a more urgent one: not back this step
+                break
             admission = self._admission(seq, budget, headroom)
+            victims = None if admission is not None else self._victims(seq, budget, chosen)
+            if victims:
+                for victim in victims:
+                    self.running.remove(victim)
+                    chosen.pop(victim, None)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                budget = self.max_num_batched_tokens - sum(chosen.values())
+                headroom = self._headroom()
+                admission = self._admission(seq, budget, headroom)
+                assert admission is not None, "the victims were chosen to make room for it"
             if admission is None:
                 break
             hit, num_new, growth = admission
@@ -211,8 +327,10 @@ class Scheduler:
         if not self.running or len(self.running) > self.max_num_batched_tokens:
             return 0
         budget = self.max_num_batched_tokens - len(self.running)
-        if self.waiting and self._admission(self.waiting[0], budget, self._headroom()):
-            return 0
+        if self.waiting:
+            head = self.waiting[0]
+            if self._admission(head, budget, self._headroom()) or self._victims(head, budget, self._decoding()):
+                return 0
         bs = self.block_size
         ahead = self.max_num_batched_tokens
         for seq in self.running:
@@ -228,6 +346,10 @@ class Scheduler:
             if ahead <= 0:
                 return 0
         return ahead
+
+    def _decoding(self) -> dict[Sequence, int]:
+        """The tokens a plain decode step gives the running sequences: one each."""
+        return dict.fromkeys(self.running, 1)
 
     def advance_decodes(self, num_steps: int, sample: Callable[[Sequence, int], list[int]]) -> list[Sequence]:
         """Run `num_steps` plain decode steps at once (at most `decode_steps_ahead()`): `sample(seq, n)` is the
@@ -270,6 +392,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.kv.free(seq.request_id)
         self._preempted.discard(seq)
+        del self._arrival[seq]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]
@@ -278,7 +401,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Block-pool books plus: blocks are held exactly by the running sequences, each holding enough for
-        its computed tokens; every live request is in exactly one queue."""
+        its computed tokens; every live request is in exactly one queue; under the priority policy the waiting
+        queue is in (priority, arrival) order."""
         self.kv.check_invariants()
         running_ids = {s.request_id for s in self.running}
         assert set(self.kv.req_blocks) <= running_ids, "a non-running request holds blocks"
@@ -291,3 +415,7 @@ class Scheduler:
         queued = [s.request_id for s in self.running] + [s.request_id for s in self.waiting]
         assert len(queued) == len(set(queued)), "a request is queued twice"
         assert set(queued) == set(self.requests), "the request map and the queues disagree"
+        assert set(self._arrival) == set(self.requests.values()), "the arrival books and the queues disagree"
+        if self.by_priority:
+            ranks = [self._rank(s) for s in self.waiting]
+            assert ranks == sorted(ranks), "the waiting queue is out of (priority, arrival) order"

@@ -53,6 +53,7 @@ class Sequence:
     hasher: BlockHasher
     cache_salt: str = ""
     eos_token_ids: frozenset[int] = frozenset()  # the model's; they stop the sequence unless params.ignore_eos
+    priority: int = 0  # vLLM's: lower is more urgent (read by the scheduler's priority policy only)
     token_ids: list[int] = field(init=False)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per output token, with top_logprobs

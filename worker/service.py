@@ -140,6 +140,10 @@ def stats_to_proto(
         kv_cache_usage=stats.kv_cache_usage,
         prompt_tokens_total=stats.prompt_tokens_total,
         generation_tokens_total=stats.generation_tokens_total,
+        priority_loads=[
+            worker_pb2.PriorityLoad(priority=priority, running_blocks=load.running_blocks, waiting=load.waiting)
+            for priority, load in stats.priority_loads.items()
+        ],
         kv_event_seq=kv_event_seq,
         worker_id=identity.worker_id,
         incarnation=identity.incarnation,
@@ -388,7 +392,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         completion_tokens = 0
         finished = False
         first = True
-        outputs = self.engine.generate(request_id, request.prompt_token_ids, params, request.cache_salt)
+        outputs = self.engine.generate(
+            request_id, request.prompt_token_ids, params, request.cache_salt, request.priority
+        )
         try:
             async with aclosing(outputs):
                 async for output in outputs:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity, WorkerMember
+from gateway.routing.fleet_view import PriorityShare
 from gateway.routing.kv_index import KVIndex
 from gateway.worker_client import worker_stub
 from kvroute.grpc_options import CLIENT_OPTIONS
@@ -206,6 +207,7 @@ class WorkerPoller(PollLoop):
             stats.num_waiting,
             stats.kv_cache_usage,
             stats.num_blocks_total,
+            tuple(PriorityShare(p.priority, p.running_blocks, p.waiting) for p in stats.priority_loads),
         )
         now = asyncio.get_running_loop().time()
         if self._reported_at is not None:

@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gateway.routing.fleet_view import FleetView
+from gateway.routing.fleet_view import FleetView, PriorityShare
 from kvroute.fleet_keys import WorkerDescription
 from kvroute.kv_events import BlockKey, KVEvent
 
@@ -148,6 +148,7 @@ class _Reported:
     waiting: int
     kv_usage: float
     num_blocks: int
+    priorities: tuple[PriorityShare, ...]
 
 
 class FleetBook:
@@ -166,7 +167,8 @@ class FleetBook:
     `silent_for(worker_id)`: seconds since the worker was last heard (admitted, or a load report).
     Load of a member: its reported running + waiting, plus this gateway's requests dispatched since that
     report less those finished since, never below this gateway's own in-flight count (with no report yet,
-    the own count alone). `queued`, `kv_usage` and `num_blocks` are as reported; `reports` counts the reports.
+    the own count alone). `queued`, `kv_usage`, `num_blocks` and `priorities` are as reported; `reports` counts
+    the reports.
     """
 
     def __init__(self, identity: FleetIdentity) -> None:
@@ -303,12 +305,20 @@ class FleetBook:
             self._heard[worker_id] = time.monotonic()
 
     def report_load(
-        self, worker_id: str, incarnation: int, running: int, waiting: int, kv_usage: float, num_blocks: int = 0
+        self,
+        worker_id: str,
+        incarnation: int,
+        running: int,
+        waiting: int,
+        kv_usage: float,
+        num_blocks: int = 0,
+        priorities: tuple[PriorityShare, ...] = (),
     ) -> None:
-        """`num_blocks`: the worker's KV blocks in all, 0 where it does not say (an HTTP engine)."""
+        """`num_blocks`: the worker's KV blocks in all, 0 where it does not say (an HTTP engine); `priorities`:
+        what each priority holds and has waiting there, when it schedules by priority."""
         if not self.is_current(worker_id, incarnation):
             return
-        self._reported[worker_id] = _Reported(running, waiting, kv_usage, num_blocks)
+        self._reported[worker_id] = _Reported(running, waiting, kv_usage, num_blocks, priorities)
         self._since_report[worker_id] = 0
         self._heard[worker_id] = time.monotonic()
         self._refresh_load(worker_id)
@@ -366,7 +376,7 @@ class FleetBook:
         reported = self._reported.get(worker_id)
         if reported is None:
             load.in_flight, load.queued, load.kv_usage = own, 0, 0.0
-            load.num_blocks, load.busy_reported = 0, own
+            load.num_blocks, load.busy_reported, load.priorities = 0, own, ()
             return
         estimate = reported.running + reported.waiting + self._since_report[worker_id]
         load.in_flight = max(own, estimate)
@@ -374,6 +384,7 @@ class FleetBook:
         load.queued = reported.waiting
         load.kv_usage = reported.kv_usage
         load.num_blocks = reported.num_blocks
+        load.priorities = reported.priorities
 
 
 class BookkeepingFleetState(FleetState):

@@ -42,6 +42,7 @@ from redis.exceptions import RedisError
 
 from gateway.fleet.embedded_fleet import PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet.fleet_state import BookkeepingFleetState, FleetIdentity, WorkerMember
+from gateway.routing.fleet_view import PriorityShare
 from kvroute.fleet_keys import (
     DEFAULT_PREFIX,
     FleetKeys,
@@ -51,6 +52,7 @@ from kvroute.fleet_keys import (
     seq_of,
     stream_id,
     unpack_hashes,
+    unpack_priority_loads,
 )
 from kvroute.kv_events import KVEvent
 
@@ -239,6 +241,7 @@ class RedisFleetState(BookkeepingFleetState):
                 record.num_waiting,
                 record.kv_cache_usage,
                 record.num_blocks_total,
+                tuple(PriorityShare(*load) for load in unpack_priority_loads(record.priority_loads)),
             )
         self._published_seq[worker_id] = record.kv_event_seq
 

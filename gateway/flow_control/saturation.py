@@ -17,6 +17,10 @@ A worker is dispatchable for a request when
          need: its prompt blocks the worker does not hold plus a decode reserve (min(max_tokens,
          decode_reserve_tokens) tokens);
        - without one (an HTTP engine): its KV-cache usage is under `max_kv_usage`.
+A worker that schedules by priority (`--scheduling-policy priority`: it reports `priorities`, ReplicaLoad) puts a
+request of priority p ahead of its less urgent waiting requests and admits it by preempting less urgent running
+ones; so for such a request (`priority` given) the waiting count is of the requests at p or more urgent, and the
+free blocks include those its less urgent running requests hold (what preempting them frees, as it reports).
 A grant's blocks count until the second report after its first token (the worker had admitted it by then), so a
 burst between two reports cannot overfill a worker; what finished since is not credited until the next report
 (the worker's word), nor is a worker idle before its report says so: room a gateway frees by its own request's
@@ -44,16 +48,21 @@ def dispatchable(
     unstarted: int,
     needed_blocks: int,
     config: FlowControlConfig,
+    priority: int | None = None,
 ) -> bool:
     """The module docstring's rule for one worker and one request needing `needed_blocks` blocks there; `unsent`:
-    requests granted to it and not sent yet; `unstarted`: granted to it and without a first token yet."""
+    requests granted to it and not sent yet; `unstarted`: granted to it and without a first token yet;
+    `priority`: the request's (None: counted as on a fcfs worker)."""
     if load.busy_reported == 0 and unsent == 0:
         return True
-    if load.queued + unsent >= config.max_worker_waiting:
+    behind = [share for share in load.priorities if share.priority > priority] if priority is not None else []
+    waiting_ahead = max(load.queued - sum(share.waiting for share in behind), 0)
+    if waiting_ahead + unsent >= config.max_worker_waiting:
         return False
-    if load.queued + unstarted < config.max_worker_staged:
+    if waiting_ahead + unstarted < config.max_worker_staged:
         return True
     if load.num_blocks:
         used = round(load.num_blocks * load.kv_usage)  # usage is used / total as the worker computed it
-        return needed_blocks <= load.num_blocks - used - pending_blocks
+        reclaimable = sum(share.running_blocks for share in behind)
+        return needed_blocks <= load.num_blocks - used - pending_blocks + reclaimable
     return load.kv_usage < config.max_kv_usage

@@ -133,7 +133,7 @@ class FlowControl:
             blocked = self._blocked()
             if not any(r not in blocked for r in view.replicas):
                 return Grant(None, "immediate")
-            placed = self._decide(route_request, max_tokens, view, blocked)
+            placed = self._decide(route_request, max_tokens, view, blocked, band)
             if placed is not None:
                 self._metrics.flow_dispatches.labels(label, "immediate").inc()
                 self._metrics.flow_queue_wait.labels(label).observe(0.0)
@@ -243,10 +243,10 @@ class FlowControl:
                 chosen, reason = head, "deadline"
             else:
                 chosen, reason = self._cache_aware(band, head, view, blocked)
-            placed = self._decide(chosen.payload.route_request, chosen.payload.max_tokens, view, blocked)
+            placed = self._decide(chosen.payload.route_request, chosen.payload.max_tokens, view, blocked, band)
             if placed is None and chosen is not head and reason != "deadline":
                 chosen, reason = head, "fair_share"
-                placed = self._decide(head.payload.route_request, head.payload.max_tokens, view, blocked)
+                placed = self._decide(head.payload.route_request, head.payload.max_tokens, view, blocked, band)
             if placed is not None:
                 self.queue.take(chosen)
                 self.drain_rate.dispatched(now)
@@ -277,12 +277,12 @@ class FlowControl:
                         len(hashes), matched, ticket.max_tokens, self._block_size, self.config.decode_reserve_tokens
                     )
                     load = view.loads[replica]
-                    if dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config):
+                    if dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config, band):
                         best, best_matched = entry, matched
         return best, "fair_share" if best is head else "cache_aware"
 
     def _decide(
-        self, route_request: RouteRequest, max_tokens: int, view: FleetView, blocked: Collection[str]
+        self, route_request: RouteRequest, max_tokens: int, view: FleetView, blocked: Collection[str], band: int
     ) -> tuple[RouteDecision, int] | None:
         """The policy's pick among the workers that can admit the request now, and the blocks it needs there;
         None when no worker can."""
@@ -295,7 +295,7 @@ class FlowControl:
                 len(hashes), matched, max_tokens, self._block_size, self.config.decode_reserve_tokens
             )
             load = view.loads[replica]
-            room = dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config)
+            room = dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config, band)
             if replica in blocked or not room:
                 excluded.add(replica)
             else:

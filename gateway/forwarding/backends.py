@@ -77,6 +77,7 @@ class ForwardJob:
     hashes: list[bytes]
     params: SamplingParams  # max_tokens possibly cut to the context left
     trace_context: dict[str, str]
+    priority: int = dataclasses.field(default=0, kw_only=True)  # effective: its tenant's clamp applied
 
     def seed(self, choice: int) -> int | None:
         """n choices, n different samples; wrapped to stay an int64 (a seed of 2**63 - 1 with n = 2 is valid)."""
@@ -129,6 +130,7 @@ def generate_request(job: ForwardJob, choice: int) -> worker_pb2.GenerateRequest
         cache_salt=job.salt,
         block_hashes=job.hashes,
         trace_context=job.trace_context,
+        priority=job.priority,
     )
 
 

@@ -58,7 +58,7 @@ from gateway.frontdoors.openai_protocol import (
     priority_header,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.request import Chunk, GatewayRequest, Generation, TokenLogprob
+from gateway.request import PRIORITY_RANGE, Chunk, GatewayRequest, Generation, TokenLogprob
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.proto_maps import FINISH_REASONS
 from kvroute.sampling import InvalidRequest, SamplingParams
@@ -207,7 +207,14 @@ def _tools(tools_json: str) -> dict[str, Any]:
 def worker_request_to_gateway(msg: worker_pb2.GenerateRequest, headers: RequestHeaders) -> GatewayRequest:
     """A token-level client's Worker.Generate as a routed request. The client's request_id is not used
     (the gateway names its worker requests itself, so two clients' ids can never collide on a worker), nor
-    its block_hashes (the gateway computes its own)."""
+    its block_hashes (the gateway computes its own). Its `priority` counts as the body's (x-kvroute-priority
+    wins)."""
+    priority = headers.priority
+    if priority is None and msg.HasField("priority"):
+        priority = msg.priority
+        if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+            low, high = PRIORITY_RANGE
+            raise InvalidRequestError(f"must be an integer in [{low}, {high}], got {priority}", param="priority")
     return GatewayRequest(
         api_key=headers.api_key,
         model=None,
@@ -215,7 +222,7 @@ def worker_request_to_gateway(msg: worker_pb2.GenerateRequest, headers: RequestH
         params=checked_sampling(msg.sampling, SamplingParams().max_tokens),
         session_id=headers.session_id,
         app=headers.app,
-        priority=headers.priority,
+        priority=priority,
         client_cache_salt=msg.cache_salt,
         stream=True,
         kind="tokens",

@@ -35,6 +35,17 @@ class KVIndexView(Protocol):
 IndexT = TypeVar("IndexT", bound=KVIndexView, default=KVIndexView, covariant=True)
 
 
+@dataclass(frozen=True)
+class PriorityShare:
+    """One priority value's share of a worker that schedules by priority (`--scheduling-policy priority`; its
+    GetStats / Redis record `priority_loads`): the blocks that preempting its running requests of this priority
+    or less urgent frees beyond preempting only the less urgent ones, and its requests waiting at it."""
+
+    priority: int
+    running_blocks: int
+    waiting: int
+
+
 @dataclass
 class ReplicaLoad:
     """One replica's load as the router sees it."""
@@ -48,6 +59,8 @@ class ReplicaLoad:
     # no one's until every gateway can see it, else that gateway refills it at once, every time, and another
     # gateway's queue starves).
     busy_reported: int = 0
+    # As it last reported them, most urgent first; empty: it schedules first come first served (or does not say).
+    priorities: tuple[PriorityShare, ...] = ()
     # Load reports this fleet state took from it so far (flow control's clock of them): this gateway's own count,
     # not the worker's load, so two views of one fleet compare equal without it.
     reports: int = field(default=0, compare=False)
