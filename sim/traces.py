@@ -32,6 +32,10 @@ class TraceRequest:
     output_token_ids: tuple[int, ...] = ()  # the answer, when the trace knows it (multi-turn chat)
     session_id: str | None = None  # app / conversation: the unit of the first-divergence histogram
     cache_salt: str = ""  # the tenant's salt (token-id traces)
+    # who sends it and how urgent it is, for the gateway's flow control (sim.replay: ReplayConfig.flow_control)
+    tenant: str = "default"
+    weight: float = 1.0  # the tenant's fair-share weight
+    band: int = 0  # its priority as the gateway clamps it (lower is more urgent)
 
 
 @dataclass(frozen=True)
