@@ -224,6 +224,7 @@ class FleetSim:
                     assert route is not None
                     decision = outcome.grant.decision or gateway.pick(route)
                     send(i, decision, now)
+                    outcome.grant.sent()
             flow = gateway.flow
             if flow is not None and flow.queue and not ticking[g]:
                 ticking[g] = True
@@ -235,6 +236,11 @@ class FleetSim:
                 flow.dispatch()
                 settle(g, now)
 
+        # A live gateway has read each worker's books when it joined, before any request: its block count above all.
+        for r in range(n):
+            self._publish(r)
+        for gateway in self.gateways:
+            gateway.read(self._snapshot)
         if timing.publish_s > 0:
             push(0.0, _PUBLISH, 0)
         # A poller reads one gateway's view of every replica, or with `poll_each` of one replica: payload

@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="off",
         help="the gateways' flow control, as `kvroute gateway --flow-control`: on, requests wait in the gateway by "
         "band and tenant (the trace's) until a replica can admit them; off (default here, as the figures of "
-        "docs/replay.md): each is sent at once",
+        "docs/sim.md): each is sent at once",
     )
     parser.add_argument(
         "--routing-config",

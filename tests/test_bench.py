@@ -571,7 +571,13 @@ def test_a_short_run_of_two_tenants_reports_each_tenants_share_and_the_fairness(
         # timing, so the replay over the tenants' salts comes close, not to the token (8 requests: one turn's
         # blocks moved it 17% once).
         assert run["replay_prediction"]["prefill_tokens"] == pytest.approx(run["prefill_tokens"], rel=0.25), name
+        # The replay runs the gateway's flow control when the run's gateway had it, and judges its requests by
+        # the run's objectives per band, as the bench does the live ones.
+        prediction = run["replay_prediction"]
+        assert prediction["flow_control"] == (name == "kv_aware") and prediction["sheds"] == {}
+        assert {b: v["goodput"] for b, v in prediction["per_band"].items()} == {"interactive": 1.0, "batch": 1.0}
     assert "tenant a goodput" in done.stdout and "fairness (Jain)" in done.stdout
+    assert "replay interactive goodput" in done.stdout
 
 
 def test_the_prediction_draws_the_live_gateways_report_intervals_from_its_histogram():
