@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import zlib
 
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
@@ -17,6 +18,7 @@ from gateway.request import Tenant
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.router import RouteRequest, make_policy
 from kvroute.hashing import block_hashes
+from launch.cli import main
 from sim import FleetConfig, FleetSim, SimRequest
 from sim.gateway import SimGateway, ViewTiming
 from sim.replay import ReplayConfig, simulate
@@ -172,3 +174,23 @@ def test_a_replay_under_overload_queues_and_sheds_as_the_routing_config_says_and
     _, off = simulate(trace, "kv_aware", dataclasses.replace(config, flow_control=False))
     assert not any(off.shed_of) and off.bands[1].served == 40 and off.bands[0].dispatches == {}
     assert off.bands[0].goodput < interactive.goodput
+
+
+def test_kvroute_replay_takes_the_gateways_flag_and_the_routing_configs_flow_control(tmp_path, capsys):
+    """`--flow-control on --routing-config PATH`: the config's `flow_control` read as the gateway reads it, a line
+    per policy and band in the table and `bands` in the JSON; a bad config is an error naming the field."""
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps({"epsilon": 0.5, "flow_control": {"bands": {"0": {"slo": {"ttft_s": 0.5}}}}}))
+    out = tmp_path / "r.json"
+    args = ["replay", "synthetic:multiturn", "--requests", "40", "--replicas", "2", "--capacity-blocks", "300",
+            "--policies", "kv_aware", "--prefill-us-per-token", "100", "--decode-ms-per-step", "10"]  # fmt: skip
+    assert main([*args, "--flow-control", "on", "--routing-config", str(routing), "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "per band (flow control on):" in table and "kv_aware priority 0: 40 requests, goodput" in table
+    data = json.loads(out.read_text())
+    band = data["policies"]["kv_aware"]["bands"]["0"]
+    assert data["flow_control"] is True and band["requests"] == 40 and 0 <= band["goodput"] <= 1
+    assert sum(band["dispatches"].values()) + sum(band["sheds"].values()) == 40
+    routing.write_text(json.dumps({"flow_control": {"bands": {"0": {"max_wait_s": -1}}}}))
+    assert main([*args, "--flow-control", "on", "--routing-config", str(routing)]) == 2
+    assert "flow_control.bands.0.max_wait_s must be a positive number" in capsys.readouterr().err
