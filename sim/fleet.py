@@ -151,7 +151,7 @@ class FleetSim:
                 config.capacity_blocks,
                 config.flow_control,
                 lambda: self.now,
-            )  # fmt: skip
+            )
             for policy in policies
         ]
         self._reports = [0] * len(names)

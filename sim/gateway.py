@@ -104,7 +104,8 @@ class Settled:
 
 
 class SimGateway:
-    """Routes with `policy` over its view; `read` feeds it what the replicas published (see ViewTiming)."""
+    """Routes with `policy` over its view; `read` feeds it what the replicas published (see ViewTiming). With
+    `flow_control`, the gateway's flow control on `clock` (the simulator's virtual time, seconds)."""
 
     def __init__(
         self,
@@ -115,7 +116,7 @@ class SimGateway:
         shared_index: KVIndex,
         capacity_blocks: int,
         flow_control: FlowControlConfig | None = None,
-        clock: Callable[[], float] = lambda: 0.0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.policy = policy
         self.timing = timing
@@ -139,6 +140,8 @@ class SimGateway:
         self._taken: dict[str, int] = dict.fromkeys(fleet.replicas, -1)
         self.flow: Dispatcher[int] | None = None
         if flow_control is not None:
+            if clock is None:
+                raise ValueError("flow control runs on the simulator's clock: give `clock`")
             self.flow = Dispatcher(
                 flow_control, lambda: self.view, self._pick, _nothing_blocked, identity.block_size, self, clock
             )  # fmt: skip

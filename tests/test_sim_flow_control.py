@@ -54,7 +54,8 @@ def test_the_simulated_gateway_and_the_live_one_grant_the_same_requests_to_the_s
     config = FlowControlConfig(max_worker_waiting=2)
 
     def simulated() -> list[tuple[str, str, str]]:
-        gateway = SimGateway(WORKERS, make_policy("kv_aware"), IDENTITY, ViewTiming(), KVIndex(WORKERS), 100, config)
+        policy = make_policy("kv_aware")
+        gateway = SimGateway(WORKERS, policy, IDENTITY, ViewTiming(), KVIndex(WORKERS), 100, config, lambda: 0.0)
         assert type(gateway.flow) is Dispatcher
         fleet = saturated(gateway.book)
         for i, (name, tenant, band) in enumerate(ARRIVALS):
