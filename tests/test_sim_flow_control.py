@@ -9,6 +9,8 @@ import dataclasses
 import json
 import zlib
 
+import pytest
+
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
 from gateway.flow_control.config import BandSettings, FlowControlConfig, Slo
 from gateway.flow_control.dispatcher import Dispatcher, queued_bytes
@@ -22,7 +24,7 @@ from launch.cli import main
 from sim import FleetConfig, FleetSim, SimRequest
 from sim.gateway import SimGateway, ViewTiming
 from sim.replay import ReplayConfig, simulate
-from sim.traces import Trace, TraceRequest
+from sim.traces import Trace, TraceError, TraceRequest, read_mooncake
 from worker.sim_runner import SimCostModel
 
 IDENTITY = FleetIdentity("sim", 16, "sim", "sim")
@@ -195,3 +197,25 @@ def test_kvroute_replay_takes_the_gateways_flag_and_the_routing_configs_flow_con
     routing.write_text(json.dumps({"flow_control": {"bands": {"0": {"max_wait_s": -1}}}}))
     assert main([*args, "--flow-control", "on", "--routing-config", str(routing)]) == 2
     assert "flow_control.bands.0.max_wait_s must be a positive number" in capsys.readouterr().err
+
+
+def test_a_mooncake_trace_may_name_each_requests_tenant_weight_and_priority(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 600, "output_length": 5, "hash_ids": [1, 3], "tenant": "b", "weight": 2,
+         "priority": -3},
+    ]  # fmt: skip
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    first, second = read_mooncake(path).requests
+    assert (first.tenant, first.weight, first.band) == ("default", 1.0, 0)
+    assert (second.tenant, second.weight, second.band) == ("b", 2.0, -3)
+    for bad, message in (
+        ({"tenant": ""}, "field 'tenant' must be a non-empty string"),
+        ({"weight": 0}, "field 'weight' must be a number > 0"),
+        ({"priority": 1.5}, "field 'priority' must be an integer"),
+        ({"priority": 10**7}, "field 'priority' must be an integer in"),
+    ):
+        path.write_text(json.dumps({**lines[0], **bad}))
+        with pytest.raises(TraceError, match=f"line 1: {message}"):
+            read_mooncake(path)
