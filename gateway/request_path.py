@@ -78,7 +78,8 @@ from gateway.errors import (
 )
 from gateway.fleet.fleet_state import FleetIdentity, FleetState, WorkerMember
 from gateway.flow_control.config import FlowControlConfig
-from gateway.flow_control.stage import FlowControl, Grant
+from gateway.flow_control.dispatcher import Grant, queued_bytes
+from gateway.flow_control.stage import FlowControl
 from gateway.forwarding.backends import Backend, EngineDelta, ForwardJob, GrpcBackend, HttpBackend
 from gateway.forwarding.retry import CircuitBreakers, RetryPolicy, StreamDeadlines
 from gateway.metrics import GatewayMetrics, label_value
@@ -116,10 +117,6 @@ INLINE_DETOKENIZE_IDS = 1024
 # /tokenize requests whose prompts wait for the pool at once, beyond which one is refused (429): the pool is the
 # one generation templates its prompts in, and a tokenizer client is not to queue ahead of them without bound.
 TOKENIZE_BACKLOG = 2 * PROMPT_THREADS
-# What a queued request is counted as holding in the gateway's memory, beyond its body: its prompt ids and block
-# hashes as Python keeps them (a list slot and a small int; a bytes object of 16).
-QUEUED_BYTES_PER_TOKEN = 8
-QUEUED_BYTES_PER_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,10 +391,7 @@ class RequestPath:
         if self.flow is None:
             return None
         band = prepared.tenant.clamped_priority(request.priority)
-        size = (
-            len(request.api_json or b"") + QUEUED_BYTES_PER_TOKEN * len(prepared.prompt_ids)
-            + QUEUED_BYTES_PER_BLOCK * len(prepared.hashes)
-        )  # fmt: skip
+        size = queued_bytes(len(request.api_json or b""), len(prepared.prompt_ids), len(prepared.hashes))
         max_tokens = request.params.max_tokens * request.n
         return await self.flow.admit(route_request, prepared.tenant, band, max_tokens, size)
 

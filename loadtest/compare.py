@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -61,11 +62,12 @@ from loadtest.bench import (
     run_requests,
     send_one,
 )
-from loadtest.bench_stats import Objectives, RequestRecord, Summary, format_summary, summarize
+from loadtest.bench_stats import OK, Objectives, RequestRecord, Summary, format_summary, summarize
 from loadtest.render import BenchRequest, Workload, token_ids
 from loadtest.traffic_mix import TenantKeys, TrafficMix
 
 if TYPE_CHECKING:
+    from gateway.flow_control.config import FlowControlConfig
     from kvroute.tokenizer import Tokenizer
 
 KVROUTE = "kvroute"
@@ -573,6 +575,8 @@ def format_table(results: dict[str, RunResult]) -> str:
         ("overhead p99 ms", lambda r: _ms(r.overhead_ms["p99"])),
         ("replay prefill", lambda r: f"{r.prediction['prefill_tokens']:,}" if r.prediction else "-"),
         ("replay hit rate", lambda r: f"{r.prediction['hit_rate']:.1%}" if r.prediction else "-"),
+        ("replay goodput", lambda r: f"{r.prediction['goodput']:.1%}" if r.prediction else "-"),
+        *_predicted_band_rows(results),
         ("ideal prefill", lambda r: f"{r.prediction['ideal_prefill_tokens']:,}" if r.prediction else "-"),
         ("prefill x ideal", lambda r: _times_ideal(r)),
     ]
@@ -608,6 +612,19 @@ def _mix_rows(results: dict[str, RunResult]) -> list[TableRow]:
     if first.per_tenant:
         rows.append(("fairness (Jain)", lambda r: "-" if r.summary.fairness is None else f"{r.summary.fairness:.3f}"))
     return rows
+
+
+def _predicted_band_rows(results: dict[str, RunResult]) -> list[TableRow]:
+    """The replay's goodput per band of a traffic mix, beside the measured rows."""
+
+    def cell(name: str) -> Callable[[RunResult], str]:
+        def figure(run: RunResult) -> str:
+            band = (run.prediction or {}).get("per_band", {}).get(name)
+            return "-" if band is None else f"{band['goodput']:.1%}"
+
+        return figure
+
+    return [(f"replay {name} goodput", cell(name)) for name in next(iter(results.values())).summary.per_band]
 
 
 def _ms(value: float | None) -> str:
@@ -728,7 +745,9 @@ def run_compare(
     if not args.no_predict:
         for result in results.values():
             if result.entry.router == KVROUTE and result.records:
-                result.prediction = predict(workload, result, config, args.tokenizer, args.history == "live")
+                result.prediction = predict(
+                    workload, result, config, args.tokenizer, args.history == "live", objectives
+                )  # fmt: skip
     print(format_table(results))
     for line in format_mode_ratios(results):
         print(line)
@@ -769,7 +788,12 @@ def _log_dir(keep: Path | None) -> Iterator[Path]:
 
 
 def predict(
-    workload: Workload, run: RunResult, config: FleetConfig, tokenizer_spec: str, live_history: bool = True
+    workload: Workload,
+    run: RunResult,
+    config: FleetConfig,
+    tokenizer_spec: str,
+    live_history: bool = True,
+    objectives: Objectives | None = None,
 ) -> dict[str, Any]:
     """The replay's prediction for one kvroute run: the prompts exactly as the workers received them
     (rendered, with the run's own answers in closed-loop chats, templated, tokenized), in the order and at
@@ -787,9 +811,15 @@ def predict(
     worker on a poller of its own, as the embedded fleet state does, at intervals drawn from the live gateway's
     own (`view_refresh_ms` their mean, `view_draw`); the instants they fall at are not measured, so the
     prediction is the median run (by TTFT p50) of VIEW_SEEDS draws (`ttft_ms_p50_per_seed`). A traffic mix's
-    requests are hashed with their tenant's salt, as the gateway derives it (its bands are not modelled). TTFT: the
-    simulated engine's (`ttft_ms`), and with the run's measured time outside the engines added
-    (`ttft_ms_with_outside_engine`, `outside_engine_ms`)."""
+    requests are hashed with their tenant's salt, as the gateway derives it. The simulated gateway runs the live
+    one's flow control (gateway.flow_control.dispatcher) when the run's gateway had it on (not `+flow-off`), with
+    the `flow_control` of a `--routing-config` among the `--gateway-arg`s, each request in its tenant (its weight
+    from the mix) and its band (its priority as the gateway clamps it): requests wait in the simulated gateway and
+    are shed as in the live one. TTFT: the simulated engine's (`ttft_ms`), and with the run's measured time outside
+    the engines added (`ttft_ms_with_outside_engine`, `outside_engine_ms`). Goodput (overall, `per_band`,
+    `per_tenant`, `fairness`): the bench's own summary (loadtest.bench_stats) over the simulated requests, each
+    with the time outside the engines added to its TTFT and end, a shed one failed with the status its client
+    would have got, judged by the run's `objectives`."""
     from gateway.admission.auth import OPEN_TENANT, cache_salt
     from gateway.request import Tenant
     from kvroute.model_source import resolve_model
@@ -800,13 +830,16 @@ def predict(
 
     tokenizer = vocabulary(tokenizer_spec).tokenizer
     salts = config.tenant_keys.salts() if config.tenant_keys is not None else {}
+    weights = config.mix.weights
     answers = {r.index: r.output_text for r in run.records if r.ok}
+    sent = sorted(run.records, key=lambda r: r.sent_s)
     requests = []
-    for record in sorted(run.records, key=lambda r: r.sent_s):
+    for record in sent:
         request = workload.requests[record.index]
         if live_history:
             request = with_answers(request, workload.requests, answers)
         ids = tuple(token_ids(request, tokenizer))
+        tenant = Tenant(request.tenant, salts[request.tenant]) if request.tenant in salts else OPEN_TENANT
         requests.append(
             TraceRequest(
                 record.sent_s * 1e3,
@@ -815,10 +848,10 @@ def predict(
                 token_ids=ids,
                 output_token_ids=decoded_ids(request, ids, answers.get(record.index), record.output_tokens, tokenizer),
                 session_id=request.session,
-                cache_salt=cache_salt(
-                    Tenant(request.tenant, salts[request.tenant]) if request.tenant in salts else OPEN_TENANT,
-                    request.cache_salt,
-                ),
+                cache_salt=cache_salt(tenant, request.cache_salt),
+                tenant=tenant.name,
+                weight=weights.get(tenant.name, 1.0),
+                band=tenant.clamped_priority(request.priority),
             )
         )
     trace = Trace(f"live:{workload.name}", "tokens", DEFAULT_BLOCK_SIZE, tuple(requests))
@@ -832,6 +865,8 @@ def predict(
         view_poll_s=view_refresh_s(run),
         view_poll_each=True,
         view_poll_draw=view_draw(run),
+        flow_control=run.entry.flow_control,
+        flow_settings=routing_flow_settings(config.gateway_args),
         **sim_costs(config.worker_args),
     )
     # The workers' own work per step, beyond the cost model: their mean TPOT less the one the cost model alone
@@ -849,7 +884,27 @@ def predict(
     drawn.sort(key=lambda r: r.ttft_ms["p50"])
     result = drawn[len(drawn) // 2]
     outside = outside_engine_ms(run)
+    records = []
+    for record, prepared, ttft, e2e, shed, status in zip(
+        sent, trace.requests, result.ttft_samples_ms, result.e2e_samples_ms, result.shed_of, result.status_of,
+        strict=True,
+    ):  # fmt: skip
+        request = workload.requests[record.index]
+        simulated = RequestRecord(
+            record.index, record.sent_s, OK if not shed else f"http_{status}", session=request.session,
+            tenant=request.tenant, band=request.band,
+        )  # fmt: skip
+        if not shed:
+            simulated.ttft_s, simulated.e2e_s = (ttft + outside) * 1e-3, (e2e + outside) * 1e-3
+            simulated.output_tokens, simulated.prompt_tokens = prepared.output_length, prepared.input_length
+        records.append(simulated)
+    end_s = max((r.sent_s + (r.e2e_s or 0.0) for r in records), default=0.0)
+    summary = summarize(records, end_s - min((r.sent_s for r in records), default=0.0), objectives)
     return {
+        "flow_control": replay_config.flow_control,
+        "goodput": round(summary.goodput, 6),
+        **{k: v for k, v in summary.to_json().items() if k in ("per_band", "per_tenant", "fairness")},
+        "sheds": dict(sorted(Counter(s for s in result.shed_of if s).items())),
         "prefill_tokens": result.prefill_tokens,
         "ideal_prefill_tokens": ideal_prefill_tokens(trace, replay_config.model_id),
         "hit_rate": round(result.hit_rate, 6),
@@ -962,6 +1017,19 @@ def decoded_ids(
     if tuple(full[: len(prompt_ids)]) != prompt_ids:
         return ()
     return tuple(full[len(prompt_ids) : len(prompt_ids) + output_tokens])
+
+
+def routing_flow_settings(gateway_args: tuple[str, ...]) -> FlowControlConfig:
+    """The `flow_control` of the routing config a `--gateway-arg` names (`--routing-config PATH`, either form),
+    read as the gateway reads it; the defaults without one."""
+    from sim.replay_cli import flow_settings
+
+    path = None
+    for i, arg in enumerate(gateway_args):
+        flag, sep, value = arg.partition("=")
+        if flag == "--routing-config":
+            path = value if sep else (gateway_args[i + 1] if i + 1 < len(gateway_args) else "")
+    return flow_settings(None if path is None else Path(path))
 
 
 def sim_costs(worker_args: tuple[str, ...]) -> dict[str, Any]:

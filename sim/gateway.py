@@ -19,16 +19,24 @@ the fleet-state timing says.
   * `poll_draw`: each next interval between two reads is drawn from these `(low, high, weight)` ranges (a
     weighted range, then uniformly within it: a live gateway's measured histogram, `kvroute:gateway_fleet_
     report_interval_seconds`), seeded by `seed`; () (the default): every interval is `poll_s`.
+
+With a `FlowControlConfig` the gateway runs the gateway's own flow control (gateway.flow_control.dispatcher, the
+code the live gateway runs) on the simulator's clock: `admit` queues a request or grants it at once, and what
+becomes of each request (granted, with its grant; shed, with the reason and the HTTP status the client would
+get) is collected in `settled` for the fleet simulator to act on (sim.fleet).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
+from gateway.errors import GatewayError
 from gateway.fleet.fleet_state import FleetBook, FleetIdentity
+from gateway.flow_control.config import FlowControlConfig
+from gateway.flow_control.dispatcher import Dispatcher, Grant, queued_bytes
 from gateway.routing.fleet_view import FleetView
 from gateway.routing.kv_index import KVIndex, LearnedKVIndex
 from gateway.routing.router import RouteDecision, RouteRequest, RoutingPolicy
@@ -80,10 +88,24 @@ class LoadReport:
     running: int
     waiting: int
     kv_usage: float
+    num_blocks: int = 0  # the replica's KV blocks in all (a kvroute worker's GetStats says)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What flow control made of request `index`: a `grant` to send it now, or shed (`grant` None) for
+    `reason`, answered with `status`; `waited_s` in the gateway's queue."""
+
+    index: int
+    grant: Grant | None
+    reason: str
+    waited_s: float = 0.0
+    status: int = 0
 
 
 class SimGateway:
-    """Routes with `policy` over its view; `read` feeds it what the replicas published (see ViewTiming)."""
+    """Routes with `policy` over its view; `read` feeds it what the replicas published (see ViewTiming). With
+    `flow_control`, the gateway's flow control on `clock` (the simulator's virtual time, seconds)."""
 
     def __init__(
         self,
@@ -93,6 +115,8 @@ class SimGateway:
         timing: ViewTiming,
         shared_index: KVIndex,
         capacity_blocks: int,
+        flow_control: FlowControlConfig | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.policy = policy
         self.timing = timing
@@ -114,14 +138,56 @@ class SimGateway:
         self._unread: dict[str, list[list[KVEvent]]] = {name: [] for name in fleet.replicas}
         self._reports: dict[str, LoadReport] = {}
         self._taken: dict[str, int] = dict.fromkeys(fleet.replicas, -1)
+        self.flow: Dispatcher[int] | None = None
+        if flow_control is not None:
+            if clock is None:
+                raise ValueError("flow control runs on the simulator's clock: give `clock`")
+            self.flow = Dispatcher(
+                flow_control, lambda: self.view, self._pick, _nothing_blocked, identity.block_size, self, clock
+            )  # fmt: skip
+        self.settled: list[Settled] = []  # flow control's outcomes not yet acted on
+        self._arriving = -1  # the request `admit` is taking in (the outcome of a refusal names none)
 
     def pick(self, request: RouteRequest) -> RouteDecision:
-        decision = self.policy.pick(request, self.view)
+        """The policy's pick over this gateway's view (`sent` once the request goes)."""
+        return self.policy.pick(request, self.view)
+
+    def _pick(self, request: RouteRequest, view: FleetView, exclude: frozenset[str]) -> RouteDecision:
+        return self.policy.pick(request, view, exclude)
+
+    def sent(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """The request goes to `decision.replica` now: the policy's memory (once per request, as the live
+        gateway's at its first send) and the book's in-flight count."""
         self.policy.observe(request, decision)
         if self.learned is not None:
             self.learned.record_routed(decision.replica, request.block_hashes)
         self.book.on_dispatch(decision.replica)
-        return decision
+
+    def admit(self, index: int, request: RouteRequest, tenant: str, weight: float, band: int, max_tokens: int) -> None:
+        """Request `index` into flow control (sizes as the live gateway counts them, with no body): granted at
+        once, queued, or refused; whatever became of it, and of any request it displaced, is in `settled`."""
+        assert self.flow is not None
+        size = queued_bytes(0, request.num_tokens, len(request.block_hashes))
+        self._arriving = index
+        try:
+            arrived = self.flow.arrive(request, tenant, weight, band, max_tokens, size, index)
+        except GatewayError:
+            return  # told to `shed`
+        if isinstance(arrived, Grant):
+            self.settled.append(Settled(index, arrived, arrived.reason))
+
+    # -- flow control's outcomes (gateway.flow_control.dispatcher.Outcomes) --------------------------------------
+
+    def queued(self, band: int) -> None:
+        pass
+
+    def granted(self, band: int, reason: str, waited_s: float, grant: Grant, handle: int | None) -> None:
+        if handle is not None:  # one granted at once is `admit`'s to record
+            self.settled.append(Settled(handle, grant, reason, waited_s))
+
+    def shed(self, band: int, reason: str, error: GatewayError, handle: int | None) -> None:
+        index = self._arriving if handle is None else handle
+        self.settled.append(Settled(index, None, reason, status=error.http_status))
 
     def finished(self, replica: str) -> None:
         self.book.on_finish(replica)
@@ -149,4 +215,10 @@ class SimGateway:
                 report = self._reports.get(name)
                 if report is not None and report.number != self._taken[name]:
                     self._taken[name] = report.number
-                    self.book.report_load(name, 1, report.running, report.waiting, report.kv_usage)
+                    self.book.report_load(
+                        name, 1, report.running, report.waiting, report.kv_usage, report.num_blocks
+                    )  # fmt: skip
+
+
+def _nothing_blocked() -> Collection[str]:
+    return ()  # a simulated replica never fails: no breaker opens

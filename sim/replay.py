@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gateway.flow_control.config import FlowControlConfig
 from gateway.routing.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
 from kvroute.hashing import block_hashes, extend_block_hashes
 from kvroute.prefix import common_prefix_length
@@ -83,6 +84,11 @@ class ReplayConfig:
     jobs: int = 1  # runs (policy, one-gateway, oracle) simulated at once, one process each
     # Time each replica step takes beyond the cost model (a live fleet's measured step period less the model's).
     step_overhead_ms: float = 0.0
+    # The gateways' flow control (the gateway's `--flow-control on`): requests wait in the gateway, by band and
+    # tenant (the trace's), until a replica can admit them, as `flow_settings` says.
+    flow_control: bool = False
+    # The routing config's `flow_control`: the queue's settings when it is on, each band's SLO either way.
+    flow_settings: FlowControlConfig = field(default_factory=FlowControlConfig)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "capacity_blocks", "gateways", "min_in_flight", "jobs"):
@@ -136,6 +142,11 @@ class PolicyResult:
     steps: int = 0  # engine steps, all replicas
     preemptions: int = 0  # all replicas
     vs_one_gateway: float | None = None  # relative hit-rate loss against one gateway (G > 1 only)
+    bands: dict[int, BandResult] = field(default_factory=dict)  # per band (priority), most urgent first
+    shed_of: list[str] = field(default_factory=list, repr=False)  # per request: why flow control shed it, or ""
+    status_of: list[int] = field(default_factory=list, repr=False)  # per request: the HTTP status of a shed one
+    gateway_wait_samples_ms: list[float] = field(default_factory=list, repr=False)  # per request: in the queue
+    e2e_samples_ms: list[float] = field(default_factory=list, repr=False)  # per request: arrival to finish (NaN: shed)
 
     def to_json(self) -> dict:
         out = {
@@ -150,7 +161,35 @@ class PolicyResult:
         }
         if self.vs_one_gateway is not None:
             out["vs_one_gateway"] = round(self.vs_one_gateway, 6)
+        out["bands"] = {str(band): figures.to_json() for band, figures in self.bands.items()}
         return out
+
+
+@dataclass
+class BandResult:
+    """One band's requests as its clients saw them: how many, how many were served and met the band's SLO (the
+    routing config's `flow_control` slo; a shed request does not; with no SLO, every served one does), its TTFT
+    and its time queued in the gateway (percentiles over the served; ms), and flow control's sheds and dispatches
+    by reason."""
+
+    requests: int
+    served: int
+    goodput: float
+    ttft_ms: dict[str, float]
+    gateway_wait_ms: dict[str, float]
+    sheds: dict[str, int]
+    dispatches: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {
+            "requests": self.requests,
+            "served": self.served,
+            "goodput": round(self.goodput, 6),
+            "ttft_ms": {k: round(v, 3) for k, v in self.ttft_ms.items()},
+            "gateway_wait_ms": {k: round(v, 3) for k, v in self.gateway_wait_ms.items()},
+            "sheds": self.sheds,
+            "dispatches": self.dispatches,
+        }
 
 
 @dataclass(frozen=True)
@@ -194,6 +233,7 @@ class ReplayResult:
             "shared_view": self.config.shared_view,
             "prefill_us_per_token": self.config.prefill_us_per_token,
             "decode_ms_per_step": self.config.decode_ms_per_step,
+            "flow_control": self.config.flow_control,
             "ideal": {"prefill_tokens": self.ideal_prefill_tokens, "hit_rate": round(self.ideal_hit_rate, 6)},
             "policies": {name: result.to_json() for name, result in self.policies.items()},
             "first_divergence": self.divergence.to_json(),
@@ -214,6 +254,7 @@ class _Prepared:
     kv_tokens: int  # prompt + max_tokens: what the engine requires a replica's cache to hold
     finish_keys: Sequence  # keys of every full block at finish (prompt + known answer)
     session: str
+    band: int
 
 
 def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
@@ -236,7 +277,16 @@ def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
         route = RouteRequest(f"req-{i}", keys, req.input_length, req.session_id)
         out.append(
             _Prepared(
-                i, req.arrival_ms, req.input_length, req.output_length, route, usable, kv_tokens, finish_keys, session
+                i,
+                req.arrival_ms,
+                req.input_length,
+                req.output_length,
+                route,
+                usable,
+                kv_tokens,
+                finish_keys,
+                session,
+                req.band,
             )
         )
     return out
@@ -294,14 +344,19 @@ def _sim_requests(trace: Trace, prepared: list[_Prepared]) -> list[SimRequest]:
     for p, req in zip(prepared, trace.requests, strict=True):
         if trace.kind == "mooncake":
             prompt = _mooncake_prompt(req.hash_ids, req.input_length, trace.block_size)
-            out.append(SimRequest(p.arrival_ms / 1e3, prompt, p.input_length, p.output_length))
+            out.append(
+                SimRequest(
+                    p.arrival_ms / 1e3, prompt, p.input_length, p.output_length,
+                    tenant=req.tenant, weight=req.weight, band=req.band,
+                )
+            )  # fmt: skip
         else:
             ids = req.token_ids
             out.append(
                 SimRequest(
                     p.arrival_ms / 1e3, functools.partial(list, ids), p.input_length, p.output_length,
                     answer=req.output_token_ids or (), cache_salt=req.cache_salt, session_id=req.session_id,
-                    block_hashes=p.route.block_hashes,
+                    block_hashes=p.route.block_hashes, tenant=req.tenant, weight=req.weight, band=req.band,
                 )
             )  # fmt: skip
     return out
@@ -321,6 +376,7 @@ def fleet_config(trace: Trace, config: ReplayConfig, timing: ViewTiming) -> Flee
         cost=SimCostModel(config.prefill_us_per_token, config.decode_ms_per_step),
         timing=timing,
         step_overhead_s=config.step_overhead_ms * 1e-3,
+        flow_control=config.flow_settings if config.flow_control else None,
     )
 
 
@@ -357,15 +413,19 @@ def _result(policy: str, prepared: list[_Prepared], sim: Simulation, config: Rep
     cached = sum(run.cached_tokens)
     busy = [run.busy_s[r] for r in order]
     mean_busy = sum(busy) / len(busy)
-    ttft_ms = [t * 1e3 for t in run.ttft_s]
-    percentiles = {f"p{q}": float(np.percentile(ttft_ms, q)) for q in (50, 90, 99)}
+    ttft_ms = [t * 1e3 for t in run.ttft_s]  # NaN for a request flow control shed
+    served_ttft_ms = [t for t, shed in zip(ttft_ms, run.shed, strict=True) if not shed]
+    tpot_ms = [
+        (finish - p.arrival_ms / 1e3 - ttft) * 1e3 / (p.output_length - 1) if p.output_length > 1 and not shed else None
+        for p, ttft, finish, shed in zip(prepared, run.ttft_s, run.finish_s, run.shed, strict=True)
+    ]
     return PolicyResult(
         policy=policy,
         prefill_tokens=input_tokens - cached,
         hit_rate=cached / input_tokens,
         load_imbalance=max(busy) / mean_busy if mean_busy > 0 else 1.0,
         busy_min_share=min(busy) / mean_busy if mean_busy > 0 else 1.0,
-        ttft_ms=percentiles,
+        ttft_ms=_percentiles(served_ttft_ms, (50, 90, 99)),
         per_replica_requests=[run.requests_per_replica[r] for r in order],
         per_replica_busy_s=busy,
         reasons=run.reason_counts,
@@ -376,13 +436,51 @@ def _result(policy: str, prepared: list[_Prepared], sim: Simulation, config: Rep
         ttft_samples_ms=ttft_ms,
         queue_samples_ms=[t * 1e3 for t in run.queue_s],
         prefill_samples_ms=[t * 1e3 for t in run.prefill_s],
-        tpot_samples_ms=[
-            (finish - p.arrival_ms / 1e3 - ttft) * 1e3 / (p.output_length - 1) if p.output_length > 1 else None
-            for p, ttft, finish in zip(prepared, run.ttft_s, run.finish_s, strict=True)
-        ],
+        tpot_samples_ms=tpot_ms,
         steps=sum(run.steps),
         preemptions=sum(run.preemptions),
+        bands=_bands(prepared, run, ttft_ms, tpot_ms, config.flow_settings),
+        shed_of=run.shed,
+        status_of=run.status,
+        gateway_wait_samples_ms=[t * 1e3 for t in run.gateway_wait_s],
+        e2e_samples_ms=[(f - p.arrival_ms / 1e3) * 1e3 for p, f in zip(prepared, run.finish_s, strict=True)],
     )
+
+
+def _percentiles(samples: Sequence[float], qs: Sequence[int]) -> dict[str, float]:
+    """`numpy.percentile` of each q (NaN with no samples: every request of a band shed)."""
+    return {f"p{q}": float(np.percentile(samples, q)) if samples else float("nan") for q in qs}
+
+
+def _bands(
+    prepared: list[_Prepared],
+    run: FleetRun,
+    ttft_ms: list[float],
+    tpot_ms: list[float | None],
+    settings: FlowControlConfig,
+) -> dict[int, BandResult]:
+    """Per band: BandResult's figures, each request judged by its band's SLO in `settings`."""
+    out = {}
+    for band in sorted({p.band for p in prepared}):
+        mine = [i for i, p in enumerate(prepared) if p.band == band]
+        served = [i for i in mine if not run.shed[i]]
+        slo = settings.band(band).slo
+        met = 0
+        for i in served:
+            tpot = tpot_ms[i]
+            e2e_s = run.finish_s[i] - prepared[i].arrival_ms / 1e3
+            met += slo.met(ttft_ms[i] / 1e3, None if tpot is None else tpot / 1e3, e2e_s)
+        dispatched = Counter(run.dispatch_reasons[i] for i in served if run.dispatch_reasons[i])
+        out[band] = BandResult(
+            requests=len(mine),
+            served=len(served),
+            goodput=met / len(mine),
+            ttft_ms=_percentiles([ttft_ms[i] for i in served], (50, 99)),
+            gateway_wait_ms=_percentiles([run.gateway_wait_s[i] * 1e3 for i in served], (50, 99)),
+            sheds=dict(sorted(Counter(run.shed[i] for i in mine if run.shed[i]).items())),
+            dispatches=dict(sorted(dispatched.items())),
+        )
+    return out
 
 
 # -- the public API -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from gateway.flow_control.config import FlowControlConfig
 from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
 from sim.replay import (
@@ -88,6 +89,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"model id of the block hashes: a live fleet's (e.g. sim-v1) for its gateway's keys (default "
         f"{REPLAY_MODEL_ID}; token-id traces only)",
     )
+    parser.add_argument(
+        "--flow-control",
+        choices=("on", "off"),
+        default="off",
+        help="the gateways' flow control, as `kvroute gateway --flow-control`: on, requests wait in the gateway by "
+        "band and tenant (the trace's) until a replica can admit them; off (default here, as the figures of "
+        "docs/sim.md): each is sent at once",
+    )
+    parser.add_argument(
+        "--routing-config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a gateway's routing config: its `flow_control` (bounds, saturation, each band's max wait and SLO) is "
+        "read as the gateway reads it; its other keys are left to the flags above",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG comparing the policies")
 
@@ -115,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             progress=len(trace.requests) >= 2000,
             replica_names=None if args.replica_names is None else tuple(args.replica_names.split(",")),
             model_id=args.model_id,
+            flow_control=args.flow_control == "on",
+            flow_settings=flow_settings(args.routing_config),
         )
         result = replay(trace, config)
     except ReplayError as exc:
@@ -129,6 +148,22 @@ def run(args: argparse.Namespace) -> int:
 
         write_output(args.plot, lambda path: plot_result(result, path))
     return 0
+
+
+def flow_settings(path: Path | None) -> FlowControlConfig:
+    """The `flow_control` of a routing config file (the defaults without one); UserError naming what is wrong."""
+    if path is None:
+        return FlowControlConfig()
+    try:
+        options = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"--routing-config {path}: {exc}") from None
+    if not isinstance(options, dict):
+        raise UserError(f"--routing-config {path}: must be a JSON object")
+    try:
+        return FlowControlConfig.from_routing_config(options)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def load_trace(spec: str, block_size: int | None, requests: int | None, seed: int) -> Trace:
@@ -215,4 +250,22 @@ def format_table(result: ReplayResult) -> str:
         f"first divergence from the session's previous request ({d.unit}): {histogram}; "
         f"first of session: {d.first_of_session}"
     )
+    if result.config.flow_control or any(len(p.bands) > 1 for p in result.policies.values()):
+        lines += format_bands(result)
     return "\n".join(lines)
+
+
+def format_bands(result: ReplayResult) -> list[str]:
+    """One line per policy and band: goodput (its SLO from the routing config), TTFT and the time queued in the
+    gateway, flow control's sheds and dispatches."""
+    lines = [f"per band (flow control {'on' if result.config.flow_control else 'off'}):"]
+    for name, p in result.policies.items():
+        for band, b in p.bands.items():
+            sheds = ", ".join(f"{k} {v}" for k, v in b.sheds.items()) or "none"
+            sent = ", ".join(f"{k} {v}" for k, v in b.dispatches.items()) or "-"
+            lines.append(
+                f"  {name} priority {band}: {b.requests:,} requests, goodput {b.goodput:.1%}, TTFT p50/p99 "
+                f"{b.ttft_ms['p50']:.0f}/{b.ttft_ms['p99']:.0f} ms, queued in the gateway p50/p99 "
+                f"{b.gateway_wait_ms['p50']:.0f}/{b.gateway_wait_ms['p99']:.0f} ms; shed: {sheds}; sent: {sent}"
+            )
+    return lines

@@ -1,7 +1,9 @@
 """Traces the replay reads: Mooncake-format JSONL (optionally gzipped) and token-id traces.
 
 Mooncake lines: {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]},
-one prefix-chained id per 512-token block of the prompt, the last (usually partial) block included.
+one prefix-chained id per 512-token block of the prompt, the last (usually partial) block included; optionally
+"tenant" (a name), "weight" (its fair share, > 0) and "priority" (its band, an integer as vLLM's `priority`):
+who sends it and how urgent it is, for the gateway's flow control (sim.replay: `--flow-control on`).
 Token-id traces come from sim.workloads: token ids, the known answer's ids (so the engine's cache
 of a turn's answer can serve the next turn), a session/app id and the tenant's cache salt.
 """
@@ -14,6 +16,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from gateway.request import PRIORITY_RANGE
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -32,6 +36,10 @@ class TraceRequest:
     output_token_ids: tuple[int, ...] = ()  # the answer, when the trace knows it (multi-turn chat)
     session_id: str | None = None  # app / conversation: the unit of the first-divergence histogram
     cache_salt: str = ""  # the tenant's salt (token-id traces)
+    # who sends it and how urgent it is, for the gateway's flow control (sim.replay: ReplayConfig.flow_control)
+    tenant: str = "default"
+    weight: float = 1.0  # the tenant's fair-share weight
+    band: int = 0  # its priority as the gateway clamps it (lower is more urgent)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,20 @@ def parse_mooncake_line(line: str, number: int) -> TraceRequest:
             f"line {number}: hash_ids has {len(hash_ids)} ids, but input_length {input_length} "
             f"needs ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
         )
-    return TraceRequest(float(timestamp), input_length, output_length, hash_ids=tuple(hash_ids))
+    tenant = record.get("tenant", "default")
+    if not isinstance(tenant, str) or not tenant:
+        raise TraceError(f"line {number}: field 'tenant' must be a non-empty string, got {tenant!r}")
+    weight = record.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+        raise TraceError(f"line {number}: field 'weight' must be a number > 0, got {weight!r}")
+    priority = record.get("priority", 0)
+    if type(priority) is not int or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        bounds = list(PRIORITY_RANGE)
+        raise TraceError(f"line {number}: field 'priority' must be an integer in {bounds}, got {priority!r}")
+    return TraceRequest(
+        float(timestamp), input_length, output_length, hash_ids=tuple(hash_ids), tenant=tenant, weight=float(weight),
+        band=priority,
+    )  # fmt: skip
 
 
 def _field(record: dict, name: str, number: int, types: tuple[type, ...]):

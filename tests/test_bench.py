@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gateway.admission.auth import Authenticator
+from gateway.flow_control.config import FlowControlConfig
 from kvroute.errors import UserError
 from kvroute.tokenizer import Tokenizer
 from loadtest.bench import Arrivals, Target, with_answers
@@ -27,7 +28,7 @@ from loadtest.bench_stats import (
     queue_lost_hits,
     summarize,
 )
-from loadtest.compare import VIEW_SEEDS, parse_entries, sim_costs, view_draw, view_refresh_s
+from loadtest.compare import VIEW_SEEDS, parse_entries, routing_flow_settings, sim_costs, view_draw, view_refresh_s
 from loadtest.render import (
     CHAT_ANSWER_TOKENS,
     CHAT_QUESTION_TOKENS,
@@ -571,7 +572,13 @@ def test_a_short_run_of_two_tenants_reports_each_tenants_share_and_the_fairness(
         # timing, so the replay over the tenants' salts comes close, not to the token (8 requests: one turn's
         # blocks moved it 17% once).
         assert run["replay_prediction"]["prefill_tokens"] == pytest.approx(run["prefill_tokens"], rel=0.25), name
+        # The replay runs the gateway's flow control when the run's gateway had it, and judges its requests by
+        # the run's objectives per band, as the bench does the live ones.
+        prediction = run["replay_prediction"]
+        assert prediction["flow_control"] == (name == "kv_aware") and prediction["sheds"] == {}
+        assert {b: v["goodput"] for b, v in prediction["per_band"].items()} == {"interactive": 1.0, "batch": 1.0}
     assert "tenant a goodput" in done.stdout and "fairness (Jain)" in done.stdout
+    assert "replay interactive goodput" in done.stdout
 
 
 def test_the_prediction_draws_the_live_gateways_report_intervals_from_its_histogram():
@@ -588,6 +595,15 @@ def test_the_prediction_uses_the_sim_workers_cost_model():
     assert sim_costs(()) == {}
     with pytest.raises(UserError, match="--sim-decode-ms-per-step needs a number"):
         sim_costs(("--sim-decode-ms-per-step",))
+
+
+def test_the_prediction_reads_flow_control_from_the_gateways_routing_config(tmp_path):
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps({"flow_control": {"max_worker_waiting": 3, "bands": {"0": {"max_wait_s": 2}}}}))
+    for args in (("--routing-config", str(routing)), (f"--routing-config={routing}", "--drain-timeout", "5")):
+        settings = routing_flow_settings(args)
+        assert settings.max_worker_waiting == 3 and settings.band(0).max_wait_s == 2
+    assert routing_flow_settings(("--drain-timeout", "5")) == FlowControlConfig()
 
 
 # -- capacity sweep -----------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from opentelemetry import trace
 from gateway import tracing
 from gateway.errors import BodyTooLarge, GatewayError, InvalidRequestError, ModelNotFound, NoWorkerAvailable
 from gateway.fleet.fleet_state import WorkerMember
-from gateway.flow_control.stage import Grant
+from gateway.flow_control.dispatcher import Grant
 from gateway.frontdoors.openai_protocol import (
     PRIORITY_HEADER,
     ChatCompletionRequest,
