@@ -210,9 +210,6 @@ class Scheduler:
         """How many of the next steps are plain decode steps (module docstring); 0 when the next one is not."""
         if not self.running or len(self.running) > self.max_num_batched_tokens:
             return 0
-        budget = self.max_num_batched_tokens - len(self.running)
-        if self.waiting and self._admission(self.waiting[0], budget, self._headroom()):
-            return 0
         bs = self.block_size
         ahead = self.max_num_batched_tokens
         for seq in self.running:
@@ -227,6 +224,10 @@ class Scheduler:
             )
             if ahead <= 0:
                 return 0
+        # last: the admission check costs more than the loop above, which mostly settles it
+        budget = self.max_num_batched_tokens - len(self.running)
+        if self.waiting and self._admission(self.waiting[0], budget, self._headroom()):
+            return 0
         return ahead
 
     def advance_decodes(self, num_steps: int, sample: Callable[[Sequence, int], list[int]]) -> list[Sequence]:
