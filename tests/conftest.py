@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,26 +20,26 @@ UP_READY_LINE = "Ctrl-C stops them all"  # what `kvroute up` prints once its fle
 # starting the long ones first keeps one of them from being the last to start (xdist's own order, by test count,
 # started the 3 tests and 2 minutes of test_cpu_classes last). The rest follow in collection order.
 LONGEST_FILES_FIRST = (
+    "test_engine_reference.py",
+    "test_epp_envoy.py",
     "test_replay.py",
     "test_bench.py",
-    "test_engine_reference.py",
-    "test_cpu_classes.py",
     "test_engine_fleet.py",
-    "test_epp_envoy.py",
-    "test_worker_service.py",
-    "test_model_reference.py",
-    "test_kernels_cpu_fused.py",
-    "test_kernels_cpu.py",
-    "test_tracing.py",
     "test_stream_faults.py",
+    "test_model_reference.py",
     "test_engine_cli_parsers.py",
-    "test_kernels_triton.py",
+    "test_worker_service.py",
+    "test_engine_events_abuse.py",
+    "test_last_layer_rows.py",
+    "test_cpu_classes.py",
     "test_helm.py",
-    "test_tokenizer.py",
-    "test_engine.py",
-    "test_worker_spec.py",
+    "test_launch.py",
+    "test_tracing.py",
+    "test_prompt_hardening.py",
+    "test_engine_kv_events_reference.py",
     "test_epp_envoy_fleets.py",
     "test_epp_replicas.py",
+    "test_install.py",
 )
 
 
@@ -58,14 +59,34 @@ def tokenizer_smollm2(model_smollm2_source: ModelSource) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def model_smollm2_reference(model_smollm2_source: ModelSource) -> Any:
+def model_smollm2_reference(model_smollm2_source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """HF transformers' own SmolLM2 from the same GGUF, float32, in eval mode: the outside reference of
-    tests/test_model_reference.py and tests/test_engine_reference.py, loaded once (it takes ~10 s). Read-only."""
+    tests/test_model_reference.py and tests/test_engine_reference.py. Read-only. Its GGUF load (transformers
+    dequantizing: ~20 s of CPU) runs once a run: under xdist the first worker process to need it saves what it
+    loaded beside the workers' temp folders (xdist's recipe: a file lock) and the others load that (~2 s)."""
     import torch
     import transformers
+    from filelock import FileLock
 
     path = model_smollm2_source.path
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nobody to share with
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        return model.eval()
+    saved = tmp_path_factory.getbasetemp().parent / "smollm2-reference"  # the run's, shared by its workers
+    with FileLock(f"{saved}.lock"):
+        if saved.is_dir():
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(saved), dtype=torch.float32
+            )
+            model.load_state_dict(torch.load(saved / "weights.pt", mmap=True))
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            )
+            partial = saved.with_name(saved.name + ".partial")  # renamed when whole: a killed worker leaves no half
+            model.config.save_pretrained(partial)
+            torch.save(model.state_dict(), partial / "weights.pt")
+            partial.rename(saved)
     return model.eval()
 
 

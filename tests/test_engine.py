@@ -174,6 +174,7 @@ def test_abort_while_waiting() -> None:
         ([1] * 5000, SamplingParams(), "prompt"),
         ([1, 49152], SamplingParams(), "prompt_token_ids"),
         ([1, -1], SamplingParams(), "prompt_token_ids"),
+        ([1, 2**32], SamplingParams(), "prompt_token_ids"),  # past uint32: the fast check's fallback names it
         ([1], SamplingParams(max_tokens=0), "max_tokens"),
         ([1], SamplingParams(max_tokens=4090), "max_tokens"),
         ([1], SamplingParams(max_tokens=5000), "max_tokens"),  # more KV blocks than the pool holds

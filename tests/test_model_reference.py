@@ -63,6 +63,16 @@ REAL_PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as in tests/test_engine_reference.py: with two, every parallel op waits for a core
+    whenever the machine is shared (under pytest -n or beside other jobs), spinning while it waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class PagedKV:
     """KV caches for one or more sequences, with each sequence's blocks allocated in order."""
 

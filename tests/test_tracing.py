@@ -44,6 +44,7 @@ class Phoenix:
 
 @pytest.fixture()
 def phoenix(tmp_path: Path, launcher: Fleet) -> Phoenix:
+    """Phoenix, started and not yet waited for (~15 s to serve): the test starts its fleet meanwhile."""
     http_port, grpc_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -53,12 +54,12 @@ def phoenix(tmp_path: Path, launcher: Fleet) -> Phoenix:
         "PHOENIX_GRPC_PORT": str(grpc_port),
     }
     launcher.spawn("phoenix", [str(PHOENIX), "serve"], env=env)
-    server = Phoenix(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{grpc_port}")
-    launcher.wait_until(lambda: http_ok(f"{server.http_url}/v1/projects/default/spans?limit=1"), "Phoenix", 90)
-    return server
+    return Phoenix(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{grpc_port}")
 
 
-def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(phoenix: Phoenix, launcher_up) -> None:
+def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(
+    phoenix: Phoenix, launcher: Fleet, launcher_up
+) -> None:
     port = free_port()
     env = {
         **os.environ,
@@ -70,6 +71,8 @@ def test_a_request_is_one_trace_gateway_then_worker_then_its_phases(phoenix: Pho
         "--workers", "1", "--model", "sim", "--http-port", str(port), "--grpc-port", "0", "--metrics-port", "0",
         "--worker-args", "--num-kv-blocks 64 --max-model-len 512", env=env, timeout_s=120,
     )  # fmt: skip
+    # The exporters connect when they first send, after the request: Phoenix need serve only by then.
+    launcher.wait_until(lambda: http_ok(f"{phoenix.http_url}/v1/projects/default/spans?limit=1"), "Phoenix", 90)
     body = {"model": "sim", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": MAX_TOKENS}
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),

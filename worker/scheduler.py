@@ -326,11 +326,6 @@ class Scheduler:
         """How many of the next steps are plain decode steps (module docstring); 0 when the next one is not."""
         if not self.running or len(self.running) > self.max_num_batched_tokens:
             return 0
-        budget = self.max_num_batched_tokens - len(self.running)
-        if self.waiting:
-            head = self.waiting[0]
-            if self._admission(head, budget, self._headroom()) or self._victims(head, budget, self._decoding()):
-                return 0
         bs = self.block_size
         ahead = self.max_num_batched_tokens
         for seq in self.running:
@@ -344,6 +339,12 @@ class Scheduler:
                 ahead, held - computed, bs - 1 - computed % bs, seq.params.max_tokens - seq.num_output_tokens - 1
             )
             if ahead <= 0:
+                return 0
+        # last: the admission check costs more than the loop above, which mostly settles it
+        budget = self.max_num_batched_tokens - len(self.running)
+        if self.waiting:
+            head = self.waiting[0]
+            if self._admission(head, budget, self._headroom()) or self._victims(head, budget, self._decoding()):
                 return 0
         return ahead
 
