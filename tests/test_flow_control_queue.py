@@ -252,3 +252,50 @@ def test_api_keys_carry_a_tenant_priority_ceiling_and_weight() -> None:
             Authenticator([{"tenant": "t", "key_sha256": key_sha256("k"), **bad}])
     with pytest.raises(ValueError, match="weight: tenant 't' is given two different values"):
         Authenticator([{"tenant": "t", "key_sha256": key_sha256(k), "weight": w} for k, w in (("a", 1), ("b", 2))])
+
+
+class _Outcomes:
+    def queued(self, band: int) -> None:
+        pass
+
+    def granted(self, band: int, reason: str, waited_s: float, grant: object, handle: object) -> None:
+        pass
+
+    def shed(self, band: int, reason: str, error: object, handle: object) -> None:
+        pass
+
+
+def test_on_a_priority_worker_less_urgent_grants_do_not_hold_room_against_a_more_urgent_request() -> None:
+    """A batch request staged on a worker that schedules by priority waits behind an interactive one there (or
+    gives it its blocks): its grant must not count against the interactive request's room, or the interactive
+    request waits in the gateway for as long as batch work keeps the worker staged."""
+    from gateway.flow_control.dispatcher import Dispatcher, Grant
+    from gateway.routing.fleet_view import FleetView, PriorityShare
+    from gateway.routing.router import RouteDecision, RouteRequest
+
+    config = FlowControlConfig(max_worker_waiting=2, max_worker_staged=1, decode_reserve_tokens=16)
+    view = FleetView.empty(["w0"])
+    # 300 blocks, 280 held by batch (priority 1) requests: nothing free for a new request without preemption
+    view.loads["w0"] = ReplicaLoad(
+        in_flight=4, queued=0, kv_usage=280 / 300, num_blocks=300, busy_reported=4,
+        priorities=(PriorityShare(1, 280, 0),),
+    )  # fmt: skip
+
+    def pick(request: RouteRequest, fleet: FleetView, exclude: frozenset[str]) -> RouteDecision:
+        return RouteDecision("w0", "only")
+
+    dispatcher: Dispatcher[int] = Dispatcher(config, lambda: view, pick, frozenset, 16, _Outcomes())
+
+    def request(name: str, blocks: int) -> RouteRequest:
+        return RouteRequest(name, [bytes([i]) * 16 for i in range(blocks)], blocks * 16)
+
+    batch = dispatcher.arrive(request("batch", 100), "t", 1.0, 1, 16, 0, 1)
+    assert isinstance(batch, Grant) and batch.decision is not None  # staged: nothing waits there
+    batch.sent()
+    second_batch = dispatcher.arrive(request("batch2", 100), "t", 1.0, 1, 16, 0, 2)
+    assert not isinstance(second_batch, Grant)  # one batch request staged already: this one waits here
+    dispatcher.withdraw(second_batch)
+    urgent = dispatcher.arrive(request("urgent", 250), "t", 1.0, 0, 16, 0, 3)
+    assert isinstance(urgent, Grant) and urgent.decision is not None  # staged ahead of the batch one there
+    behind = dispatcher.arrive(request("batch3", 100), "t", 1.0, 1, 16, 0, 4)
+    assert not isinstance(behind, Grant)  # both grants are ahead of a batch request

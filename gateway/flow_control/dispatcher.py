@@ -39,7 +39,7 @@ from gateway.flow_control.config import FlowControlConfig
 from gateway.flow_control.drain_rate import DrainRate
 from gateway.flow_control.fair_queue import FairQueue, QueuedRequest, QueueFull
 from gateway.flow_control.saturation import blocks_needed, dispatchable
-from gateway.routing.fleet_view import FleetView
+from gateway.routing.fleet_view import FleetView, ReplicaLoad
 from gateway.routing.router import NoReplicaAvailable, RouteDecision, RouteRequest
 
 TICK_S = 0.02  # how often waiting requests are looked at between kicks (load reports come every ~0.1 s)
@@ -64,10 +64,11 @@ class Grant:
     Its blocks count against that worker's room until the second load report after its first token (the first
     may have been taken just before it)."""
 
-    def __init__(self, decision: RouteDecision | None, reason: str, blocks: int = 0) -> None:
+    def __init__(self, decision: RouteDecision | None, reason: str, blocks: int = 0, band: int = 0) -> None:
         self.decision = decision
         self.reason = reason
         self.blocks = blocks
+        self.band = band
         self.unsent = decision is not None
         self.open = decision is not None  # its blocks still count
         self.started_at_report: int | None = None  # the worker's report count when its first token came
@@ -157,7 +158,7 @@ class Dispatcher(Generic[P]):
                 return Grant(None, "immediate")
             placed = self._decide(route_request, max_tokens, view, blocked, band)
             if placed is not None:
-                grant = self._granted_now(placed[0], placed[1], "immediate")
+                grant = self._granted_now(placed[0], placed[1], "immediate", band)
                 self._outcomes.granted(band, "immediate", 0.0, grant, None)
                 return grant
         cost = route_request.num_tokens + max_tokens
@@ -242,7 +243,7 @@ class Dispatcher(Generic[P]):
             if placed is not None:
                 self.queue.take(chosen)
                 self.drain_rate.dispatched(now)
-                grant = self._granted_now(placed[0], placed[1], reason)
+                grant = self._granted_now(placed[0], placed[1], reason, band)
                 self._outcomes.granted(band, reason, now - chosen.arrival, grant, chosen.payload.handle)
                 return True
         return False
@@ -264,7 +265,7 @@ class Dispatcher(Generic[P]):
                         len(hashes), matched, waiting.max_tokens, self._block_size, self.config.decode_reserve_tokens
                     )
                     load = view.loads[replica]
-                    if dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config, band):
+                    if dispatchable(load, *self._room_taken(replica, load, band), needed, self.config, band):
                         best, best_matched = entry, matched
         return best, "fair_share" if best is head else "cache_aware"
 
@@ -282,7 +283,7 @@ class Dispatcher(Generic[P]):
                 len(hashes), matched, max_tokens, self._block_size, self.config.decode_reserve_tokens
             )
             load = view.loads[replica]
-            room = dispatchable(load, *self._room_taken(replica, load.reports), needed, self.config, band)
+            room = dispatchable(load, *self._room_taken(replica, load, band), needed, self.config, band)
             if replica in blocked or not room:
                 excluded.add(replica)
             else:
@@ -295,17 +296,20 @@ class Dispatcher(Generic[P]):
             return None
         return decision, needs.get(decision.replica, 0)
 
-    def _granted_now(self, decision: RouteDecision, blocks: int, reason: str) -> Grant:
-        grant = Grant(decision, reason, blocks)
+    def _granted_now(self, decision: RouteDecision, blocks: int, reason: str, band: int) -> Grant:
+        grant = Grant(decision, reason, blocks, band)
         self._grants.setdefault(decision.replica, []).append(grant)
         return grant
 
-    def _room_taken(self, replica: str, reports: int) -> tuple[int, int, int]:
-        """The requests granted to `replica` and not sent yet, the blocks of its grants that its report (number
-        `reports`) cannot show yet, and the grants without a first token yet; grants counted out are forgotten."""
+    def _room_taken(self, replica: str, load: ReplicaLoad, band: int) -> tuple[int, int, int]:
+        """Of this gateway's grants to `replica` that its last report cannot show yet: the requests not sent yet,
+        their blocks, and those without a first token yet; grants counted out are forgotten. On a worker that
+        schedules by priority (it reports `priorities`), only the grants at `band` or more urgent: the less urgent
+        ones wait behind a request of `band` there, or give it their blocks."""
         grants = self._grants.get(replica)
         if not grants:
             return 0, 0, 0
+        reports = load.reports
         # a report answered just after the first token may have been taken before it: the second one shows it
         live = [g for g in grants if g.open and (g.started_at_report is None or g.started_at_report + 1 >= reports)]
         if len(live) != len(grants):
@@ -313,8 +317,9 @@ class Dispatcher(Generic[P]):
                 self._grants[replica] = live
             else:
                 del self._grants[replica]
-        unstarted = sum(g.started_at_report is None for g in live)
-        return sum(g.unsent for g in live), sum(g.blocks for g in live), unstarted
+        ahead = [g for g in live if g.band <= band] if load.priorities else live
+        unstarted = sum(g.started_at_report is None for g in ahead)
+        return sum(g.unsent for g in ahead), sum(g.blocks for g in ahead), unstarted
 
     def _shed(self, entry: QueuedRequest[Waiting[P]], reason: str, why: str, queued: bool = True) -> None:
         """Drop a waiting request, with Retry-After from the drain rate; `queued`: it is still in the queue (taken
