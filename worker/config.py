@@ -5,9 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvkernels.backend_select import BACKEND_NAMES as ATTENTION_BACKENDS
+from kvkernels.weight_only import GROUP_SIZES
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# float: every weight in the model's dtype (today's path); int8 / int4: linear layers and the embedding weight-only
+# quantized (kvkernels/weight_only.py), from the GGUF's own blocks where the format maps, else by per-group
+# quantization of the float weights (worker/model/quantized_linear.py); auto: float.
+WEIGHTS = ("auto", "float", "int8", "int4")
+WEIGHT_SCHEMES = ("sym", "asym")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy names (worker/scheduler.py)
 
 
@@ -16,6 +22,11 @@ class EngineConfig:
     model: str = "tiny"  # tiny | smollm2 | sim | path (kvroute.model_source.resolve_model)
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: see worker.model_runner.resolve_dtype)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, half the bytes of bf16)
+    weights: str = "auto"  # auto | float | int8 | int4 (WEIGHTS)
+    # Inputs per scale when float weights are quantized (32, 64 or 128); None: the GGUF's own block (32) where
+    # its format maps, else 128.
+    weight_group_size: int | None = None
+    weight_scheme: str = "asym"  # sym | asym, when float weights are quantized
     attention_backend: str = "auto"  # auto | torch | cpu | triton (kvkernels.backend_select.get_attention_backend)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
@@ -42,6 +53,12 @@ class EngineConfig:
         """Raise ValueError naming the first bad field."""
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("weights", self.weights, WEIGHTS)
+        _check_choice("weight_scheme", self.weight_scheme, WEIGHT_SCHEMES)
+        if self.weight_group_size is not None and self.weight_group_size not in GROUP_SIZES:
+            raise ValueError(
+                f"weight_group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.weight_group_size}"
+            )
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         positive = {
