@@ -26,6 +26,10 @@ SUBCOMMANDS = {
     "gateway": ("gateway.cli_gateway", "run a gateway: OpenAI HTTP and gRPC front doors routing over a fleet"),
     "epp": ("gateway.cli_epp", "run an endpoint picker: Envoy ext_proc for a Gateway API InferencePool"),
     "up": ("launch.up", "run a local fleet: N workers and a gateway, stopped together with Ctrl-C"),
+    "quality": (
+        "quality.cli",
+        "judge a candidate engine configuration (weights, KV cache dtype, ...) against a reference, by a rule",
+    ),
     "bench": ("loadtest.bench_cli", "send a workload to a live fleet (or compare routers) and report latencies"),
     "sweep": ("sim.sweep", "capacity planning: replay a trace over a grid of fleet and cache sizes"),
     "export-tokenizer": (
