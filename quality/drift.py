@@ -23,6 +23,8 @@ class LongOutputs:
     kl_by_position: list[float]
     identical_by_position: list[float]  # share of free-running answers equal to the reference's through position t
     first_divergence: list[int | None]  # per prompt; None: identical throughout
+    reference_answers: list[list[int]]
+    candidate_answers: list[list[int]]
 
     def metrics(self) -> dict[str, float]:
         late = self.top1_by_position[len(self.top1_by_position) * 3 // 4 :]
@@ -55,4 +57,6 @@ def measure_long_outputs(
         kl_by_position=by_position([d.kl for d in distances]),
         identical_by_position=identical,
         first_divergence=divergences,
+        reference_answers=ref,
+        candidate_answers=cand,
     )

@@ -94,6 +94,7 @@ def json_report(comparison: Comparison, rule: DecisionRule, verdict: Verdict, pr
             "kl_by_position": c.long.kl_by_position,
             "identical_by_position": c.long.identical_by_position,
             "first_divergence": c.long.first_divergence,
+            "answers": {"reference": c.long.reference_answers, "candidate": c.long.candidate_answers},
         }
     return document
 

@@ -177,15 +177,15 @@ def test_the_reference_against_itself_passes(tmp_path: Path) -> None:
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def doubled_layer_engine(config: EngineConfig) -> LLMEngine:
-    """An engine on weights of its own (the shared model stays whole) with layer 0's down_proj weight doubled: a
-    quantized layer whose scales are off by a factor of 2."""
+def own_weights_engine(config: EngineConfig, scale_layer_0: float = 1.0) -> LLMEngine:
+    """An engine on weights of its own (the shared model stays whole), layer 0's down_proj weight multiplied by
+    `scale_layer_0`: by 2, a quantized layer whose scales are off by a factor of 2."""
     engine = LLMEngine(config)
     model, model_config = load_model(resolve_model(config.model), torch.float32)
     down_proj = model.get_submodule("model.layers.0.mlp.down_proj")
     assert isinstance(down_proj, torch.nn.Linear)
     with torch.no_grad():
-        down_proj.weight.mul_(2)
+        down_proj.weight.mul_(scale_layer_0)
     engine.runner = ModelRunner(config, model, model_config)
     return engine
 
@@ -193,10 +193,13 @@ def doubled_layer_engine(config: EngineConfig) -> LLMEngine:
 def test_a_candidate_with_one_layer_doubled_fails() -> None:
     config = parse_config_spec(SMALL_KV, "-c").engine_config("tiny")
     prompts = load_prompts(BUILTIN, 0).first(6)
-    comparison = compare(
-        Side(config, label="float"), Side(config, label="doubled", build=doubled_layer_engine), prompts, Settings(8, 0)
-    )
-    verdict = parse_rule(RULE).judge(comparison.metrics())
+    rule = parse_rule(RULE)
+    # The control: the same weights loaded apart pass, so what fails below is the doubled layer alone.
+    control = compare(Side(config), Side(config, build=own_weights_engine), prompts, Settings(8, 0))
+    assert rule.judge(control.metrics()).passed and control.top1 == 1.0
+    doubled = Side(config, label="doubled", build=lambda c: own_weights_engine(c, scale_layer_0=2.0))
+    comparison = compare(Side(config, label="float"), doubled, prompts, Settings(8, 0))
+    verdict = rule.judge(comparison.metrics())
     assert not verdict.passed
     assert comparison.top1 < 0.9 and comparison.flips.value > 0.5 and comparison.noise_floor.value == 0
     assert comparison.flips_above_floor.low > 0  # the interval clears zero
