@@ -37,6 +37,7 @@ def text_report(comparison: Comparison, rule: DecisionRule, verdict: Verdict, pr
             "  top-1           " + "".join(f"{_mean(long.top1_by_position, a, b):>11.4f}" for a, b in bands),
             "  mean KL         " + "".join(f"{_mean(long.kl_by_position, a, b):>11.5f}" for a, b in bands),
             "  still identical " + "".join(f"{long.identical_by_position[b - 1]:>11.3f}" for a, b in bands),
+            f"  first divergence of free-running greedy: {_divergences(long.first_divergence, long.tokens)}",
         ]
     lines += ["", f"decision rule: {rule}"]
     for result in verdict.results:
@@ -97,6 +98,17 @@ def json_report(comparison: Comparison, rule: DecisionRule, verdict: Verdict, pr
             "answers": {"reference": c.long.reference_answers, "candidate": c.long.candidate_answers},
         }
     return document
+
+
+def _divergences(first: list[int | None], tokens: int) -> str:
+    diverged = sorted(d for d in first if d is not None)
+    if not diverged:
+        return f"none diverged (all {len(first)} identical throughout)"
+    median = statistics.median([*diverged, *([tokens] * (len(first) - len(diverged)))])
+    return (
+        f"median position {median:g} (first {diverged[0]}, last {diverged[-1]}), {len(first) - len(diverged)} of "
+        f"{len(first)} identical throughout"
+    )
 
 
 def _rate(rate: Rate) -> str:
