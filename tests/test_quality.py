@@ -95,6 +95,11 @@ def test_a_bad_spec_exits_2_before_any_engine(capsys: pytest.CaptureFixture[str]
     assert main(["quality", "--model", "tiny", "--candidate", "weights=int3", "--accept", RULE]) == 2
     assert "weights must be one of" in capsys.readouterr().err
     assert main(["quality", "--model", "tiny", "--candidate", "dtype=float32", "--accept", "top1>=1.5x"]) == 2
+    argv = ["quality", "--model", "tiny", "--candidate", "dtype=float32"]
+    assert main([*argv, "--accept-file", "/nonexistent/rule.txt"]) == 2
+    assert main([*argv, "--accept", "long_top1>=0.9", "--long-prompts", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent/rule.txt" in err and "reads long_top1, but no long outputs run" in err
 
 
 def test_measures_arithmetic() -> None:
@@ -156,8 +161,10 @@ def test_a_mismatched_chat_template_is_refused_naming_where(
     assert tokenizer.chat_template is not None and "<|im_start|>" in tokenizer.chat_template
     other = tmp_path / "other.jinja"
     other.write_text(tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> "))
-    argv = ["quality", "--model", "tiny", "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--accept", RULE]
-    assert main([*argv, "--candidate", f"chat-template={other}"]) == 3
+    rule = tmp_path / "rule.txt"
+    rule.write_text("# written before the run\nflips_above_floor <= 0.02\ntop1 >= 0.97\n")
+    argv = ["quality", "--model", "tiny", "--prompts", str(write_prompts(tmp_path / "p.jsonl"))]
+    assert main([*argv, "--accept-file", str(rule), "--candidate", f"chat-template={other}"]) == 3
     err = capsys.readouterr().err
     assert "refused: prompt 0 renders differently" in err and "first at token 1:" in err
     assert "reference: '<|im_start|>' >>> 'system" in err and "candidate: '<|im_start|>' >>> ' system" in err
