@@ -68,8 +68,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "sim": _SERVING,  # the simulator runs the real engine and the real router
     "loadtest": _SERVING | {"sim", "launch"},  # the bench starts its fleets with the launcher
     "launch": _SERVING | {"sim"},  # the fleet launcher, `kvroute up`, `kvroute worker`
-    "launch/cli": _SERVING | {"sim", "loadtest", "launch", "benchmarks"},  # the command line: every subcommand
-    "benchmarks": _SERVING | {"sim", "loadtest", "launch"},  # micro-benchmarks, each against a baseline
+    "quality": _ENGINE,  # `kvroute quality`: engines of two configurations side by side
+    # the command line: every subcommand
+    "launch/cli": _SERVING | {"sim", "loadtest", "launch", "benchmarks", "quality"},
+    "benchmarks": _SERVING | {"sim", "loadtest", "launch", "quality"},  # micro-benchmarks, each against a baseline
     "exercises": _SERVING | {"sim", "loadtest", "launch"},
     "deploy": set(),  # the images' health check runs on the standard library alone
 }
