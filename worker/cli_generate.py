@@ -11,6 +11,7 @@ import json
 
 from kvroute.errors import UserError
 from kvroute.sampling import InvalidRequest, SamplingParams
+from worker.cli_worker import add_weight_arguments
 from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    add_weight_arguments(parser)
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -39,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        weights=args.weights,
+        weight_group_size=args.weight_group_size,
+        weight_scheme=args.weight_scheme,
         attention_backend=args.attention_backend,
         device=args.device,
     )

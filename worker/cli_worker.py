@@ -25,10 +25,19 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvkernels.weight_only import GROUP_SIZES
 from kvroute.errors import UserError
 from kvroute.heap import freeze_start_up_heap
 from kvroute.model_source import resolve_model
-from worker.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from worker.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    SCHEDULING_POLICIES,
+    WEIGHT_SCHEMES,
+    WEIGHTS,
+    EngineConfig,
+)
 
 if TYPE_CHECKING:
     from worker.engine import LLMEngine
@@ -47,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default=None, help="metrics listen address (default: --host)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype)
+    add_weight_arguments(parser)
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend)
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
@@ -129,11 +139,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--weights`, `--weight-group-size`, `--weight-scheme` (`kvroute worker` and `kvroute generate`)."""
+    defaults = EngineConfig()
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default=defaults.weights,
+        help="linear layers and embedding: float (the model's dtype; auto is float) or weight-only int8 / int4 "
+        "(a GGUF's Q8_0 / Q4_0 / Q4_1 blocks as they are, float weights quantized per group)",
+    )
+    parser.add_argument(
+        "--weight-group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=defaults.weight_group_size,
+        help="inputs per scale when quantizing (default: a GGUF's own 32-input blocks, else the largest of "
+        "128/64/32 dividing every layer)",
+    )
+    parser.add_argument(
+        "--weight-scheme",
+        choices=WEIGHT_SCHEMES,
+        default=defaults.weight_scheme,
+        help="sym (scales only) or asym (scales and minimums) when quantizing float weights",
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        weights=args.weights,
+        weight_group_size=args.weight_group_size,
+        weight_scheme=args.weight_scheme,
         attention_backend=args.attention_backend,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -275,6 +314,15 @@ async def serve(
         flush_tracing()
 
 
+def weights_note(engine: LLMEngine) -> str:
+    """ "; weights int4 g32 x 120, ... on <backend>" for a weight-only quantized model, else ""."""
+    from worker.model_runner import ModelRunner
+
+    if isinstance(engine.runner, ModelRunner) and engine.runner.weights != "float":
+        return f"; weights {engine.runner.weights}"
+    return ""
+
+
 async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callable[[WorkerServer], None] | None) -> int:
     server = await start_server(engine, args)
     if on_serving is not None:
@@ -287,7 +335,10 @@ async def _serve(engine: LLMEngine, args: argparse.Namespace, on_serving: Callab
         f"(advertised {server.advertise_address}, incarnation {server.incarnation:016x}){metrics}",
         flush=True,
     )
-    print(f"kvroute worker: dtype {engine.dtype_reason}; attention {engine.attention_backend}", file=sys.stderr)
+    print(
+        f"kvroute worker: dtype {engine.dtype_reason}; attention {engine.attention_backend}{weights_note(engine)}",
+        file=sys.stderr,
+    )
     publisher = None
     events_config = kv_events_config(args)
     if events_config is not None:

@@ -29,6 +29,7 @@ from worker.config import EngineConfig
 from worker.kv_cache_manager import KVCacheManager
 from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
+from worker.model.weight_quantization import WeightQuantization
 from worker.model_runner import StepRunner
 from worker.sampler import TopLogprobs
 from worker.scheduler import PriorityLoad, Scheduler
@@ -124,11 +125,12 @@ class LLMEngine:
         self.on_step: Callable[[int], None] | None = None
 
     def _init_model(self, source: ModelSource) -> None:
-        from worker.model_runner import ModelRunner, resolve_dtype, uses_bf16_decode_weights
+        from worker.model_runner import ModelRunner, resolve_dtype, uses_bf16_decode_weights, weight_quantization
 
         self.dtype, self.dtype_reason = resolve_dtype(self.config.dtype, source.kind, self.config.device)
         decode_copies = uses_bf16_decode_weights(self.config, self.dtype)
-        model, model_config = _load_model(source, self.dtype, self.config.device, decode_copies)
+        quantization = weight_quantization(self.config)
+        model, model_config = _load_model(source, self.dtype, self.config.device, decode_copies, quantization)
         self._tokenizer = tokenizer = _load_tokenizer(source)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
@@ -381,15 +383,19 @@ class LLMEngine:
 # Weights and tokenizers are read-only once loaded, so engines in one process (tests, the benchmark's fp32 and
 # bf16 engines) share them instead of loading a model again; each engine still has its own KV cache. The layout
 # (worker.model_runner.lay_out_weights) changes the model's modules, so it is part of the key: an explicit float32
-# engine never runs on an `auto` engine's bf16 decode copies.
+# engine never runs on an `auto` engine's bf16 decode copies; so is the weight-only quantization (None: float).
 @functools.lru_cache(maxsize=4)
 def _load_model(
-    source: ModelSource, dtype: torch.dtype, device: str, bf16_decode_copies: bool
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: str,
+    bf16_decode_copies: bool,
+    quantization: WeightQuantization | None = None,
 ) -> tuple[LlamaForCausalLM, LlamaConfig]:
     from worker.model import load_model
     from worker.model_runner import lay_out_weights
 
-    model, config = load_model(source, dtype, device)
+    model, config = load_model(source, dtype, device, quantization)
     lay_out_weights(model, device, bf16_decode_copies)
     return model, config
 

@@ -31,6 +31,7 @@ from worker.model.packed_linear import (
     bf16_decode_weights_supported,
     pack_linears,
 )
+from worker.model.weight_quantization import WeightQuantization, describe_weights
 from worker.sampler import Sampler, SamplerOutput
 from worker.scheduler import SchedulerOutput
 
@@ -90,14 +91,21 @@ def uses_bf16_decode_weights(config: EngineConfig, dtype: torch.dtype) -> bool:
     """Whether the runner gives the float32 linears bfloat16 copies for decode-sized steps
     (worker/model/packed_linear.py): where `auto` took float32 on a CPU without native bf16 that has AVX2 and FMA.
     Decode there is bound by reading the weights; prefills keep the float32 weights. Not for an explicit float32
-    (the reference checks run it) nor for the tiny test model (see resolve_dtype)."""
+    (the reference checks run it), nor for the tiny test model (see resolve_dtype), nor under `--weights int8|int4`."""
     return (
         config.dtype == "auto"
+        and config.weights in ("auto", "float")
         and config.model != "tiny"
         and dtype == torch.float32
         and torch.device(config.device).type == "cpu"
         and bf16_decode_weights_supported() is None
     )
+
+
+def weight_quantization(config: EngineConfig) -> WeightQuantization | None:
+    """The weight-only quantization `--weights` asks for (worker/model/weight_quantization.py); None for auto
+    and float, today's float weights in the model's dtype."""
+    return WeightQuantization.from_flags(config.weights, config.weight_group_size, config.weight_scheme)
 
 
 def lay_out_weights(model: LlamaForCausalLM, device: str | torch.device, bf16_decode_copies: bool) -> None:
@@ -144,6 +152,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.dtype = next(model.parameters()).dtype
         self.bf16_decode_weights = any(isinstance(m, Bf16DecodeLinear) for m in model.modules())
+        self.weights = describe_weights(model)  # e.g. "int4 g32 x 120, int8 g32 x 2 on torch_weight_only"
         self.kv_cache_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.attention_path = describe_attention(self.backend, self.dtype, model_config.head_dim)

@@ -1,4 +1,6 @@
-"""Loading a Llama-architecture model from a GGUF file: config from the metadata, weights dequantised to float.
+"""Loading a Llama-architecture model from a GGUF file: config from the metadata, weights dequantised to float,
+or, for weight-only quantized layers, Q8_0 / Q4_0 / Q4_1 blocks unpacked into kvkernels' `QuantizedWeight`
+as they are (`gguf_quantized_weight`: no float round trip).
 
 llama.cpp's converter permutes the rows of Q and K for `llama` models so that its kernels can apply RoPE to
 adjacent pairs (interleaved). This model uses HF's rotate-half RoPE, so the permutation is undone here:
@@ -14,7 +16,8 @@ import gguf
 import numpy as np
 import torch
 
-from kvroute.gguf_file import GGUFFile, gguf_field, read_gguf
+from kvkernels.weight_only import QuantizedWeight
+from kvroute.gguf_file import GGUFFile, GGUFTensor, gguf_field, read_gguf
 from worker.model.config import LlamaConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -84,16 +87,67 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(reader: GGUFFile, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor, dequantised one at a time."""
+# The block-quantised types that are a QuantizedWeight as stored: 32 inputs a block, one float16 scale each
+# (and Q4_1 a float16 minimum), so a block is a group of 32.
+QUANTIZED_TYPES = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+BLOCK_SIZE = 32
+
+
+def gguf_quantized_weight(tensor: GGUFTensor) -> QuantizedWeight | None:
+    """A Q8_0, Q4_0 or Q4_1 matrix as a QuantizedWeight of group 32 holding its blocks' own numbers (dequantize
+    gives gguf-py's dequantisation exactly); None for any other type. Rows as stored (no Q/K unpermutation).
+    Q8_0: int8 q, scales d, offsets 0. Q4_0: q in 0..15, value d * (q - 8): scales d, offsets -8 d (exact in
+    float16). Q4_1: value d * q + m: scales d, offsets m. A 4-bit block keeps inputs 0..15 in its 16 bytes' low
+    nibbles and 16..31 in their high ones."""
+    if tensor.tensor_type not in QUANTIZED_TYPES or len(tensor.shape) != 2:
+        return None
+    n, k = tensor.shape[1], tensor.shape[0]  # GGUF lists dims innermost first
+    _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    blocks = tensor.data.reshape(n, k // BLOCK_SIZE, type_size)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        return _weight(8, q, scales, np.zeros_like(scales))
+    if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0:
+        offsets, packed = (scales.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
+    else:
+        offsets, packed = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0], blocks[..., 4:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)
+    return _weight(4, q, scales, offsets)
+
+
+def _weight(bits: int, q: np.ndarray, scales: np.ndarray, offsets: np.ndarray) -> QuantizedWeight:
+    tensors = (torch.from_numpy(np.array(a, copy=True)) for a in (q, scales, offsets))
+    return QuantizedWeight(bits, BLOCK_SIZE, *tensors)
+
+
+def unpermute_qk_weight(weight: QuantizedWeight, n_head: int) -> QuantizedWeight:
+    """`unpermute_qk` on a quantized weight: groups run along the inputs, so the row permutation moves q's,
+    scales' and offsets' rows alike."""
+    rows = torch.from_numpy(unpermute_qk(np.arange(weight.shape[0]), n_head))
+    return QuantizedWeight(weight.bits, weight.group_size, weight.q[rows], weight.scales[rows], weight.offsets[rows])
+
+
+def iter_gguf_weights(
+    reader: GGUFFile, config: LlamaConfig, keep_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, float32 tensor) for every tensor, dequantised one at a time; with `keep_blocks`, the Q8_0, Q4_0
+    and Q4_1 matrices as QuantizedWeights of their own blocks instead (`gguf_quantized_weight`)."""
     permuted = gguf_field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
-        shape = tuple(reversed(tensor.shape))  # GGUF lists dims innermost first
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        n_head = None
         if permuted and ".attn_q." in tensor.name:
-            w = unpermute_qk(w, config.num_attention_heads)
+            n_head = config.num_attention_heads
         elif permuted and ".attn_k." in tensor.name:
-            w = unpermute_qk(w, config.num_key_value_heads)
+            n_head = config.num_key_value_heads
+        blocks = gguf_quantized_weight(tensor) if keep_blocks else None
+        if blocks is not None:
+            yield hf_name(tensor.name), blocks if n_head is None else unpermute_qk_weight(blocks, n_head)
+            continue
+        shape = tuple(reversed(tensor.shape))
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        if n_head is not None:
+            w = unpermute_qk(w, n_head)
         yield hf_name(tensor.name), torch.from_numpy(np.require(w, requirements=["C", "W"]))
 
 
