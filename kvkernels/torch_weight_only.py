@@ -75,6 +75,6 @@ def dequantize_rows(packed: Packed, rows: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) in float32 -> [M, N] float32."""
+    """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, multiplied in float32."""
     bias32 = None if bias is None else bias.to(torch.float32)
-    return F.linear(x.to(torch.float32), dequantize(packed, torch.float32), bias32)
+    return F.linear(x.to(torch.float32), dequantize(packed, torch.float32), bias32).to(x.dtype)

@@ -18,7 +18,12 @@ from kvkernels.cpu_backend import CPU_CLASSES, cpu_class
 ROOT = Path(__file__).resolve().parents[1]
 # The tests whose outcome depends on the CPU's flags: dtype and attention-path choices, the C++ kernels (their
 # skip marks are read at import, so a child process is the only honest way to take another class's branches).
-CPU_DEPENDENT_TESTS = ("tests/test_dtype.py", "tests/test_kernels_cpu.py", "tests/test_kernels_cpu_fused.py")
+CPU_DEPENDENT_TESTS = (
+    "tests/test_dtype.py",
+    "tests/test_kernels_cpu.py",
+    "tests/test_kernels_cpu_fused.py",
+    "tests/test_cpu_weight_only.py",
+)
 CLASS_ORDER = list(CPU_CLASSES)
 HERE = cpu_class()
 

@@ -5,8 +5,7 @@ The backend, one module with the contract's `pack`, `linear`, `dequantize`, `deq
 `weight_only_backend`: Triton on CUDA, the C++ kernel on CPUs where it loads, else kvkernels/torch_weight_only.py.
 A step of more rows than the backend's `DEQUANTIZE_ABOVE_ROWS[bits]` (a prefill) dequantizes the weight in the
 activations' dtype and runs the dtype's GEMM, which is faster there than a decode kernel; smaller steps (decode)
-run the backend's `linear`. On the CPU that takes float32 activations: they are converted and the result comes
-back in the model's dtype.
+run the backend's `linear`, which takes the activations in the model's dtype and answers in it.
 """
 
 from __future__ import annotations
@@ -93,9 +92,6 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.dequantize_above_rows:
             return F.linear(x, self.backend.dequantize(self.packed, x.dtype), self.bias)
-        if x.device.type == "cpu" and x.dtype != torch.float32:
-            bias = None if self.bias is None else self.bias.float()
-            return self.backend.linear(x.float(), self.packed, bias).to(x.dtype)
         return self.backend.linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
