@@ -1,7 +1,7 @@
 """Engine benchmark on CPU: kvroute's engine against HF transformers on the same weights, in one run.
 
     python -m benchmarks.engine_bench --model smollm2 --json OUT [--threads 2] [--repeats 5] [--sections prefill,...]
-        [--dtype auto]
+        [--dtype auto] [--weights float,int8,int4]
 
 To measure another CPU's branch on this one, hide its features and cap oneDNN, MKL and ATen to its ISA, e.g. an
 AVX2-only CPU: KVROUTE_CPU_HIDE_FLAGS=avx512f,avx512bw,avx512vl,avx512_bf16,amx_bf16 ONEDNN_MAX_CPU_ISA=AVX2
@@ -18,6 +18,11 @@ falls on all alike):
   prefill       prompt tokens/s at 1,000 and 3,000 tokens: kvroute fp32, kvroute bf16, transformers fp32;
   bf16_quality  kvroute bf16 against kvroute fp32 over a few hundred positions of real text: top-1 agreement
                 and mean KL(fp32 || bf16).
+With `--weights` (a list of `--weights` values, the first the baseline; the sections above are skipped unless
+`--sections` names them): each configuration at the engine's `--dtype`, in one run, taking turns:
+  weights       single-stream decode tokens/s and its ratio to the first, the model's bytes against its float32
+                bytes, and the greedy answers (32 tokens) of 8 prompts against the first's: how many identical, and
+                where the others first differ (`kvroute quality` judges such differences; docs/quantization.md).
 kvroute's headline figures (`prefix_ttft`, `throughput.kvroute_tok_s`, `decode_b1.kvroute_tok_s`) are for the
 engine's `--dtype` (default auto, what `kvroute worker` serves), named in `dtype` with `dtype_reason` (auto:
 bfloat16 where the CPU has bf16 instructions, else float32 with bfloat16 weight copies for decode steps); each
@@ -41,7 +46,7 @@ import torch
 
 from kvkernels.cpu_backend import cpu_description
 from kvroute.sampling import SamplingParams
-from worker.config import EngineConfig
+from worker.config import WEIGHTS, EngineConfig
 from worker.engine import LLMEngine
 from worker.model_runner import ModelRunner
 
@@ -75,6 +80,7 @@ STDLIB_MODULES = [
 ]
 PREFIX_PROMPT, PREFIX_CACHED = 3300, 2900
 SECTIONS = ("prefill", "prefix_ttft", "decode_b1", "throughput", "bf16_quality")
+WEIGHT_PROMPTS, WEIGHT_PROMPT_TOKENS, WEIGHT_ANSWER_TOKENS = 8, 100, 32
 THROUGHPUT_REQUESTS, THROUGHPUT_PROMPT, OUTPUT_TOKENS = 32, 200, 64
 
 
@@ -171,6 +177,11 @@ def kvroute_decode(engine: LLMEngine, prompt: list[int]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def decode_seconds(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds a token of one stream's decode."""
+    return 1 / kvroute_decode(engine, prompt)
+
+
 def bf16_quality(fp32: LLMEngine, bf16: LLMEngine, prompts: list[list[int]]) -> dict:
     agree, kl, positions = 0.0, 0.0, 0
     for prompt in prompts:
@@ -180,6 +191,59 @@ def bf16_quality(fp32: LLMEngine, bf16: LLMEngine, prompts: list[list[int]]) -> 
         kl += (ref.exp() * (ref - low)).sum(-1).sum().item()
         positions += len(prompt)
     return {"positions": positions, "top1_agreement": agree / positions, "mean_kl": kl / positions}
+
+
+def model_bytes(engine: LLMEngine) -> tuple[int, int]:
+    """The bytes of the engine's model (parameters, buffers and packed weights such as PackedLinear's oneDNN copy,
+    each tensor once: a tied table is one) and the same model's bytes in float32 (every parameter at 4 bytes; a
+    quantized layer counted by the float weight it stands for)."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "the engine bench runs a model, not the sim runner"
+    tensors = {
+        id(t): t
+        for module in runner.model.modules()
+        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values())
+        if isinstance(t, torch.Tensor)
+    }
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+    config = runner.model.config
+    with torch.device("meta"):
+        float32 = 4 * sum(p.numel() for p in type(runner.model)(config).parameters())
+    return held, float32
+
+
+def greedy_answers(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=WEIGHT_ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
+    return [result.token_ids for result in engine.generate(prompts, params)]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def weights_section(model: str, weights: list[str], dtype_name: str, corpus: Corpus, repeats: int) -> dict:
+    """Decode speed, bytes and greedy answers of each `--weights` configuration against the first's."""
+    engines = {w: LLMEngine(EngineConfig(model=model, dtype=dtype_name, weights=w)) for w in weights}
+    short = corpus.take(20)
+    seconds = interleaved_medians({w: functools.partial(decode_seconds, e, short) for w, e in engines.items()}, repeats)
+    prompts = [corpus.take(WEIGHT_PROMPT_TOKENS) for _ in range(WEIGHT_PROMPTS)]
+    answers = {w: greedy_answers(e, prompts) for w, e in engines.items()}
+    base = weights[0]
+    rows: dict = {}
+    for w, engine in engines.items():
+        held, float32 = model_bytes(engine)
+        differences = [first_difference(a, b) for a, b in zip(answers[w], answers[base], strict=True)]
+        rows[w] = {
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "decode_tok_s": 1 / seconds[w],
+            "decode_ratio": seconds[base] / seconds[w],
+            "model_mib": held / 2**20,
+            "bytes_vs_float32": held / float32,
+            "greedy_identical": sum(d is None for d in differences),
+            "greedy_first_difference": [d for d in differences if d is not None],
+        }
+        print(f"weights {w}: {rows[w]}", flush=True)
+    return {"baseline": base, "prompts": WEIGHT_PROMPTS, "answer_tokens": WEIGHT_ANSWER_TOKENS, "by_weights": rows}
 
 
 # -- transformers -----------------------------------------------------------------------------------
@@ -236,7 +300,13 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int) -> float:
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_name: str = "auto") -> dict:
+def run(
+    model: str,
+    repeats: int,
+    sections: tuple[str, ...] = SECTIONS,
+    dtype_name: str = "auto",
+    weights: list[str] | None = None,
+) -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype_name))
     same = engine.dtype == torch.float32 and not bf16_decode_weights(engine)  # plain float32 already
     fp32 = engine if same else LLMEngine(EngineConfig(model=model, dtype="float32"))
@@ -301,7 +371,7 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
     if "decode_b1" in sections:
         short = corpus.take(20)
         decode = interleaved(
-            lambda e: 1 / kvroute_decode(e, short),
+            functools.partial(decode_seconds, prompt=short),
             lambda: (
                 (hf_generate_seconds(hf, [short], OUTPUT_TOKENS) - hf_generate_seconds(hf, [short], 1))
                 / (OUTPUT_TOKENS - 1)
@@ -331,6 +401,8 @@ def run(model: str, repeats: int, sections: tuple[str, ...] = SECTIONS, dtype_na
 
     if "bf16_quality" in sections and engine.dtype == torch.bfloat16:
         report["bf16_quality"] = bf16_quality(fp32, engine, [corpus.take(200) for _ in range(3)])
+    if weights:
+        report["weights"] = weights_section(model, weights, dtype_name, corpus, repeats)
     return report
 
 
@@ -382,6 +454,16 @@ def print_table(report: dict) -> None:
                 str(q["positions"]),
             )
         )
+    if w := report.get("weights"):
+        for name, row in w["by_weights"].items():
+            rows.append(
+                (
+                    f"weights {name} ({row['dtype']}): decode b1 tok/s, MiB",
+                    f"{row['decode_tok_s']:.1f} tok/s, {row['model_mib']:.0f} MiB "
+                    f"({row['bytes_vs_float32']:.2f}x float32), greedy {row['greedy_identical']}/{w['prompts']} same",
+                    f"{row['decode_ratio']:.2f}x {w['baseline']}",
+                )
+            )
     width = max((len(r[0]) for r in rows), default=0)
     for name, value, ratio in rows:
         print(f"{name:<{width}}  {value:<40}  {ratio}")
@@ -395,12 +477,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"a subset of {','.join(SECTIONS)}")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="kvroute's engine")
+    parser.add_argument(
+        "--weights",
+        help=f"compare these --weights values ({','.join(WEIGHTS)}), the first the baseline, e.g. float,int8,int4",
+    )
     args = parser.parse_args()
-    sections = tuple(args.sections.split(","))
+    weights = args.weights.split(",") if args.weights else None
+    if weights and (unknown_weights := set(weights) - set(WEIGHTS)):
+        parser.error(f"--weights: unknown {', '.join(sorted(unknown_weights))}; choose from {', '.join(WEIGHTS)}")
+    default_sections = "" if weights and args.sections == ",".join(SECTIONS) else args.sections
+    sections = tuple(filter(None, default_sections.split(",")))
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     torch.set_num_threads(args.threads)
-    report = run(args.model, args.repeats, sections, args.dtype)
+    report = run(args.model, args.repeats, sections, args.dtype, weights)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
