@@ -57,6 +57,7 @@ struct Features {
 
 inline Features zero() { return {_mm512_setzero_ps()}; }
 inline Features add(Features a, Features b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Features mul(Features a, Features b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Features fma(Features a, Features b, Features c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Features fma_broadcast(Features w, float x, Features acc) {
   return {_mm512_fmadd_ps(w.v, _mm512_set1_ps(x), acc.v)};
@@ -74,6 +75,21 @@ inline void load_int4(const uint8_t* p, Features& lo, Features& hi) {
   lo = {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))};
   hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))};
 }
+// Lane f's value at 16 consecutive k of a [k, 16] tile: tile[k * 16 + f], k = 0..15.
+inline Features column(const float* tile, int64_t f) {
+  const __m512i k16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  return {_mm512_i32gather_ps(k16, tile + f, 4)};
+}
+// float32 -> bfloat16, rounded to nearest even as torch rounds (the values are finite).
+inline __m512i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+inline void store_row(float* p, Features v) { store_floats(p, v); }
+inline void store_row(at::BFloat16* p, Features v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round_to_bf16(v.v)));
+}
 #else
 constexpr int kMaxRows = 4;  // 4 rows x 2 ymm accumulators, their totals and the weights fill the 16 ymm registers
 
@@ -83,6 +99,7 @@ struct Features {
 
 inline Features zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Features add(Features x, Features y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline Features mul(Features x, Features y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 inline Features fma(Features x, Features y, Features z) {
   return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
 }
@@ -109,6 +126,23 @@ inline void load_int4(const uint8_t* p, Features& lo, Features& hi) {
   const __m256i low = _mm256_set1_epi32(15);
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), _mm256_cvtepi32_ps(_mm256_and_si256(v1, low))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4))};
+}
+// Lane f's value at 16 consecutive k of a [k, 16] tile: tile[k * 16 + f], k = 0..15.
+inline Features column(const float* tile, int64_t f) {
+  const __m256i k16 = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  return {_mm256_i32gather_ps(tile + f, k16, 4), _mm256_i32gather_ps(tile + 128 + f, k16, 4)};
+}
+// float32 -> bfloat16, rounded to nearest even as torch rounds (the values are finite).
+inline __m256i round_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+inline void store_row(float* p, Features v) { store_floats(p, v); }
+inline void store_row(at::BFloat16* p, Features v) {
+  // packus interleaves the two registers' 128-bit halves; the permute puts the 16 values back in order.
+  const __m256i packed = _mm256_packus_epi32(round_to_bf16(v.a), round_to_bf16(v.b));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
 }
 #endif
 
@@ -262,10 +296,75 @@ void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t bits, int64_t
   });
 }
 
+// One block's [group, 16] weights (k by k, the panel's 16 features each) in float32, as the format defines them:
+// scale * q, then + offset (two roundings, as weight_only.dequantize computes them; not an FMA).
+template <int kBits>
+void block_weights(const uint8_t* block, int64_t group, float* tile) {
+  const Features scale = load_halves(block), offset = load_halves(block + 32);
+  const uint8_t* q = block + kScaleBytes;
+  if constexpr (kBits == 8) {
+    for (int64_t k = 0; k < group; ++k) store_floats(tile + k * kPanel, add(mul(load_int8(q + k * kPanel), scale), offset));
+  } else {
+    Features lo, hi;
+    for (int64_t k = 0; k < group; k += 2) {
+      load_int4(q + k / 2 * kPanel, lo, hi);
+      store_floats(tile + k * kPanel, add(mul(lo, scale), offset));
+      store_floats(tile + (k + 1) * kPanel, add(mul(hi, scale), offset));
+    }
+  }
+}
+
+// The whole weight [N, K] in float32 or bfloat16, for steps where a GEMM on it beats the decode kernel (a prefill):
+// each block unpacked into a [group, 16] tile, then read back by feature (gathers from L1) into its 16 rows.
+template <typename T>
+void dequantize_as(const uint8_t* wp, int64_t bits, int64_t group, int64_t P, int64_t G, int64_t block_bytes, T* out) {
+  const int64_t K = G * group;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (G * block_bytes));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float tile[128 * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* block = wp + (p * G + g) * block_bytes;
+        if (bits == 8) {
+          block_weights<8>(block, group, tile);
+        } else {
+          block_weights<4>(block, group, tile);
+        }
+        for (int64_t f = 0; f < kPanel; ++f) {
+          T* row = out + (p * kPanel + f) * K + g * group;
+          for (int64_t k = 0; k < group; k += 16) store_row(row + k, column(tile + k * kPanel, f));
+        }
+      }
+    }
+  });
+}
+
+void dequantize(const at::Tensor& blocks, int64_t bits, int64_t group, at::Tensor& out) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3 && blocks.is_contiguous(),
+              "blocks must be contiguous uint8 [N / 16, K / group, bytes]");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group must be 32, 64 or 128");
+  const int64_t P = blocks.size(0), G = blocks.size(1), block_bytes = kScaleBytes + group * kPanel * bits / 8;
+  TORCH_CHECK(blocks.size(2) == block_bytes, "blocks must be [N / 16, K / group, 64 + group * 2 * bits]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == P * kPanel && out.size(1) == G * group,
+              "out must be contiguous [N, K]");
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  if (out.scalar_type() == at::kFloat) {
+    dequantize_as(wp, bits, group, P, G, block_bytes, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be float32 or bfloat16");
+    dequantize_as(wp, bits, group, P, G, block_bytes, out.data_ptr<at::BFloat16>());
+  }
+}
+
 }  // namespace
 
 KVROUTE_LIBRARY(KVROUTE_WO_LIBRARY, m) {
   m.def("linear(Tensor x, Tensor blocks, int bits, int group, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("dequantize(Tensor blocks, int bits, int group, Tensor(a!) out) -> ()");
 }
 
-KVROUTE_LIBRARY_IMPL(KVROUTE_WO_LIBRARY, m) { m.impl("linear", &linear); }
+KVROUTE_LIBRARY_IMPL(KVROUTE_WO_LIBRARY, m) {
+  m.impl("linear", &linear);
+  m.impl("dequantize", &dequantize);
+}

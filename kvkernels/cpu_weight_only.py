@@ -1,6 +1,6 @@
-"""float32 or bfloat16 activations times an int8 or int4 weight with float16 group scales (kvkernels/weight_only.py) on x86
-CPUs, through kvkernels/cpu_weight_only.cpp: the decode step of a weight-only quantized model, bound by reading
-the weights, which it unpacks in registers and never writes back as floats.
+"""float32 or bfloat16 activations times an int8 or int4 weight with float16 group scales (kvkernels/weight_only.py)
+on x86 CPUs, through kvkernels/cpu_weight_only.cpp: the decode step of a weight-only quantized model, bound by
+reading the weights, which it unpacks in registers and never writes back as floats.
 
 One C++ source, two builds, chosen by the CPU's flags (kvkernels.cpu_backend.cpu_flags, which honours
 $KVROUTE_CPU_HIDE_FLAGS) when first used: AVX-512 (F, BW, VL) where the CPU has it, else AVX2 + FMA + F16C; a CPU
@@ -8,9 +8,9 @@ with neither gets `unsupported_reason()`, and the caller runs the portable torch
 (kvkernels/torch_weight_only.py). Compiled on first use with torch's cpp_extension, like the other CPU kernels
 (kvkernels/cpu_backend.py), and cached under TORCH_EXTENSIONS_DIR.
 
-The backend API every weight-only backend implements: `pack`, `linear`, `dequantize`, `dequantize_rows`,
-`unsupported_reason`, `load_kernel`; and, measured for this kernel, DEQUANTIZE_ABOVE_ROWS (steps of more rows run
-dequantize-then-GEMM). Layout, dispatch and figures: docs/worker.md, "Weight-only linear kernels on CPUs".
+The backend API every weight-only backend implements: `pack`, `linear` (decode steps), `dequantized_linear`
+(steps of more than DEQUANTIZE_ABOVE_ROWS rows, measured for this kernel), `dequantize`, `dequantize_rows`,
+`unsupported_reason`, `load_kernel`. Layout, dispatch and figures: docs/worker.md, "Weight-only linear kernels on CPUs".
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvkernels.cpu_backend import load_extension, missing_x86_flags
-from kvkernels.weight_only import QuantizedWeight, dequantize as dequantize_format
+from kvkernels.weight_only import QuantizedWeight
+from kvkernels.weight_only import dequantize as dequantize_format
 
 SOURCE = Path(__file__).with_name("cpu_weight_only.cpp")
 PANEL = 16  # output features a panel (the kernel's vector of lanes); out_features must be a multiple
 HEAD_BYTES = 64  # a block's 16 float16 scales and 16 float16 offsets, ahead of its q
 
-# Steps of more rows than this (by bits) multiply a dequantized float32 weight (F.linear) instead: where that
-# measured faster (benchmarks/weight_only_bench.py, SmolLM2's matrices, 2 threads; docs/worker.md).
-DEQUANTIZE_ABOVE_ROWS: dict[int, int] = {8: 64, 4: 64}
+# Steps of more rows than this (by bits) run `dequantized_linear` instead. SmolLM2 on 2 threads
+# (benchmarks/weight_only_bench.py; docs/worker.md): the layer matrices alone cross over between 16 and 32 rows,
+# int8 and int4 alike; the whole engine's decode step between 32 and 64 streams, which is what this follows.
+DEQUANTIZE_ABOVE_ROWS: dict[int, int] = {8: 32, 4: 32}
+# dequantized_linear's chunk of the float weight: small enough to be in cache when its GEMM reads it back (the
+# 49,152-row lm_head dequantized whole, 56 MB, ran at a third of the speed).
+DEQUANTIZE_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -131,9 +137,32 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     return out
 
 
+def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] for steps of many rows: the weight dequantized in x's dtype a chunk of
+    output features at a time (DEQUANTIZE_CHUNK_BYTES), each chunk's product by x's dtype's GEMM."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or not load_kernel():
+        return F.linear(x, dequantize(packed, x.dtype), bias)
+    ops = getattr(torch.ops, kernel_build().namespace)  # type: ignore[union-attr]  # load_kernel() said it runs
+    chunk = max(1, DEQUANTIZE_CHUNK_BYTES // (PANEL * packed.in_features * x.element_size()))
+    outs = []
+    for start in range(0, packed.blocks.shape[0], chunk):
+        blocks = packed.blocks[start : start + chunk]
+        weight = torch.empty(blocks.shape[0] * PANEL, packed.in_features, dtype=x.dtype)
+        ops.dequantize(blocks, packed.bits, packed.group_size, weight)
+        part = None if bias is None else bias[start * PANEL : start * PANEL + weight.shape[0]]
+        outs.append(F.linear(x, weight, part))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The whole [N, K] weight in `dtype`, equal to weight_only.dequantize of the weight packed."""
-    return dequantize_format(_unpack(packed, None), dtype)
+    """The whole [N, K] weight in `dtype`, equal to weight_only.dequantize of the weight packed: in the C++ kernel
+    for float32 and bfloat16 where it loads (a prefill's linears call this each step), else in torch ops."""
+    if dtype not in (torch.float32, torch.bfloat16) or not load_kernel():
+        return dequantize_format(_unpack(packed, None), dtype)
+    out = torch.empty(packed.out_features, packed.in_features, dtype=dtype)
+    ops = getattr(torch.ops, kernel_build().namespace)  # type: ignore[union-attr]  # load_kernel() said it runs
+    ops.dequantize(packed.blocks, packed.bits, packed.group_size, out)
+    return out
 
 
 def dequantize_rows(packed: PackedWeight, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

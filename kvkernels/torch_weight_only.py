@@ -74,6 +74,11 @@ def dequantize_rows(packed: Packed, rows: torch.Tensor, dtype: torch.dtype) -> t
     return weight_only.dequantize(_unpacked(packed, rows), dtype)
 
 
+def dequantized_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) with W dequantized in x's dtype and x's dtype's GEMM: the path for many rows."""
+    return F.linear(x, dequantize(packed, x.dtype), bias)
+
+
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, multiplied in float32."""
     bias32 = None if bias is None else bias.to(torch.float32)

@@ -132,3 +132,18 @@ def test_the_torch_backend_keeps_the_same_contract(dtype):
     out = torch_weight_only.linear(x, torch_weight_only.pack(weight), None)
     assert out.dtype == dtype
     assert_near_reference(out, weight_only.reference_linear(x.float(), weight), 128, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_take_the_dequantized_gemm_chunk_by_chunk(dtype, monkeypatch):
+    """dequantized_linear (steps of more than DEQUANTIZE_ABOVE_ROWS rows): the weight a chunk of panels at a time,
+    here 3 panels a chunk over 5, with the bias sliced alike; equal to the GEMM on the whole dequantized weight."""
+    weight = random_weight(80, 64, 4, 32, symmetric=False, seed=9)
+    packed = cpu_weight_only.pack(weight)
+    monkeypatch.setattr(
+        cpu_weight_only, "DEQUANTIZE_CHUNK_BYTES", 3 * 16 * 64 * torch.empty(0, dtype=dtype).element_size()
+    )
+    x = torch.randn(40, 64).to(dtype)
+    bias = torch.randn(80).to(dtype)
+    whole = torch.nn.functional.linear(x, weight_only.dequantize(weight).to(dtype), bias)
+    torch.testing.assert_close(cpu_weight_only.dequantized_linear(x, packed, bias), whole)

@@ -1,11 +1,12 @@
 """Weight-only quantized layers: `QuantizedLinear` for nn.Linear and `QuantizedEmbedding` for nn.Embedding, each
 holding only its backend's packed weight (kvkernels/weight_only.py's format in the backend's layout; no float copy).
 
-The backend, one module with the contract's `pack`, `linear`, `dequantize`, `dequantize_rows`, is chosen in
-`weight_only_backend`: Triton on CUDA, the C++ kernel on CPUs where it loads, else kvkernels/torch_weight_only.py.
-A step of more rows than the backend's `DEQUANTIZE_ABOVE_ROWS[bits]` (a prefill) dequantizes the weight in the
-activations' dtype and runs the dtype's GEMM, which is faster there than a decode kernel; smaller steps (decode)
-run the backend's `linear`, which takes the activations in the model's dtype and answers in it.
+The backend, one module with the contract's `pack`, `linear`, `dequantized_linear`, `dequantize`,
+`dequantize_rows`, is chosen in `weight_only_backend`: Triton on CUDA, the C++ kernel on CPUs where it loads, else
+kvkernels/torch_weight_only.py. A step of more rows than the backend's `DEQUANTIZE_ABOVE_ROWS[bits]` (a prefill, a
+large batch) runs its `dequantized_linear` (the weight dequantized in the activations' dtype, then the dtype's
+GEMM, faster there than a decode kernel); smaller steps run its `linear`. Both take the activations in the model's
+dtype and answer in it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvkernels import torch_weight_only
@@ -28,7 +28,7 @@ DEFAULT_DEQUANTIZE_ABOVE_ROWS = 32
 
 
 class WeightOnlyBackend(NamedTuple):
-    module: ModuleType  # pack, linear, dequantize, dequantize_rows (kvkernels' weight-only contract)
+    module: ModuleType  # pack, linear, dequantized_linear, dequantize, dequantize_rows (kvkernels' contract)
     name: str  # e.g. "cpu_weight_only", for the start-up line
     reason: str  # why this one, e.g. "torch (dequantize + matmul): kvkernels.cpu_weight_only did not load"
 
@@ -91,7 +91,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.dequantize_above_rows:
-            return F.linear(x, self.backend.dequantize(self.packed, x.dtype), self.bias)
+            return self.backend.dequantized_linear(x, self.packed, self.bias)
         return self.backend.linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
