@@ -25,6 +25,7 @@ from kvkernels.attention import FP8_MAX
 from kvkernels.triton_cache_write import write_kv_kernel
 from kvkernels.triton_decode_attention import combine_partitions_kernel, paged_decode_kernel
 from kvkernels.triton_prefill_attention import paged_prefill_kernel
+from kvkernels.triton_weight_only import BLOCK_M, BLOCK_N, weight_only_linear_kernel
 
 INDEX_POINTERS = {"seq_ids_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"}
 FLOAT32_POINTERS = {"partial_out_ptr", "max_logits_ptr", "exp_sums_ptr"}
@@ -41,12 +42,15 @@ class Variant:
     out_dtype: str
     constexprs: dict[str, Any]
     num_warps: int = 4
+    pointer_types: dict[str, str] | None = None  # the pointers' types, where the attention kernels' rules don't say
 
     def signature(self) -> dict[str, str]:
         types = {}
         for name in self.kernel.arg_names:
             if name in self.constexprs:
                 types[name] = "constexpr"
+            elif self.pointer_types and name in self.pointer_types:
+                types[name] = self.pointer_types[name]
             elif name in INDEX_POINTERS:
                 types[name] = "*i32"
             elif name == "slot_mapping_ptr":
@@ -67,13 +71,13 @@ class Variant:
         names = self.kernel.arg_names
         types = self.signature()
         # Pointers and strides divisible by 16, as Triton specialises them for real tensors (block table rows
-        # are not).
+        # and group-scale rows, K / group_size, are not).
         aligned = {
             (i,): [["tt.divisibility", 16]]
             for i, name in enumerate(names)
             if types[name] != "constexpr"
             and (types[name].startswith("*") or name.startswith("stride"))
-            and name != "stride_block_table"
+            and name not in ("stride_block_table", "stride_sn")
         }
         constants = {(names.index(name),): value for name, value in self.constexprs.items()}
         source = ASTSource(self.kernel, types, constants, aligned)
@@ -102,6 +106,28 @@ def variants(arch: int, everything: bool) -> Iterator[Variant]:
         combine = dict(PARTITION_SIZE=512, BLOCK_P=32)
         name = f"combine_partitions sm_{arch} d{head_dim} {dtype}"
         yield Variant(name, combine_partitions_kernel, dtype, dtype, dtype, shape | combine)
+    yield from weight_only_variants(arch, everything)
+
+
+def weight_only_variants(arch: int, everything: bool) -> Iterator[Variant]:
+    """The weight-only linear kernel: int8 and int4 at SmolLM2's group size (32) and the largest (128), with
+    bfloat16 activations, and float32 too with --all."""
+    for dtype in ["bf16"] + (["fp32", "fp16"] if everything else []):
+        for bits, q_type in ((8, "*i8"), (4, "*u8")):
+            for group_size in (32, 128):
+                pointers = {"q_ptr": q_type, "scales_ptr": "*fp16", "offsets_ptr": "*fp16"}
+                constexprs = dict(
+                    BITS=bits,
+                    GROUP_SIZE=group_size,
+                    HAS_BIAS=True,
+                    BLOCK_M=BLOCK_M,
+                    BLOCK_N=BLOCK_N,
+                    DOT_DTYPE=TL_BY_NAME[dtype],
+                    DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                )
+                name = f"weight_only_linear sm_{arch} int{bits} g{group_size} {dtype}"
+                kernel = weight_only_linear_kernel
+                yield Variant(name, kernel, dtype, dtype, dtype, constexprs, pointer_types=pointers)
 
 
 def main(argv: list[str] | None = None) -> int:

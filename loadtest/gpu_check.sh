@@ -5,11 +5,13 @@
 #      the engine on the Triton backend, the sampler on CUDA with seeded rows;
 #   2. python -m benchmarks.kernel_bench: paged decode bandwidth and prefill TFLOP/s against torch SDPA;
 #   3. the engine on SmolLM2 on the GPU with temperature > 0 (top-p, top-k, seeds, top logprobs), with the
-#      model's KV dtype and with FP8 KV: tokens/s, seeded reruns reproduce, and `kvroute generate` end to end.
+#      model's KV dtype and with FP8 KV: tokens/s, seeded reruns reproduce, and `kvroute generate` end to end;
+#   4. weight-only int8 and int4 (kvkernels/triton_weight_only.py) against float on SmolLM2: decode tokens/s at
+#      1 and 32 streams, model bytes, and greedy answers against float's.
 #
 # Usage, from anywhere:  loadtest/gpu_check.sh
 # Figures and logs go to $OUT (default /tmp/gpu-check-out): summary.txt, log.txt, kernel_tests.xml,
-# kernel_bench.json, engine.json, generate.jsonl. The exit status is 0 only when every step passed; 2 when there
+# kernel_bench.json, engine.json, generate.jsonl, weight_only.json. The exit status is 0 only when every step passed; 2 when there
 # is no CUDA GPU or no Python that can use one.
 #
 # Set-up on a bare machine: it needs a Python whose torch sees the GPU. It takes $PYTHON, else the first of
@@ -119,10 +121,10 @@ if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm
 fi
 if "$PY" -c 'from kvroute.model_source import smollm2_gguf_path; smollm2_gguf_path()' 2>/dev/null; then
     HAVE_MODEL=1
-    TESTS="tests/test_kernels_triton.py tests/test_engine_triton.py tests/test_sampler.py"
+    TESTS="tests/test_kernels_triton.py tests/test_triton_weight_only.py tests/test_engine_triton.py tests/test_sampler.py"
 else
     HAVE_MODEL=0
-    TESTS="tests/test_kernels_triton.py"
+    TESTS="tests/test_kernels_triton.py tests/test_triton_weight_only.py"
     say "SmolLM2's GGUF is not here (see this script's header): the engine steps cannot run"
     FAILED=1
 fi
@@ -202,6 +204,54 @@ for kv in ('auto', 'fp8'):
 step "kvroute generate (CLI, FP8 KV)" 60 bash -c "set -o pipefail; '$PY' -m launch.cli generate --model smollm2 --device cuda \
     --kv-cache-dtype fp8 --chat --prompt 'What is the capital of France?' --prompt 'Name three prime numbers.' \
     --max-tokens 48 --temperature 0.7 --top-p 0.9 --seed 7 --json | tee '$OUT/generate.jsonl'"
+
+step "weight-only int8/int4 on SmolLM2" 150 "$PY" - smollm2 "$OUT/weight_only.json" <<'PY'
+"""Decode tokens/s (greedy, 1 and 32 streams) and model bytes for --weights float, int8, int4 on the GPU."""
+import json
+import sys
+import time
+
+import torch
+
+from benchmarks.engine_bench import model_bytes
+from kvroute.sampling import SamplingParams
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+
+model, out_path = sys.argv[1], sys.argv[2]
+report = {"model": model, "gpu": torch.cuda.get_device_name()}
+answers = {}
+for weights in ("float", "int8", "int4"):
+    engine = LLMEngine(EngineConfig(model=model, device="cuda", weights=weights, max_num_seqs=32))
+    engine.warm_up()
+    prompt = engine.tokenizer.encode("Explain how a paged KV cache works, step by step.")
+    held, float32 = model_bytes(engine)
+    row = {"bytes": held, "bytes_vs_float32": held / float32}
+    for streams in (1, 32):
+        params = [SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)] * streams
+        prompts = [[(t + i) % engine.vocab_size for t in prompt] for i in range(streams)]
+        engine.generate(prompts[:1], params[:1])  # Triton's compile for these shapes, out of the timing
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        row[f"decode_tok_s_{streams}"] = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+        if streams == 1:
+            answers[weights] = results[0].token_ids
+    row["greedy_identical_to_float"] = answers[weights] == answers["float"]
+    report[weights] = row
+    print(weights, json.dumps(row), flush=True)
+    engine.check_invariants()
+    del engine
+json.dump(report, open(out_path, "w"), indent=2)
+PY
+[ -f "$OUT/weight_only.json" ] && "$PY" -c "
+import json, sys
+r = json.load(open(sys.argv[1]))
+for w in ('float', 'int8', 'int4'):
+    row = r[w]
+    print(f\"  {w}: {row['decode_tok_s_1']:.0f} tok/s at 1 stream ({row['decode_tok_s_1'] / r['float']['decode_tok_s_1']:.2f}x float), {row['decode_tok_s_32']:.0f} at 32 ({row['decode_tok_s_32'] / r['float']['decode_tok_s_32']:.2f}x), {row['bytes'] / 2**20:.0f} MiB ({row['bytes_vs_float32']:.2f}x float32), greedy identical to float: {row['greedy_identical_to_float']}\")
+" "$OUT/weight_only.json" | tee -a "$SUMMARY"
 
 if [ $FAILED -eq 0 ]; then say "all steps passed"; else say "some steps FAILED"; fi
 exit $FAILED
