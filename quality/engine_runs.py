@@ -10,6 +10,7 @@ from typing import Any
 from kvroute.sampling import SamplingParams
 from quality.measures import NextTokenDistance, next_token_distance
 from worker.engine import LLMEngine
+from worker.model.quantized_linear import decode_arithmetic_for_every_step
 
 # prompt_logits' requests carry this salt, so no prefix another request cached shortens the rows they compute.
 TEACHER_FORCED_SALT = "kvroute-quality-teacher-forced"
@@ -59,10 +60,19 @@ def path_distance(reference: LLMEngine, candidate: LLMEngine, prompt: list[int],
 def sequence_distance(
     reference: LLMEngine, candidate: LLMEngine, sequence: list[int], first_row: int = 0
 ) -> NextTokenDistance:
-    """The two engines' next-token distributions after each of `sequence`'s tokens from `first_row` on."""
-    ref = reference.prompt_logits(sequence, cache_salt=TEACHER_FORCED_SALT)[first_row:]
-    cand = candidate.prompt_logits(sequence, cache_salt=TEACHER_FORCED_SALT)[first_row:]
+    """The two engines' next-token distributions after each of `sequence`'s tokens from `first_row` on, each
+    computed with its decode steps' arithmetic (a weight-only model's kernel, not the dequantized prefill path)."""
+    ref = decode_arithmetic_logits(reference, sequence)[first_row:]
+    cand = decode_arithmetic_logits(candidate, sequence)[first_row:]
     return next_token_distance(ref, cand)
+
+
+def decode_arithmetic_logits(engine: LLMEngine, sequence: list[int]) -> Any:
+    model = getattr(engine.runner, "model", None)
+    if model is None:
+        return engine.prompt_logits(sequence, cache_salt=TEACHER_FORCED_SALT)
+    with decode_arithmetic_for_every_step(model):
+        return engine.prompt_logits(sequence, cache_salt=TEACHER_FORCED_SALT)
 
 
 def paths_distance(

@@ -13,7 +13,12 @@ from launch.cli import main as cli_main
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.model import LlamaForCausalLM, WeightQuantization, load_model
-from worker.model.quantized_linear import QuantizedEmbedding, QuantizedLinear, weight_only_backend
+from worker.model.quantized_linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    decode_arithmetic_for_every_step,
+    weight_only_backend,
+)
 from worker.model.tiny import tiny_config, tiny_weights, write_hf_dir
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Here is a list of fruits: apple, banana,"]
@@ -115,3 +120,32 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused_naming_it(tmp_path
     assert "choose one of 32" in err
     model, _ = load_model(resolve_model(str(model_dir)), torch.float32, "cpu", WeightQuantization(4, None, True))
     assert {m.group_size for m in model.modules() if isinstance(m, QuantizedLinear)} == {32}  # the largest fit
+
+
+def test_teacher_forced_logits_can_take_the_decode_kernels_arithmetic() -> None:
+    """decode_arithmetic_for_every_step (kvroute quality's distance): a prompt's logits computed through the decode
+    `linear` at every step size, as one-token steps compute them, and the many-row path back afterwards."""
+    engine = LLMEngine(EngineConfig(model="tiny", weights="int4", weight_scheme="sym", num_kv_blocks=32))
+    model = engine.runner.model  # type: ignore[attr-defined]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    prompt = engine.tokenizer.encode(PROMPTS[0] * 8, add_special_tokens=True)
+    assert len(prompt) > layers[0].dequantize_above_rows
+    calls: list[int] = []
+    backend = layers[0].backend
+    original = backend.linear
+
+    def counting_linear(x, packed, bias):
+        calls.append(x.shape[0])
+        return original(x, packed, bias)
+
+    backend.linear = counting_linear
+    try:
+        engine.prompt_logits(prompt)
+        assert calls == []  # a prefill's rows take dequantized_linear
+        with decode_arithmetic_for_every_step(model):
+            engine.prompt_logits(prompt)
+        assert len(calls) == len(layers) and set(calls) == {len(prompt)}
+    finally:
+        backend.linear = original
+    assert all(m.dequantize_above_rows < len(prompt) for m in layers)
+    engine.check_invariants()

@@ -11,8 +11,11 @@ dtype and answer in it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -99,6 +102,23 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"group_size={self.group_size}, bias={self.bias is not None}, backend={self.backend.__name__}"
         )
+
+
+@contextlib.contextmanager
+def decode_arithmetic_for_every_step(model: nn.Module) -> Iterator[None]:
+    """Inside, every QuantizedLinear of `model` runs its backend's `linear` (the decode steps' arithmetic) at any
+    step size: a teacher-forced prefill then computes what decoding those tokens one at a time would, which is
+    what `kvroute quality` compares (without it a prefill's dequantize-then-GEMM measures the weights' values
+    in the activations' dtype, not the kernel that decodes). Not thread-safe: for an engine nobody else steps."""
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    saved = [layer.dequantize_above_rows for layer in layers]
+    for layer in layers:
+        layer.dequantize_above_rows = sys.maxsize
+    try:
+        yield
+    finally:
+        for layer, rows in zip(layers, saved, strict=True):
+            layer.dequantize_above_rows = rows
 
 
 class QuantizedEmbedding(nn.Module):
