@@ -74,6 +74,7 @@ KVROUTE = "kvroute"
 PEERS = ("smg", "vllm-router")
 WORKER_MODES = ("grpc", "vllm")  # how our gateway reaches the workers; grpc: the default, unnamed
 FLOW_OFF = "flow-off"  # `POLICY+flow-off`: our gateway with --flow-control off
+HOST_KV_BLOCKS = "host-kv-blocks"  # `ENTRY+host-kv-blocks=N`: that fleet's workers with a host KV tier of N blocks
 PEER_INSTALL_HINT = "pip install 'kvroute[peers]'"
 STARTUP_TIMEOUT_S = 180.0
 PROBES = 40
@@ -89,6 +90,7 @@ class Entry:
     policy: str
     mode: str = "grpc"  # one of WORKER_MODES
     flow_control: bool = True  # our gateway's --flow-control (on by default)
+    host_kv_blocks: int = 0  # the workers' --host-kv-blocks (0: no host tier)
 
     @property
     def reads_kv_events(self) -> bool:
@@ -101,9 +103,11 @@ class Entry:
     @property
     def name(self) -> str:
         if self.router != KVROUTE:
-            return f"{self.router}:{self.policy}"
-        name = self.policy if self.mode == "grpc" else f"{self.policy}@{self.mode}"
-        return name if self.flow_control else f"{name}+{FLOW_OFF}"
+            name = f"{self.router}:{self.policy}"
+        else:
+            name = self.policy if self.mode == "grpc" else f"{self.policy}@{self.mode}"
+            name = name if self.flow_control else f"{name}+{FLOW_OFF}"
+        return f"{name}+{HOST_KV_BLOCKS}={self.host_kv_blocks}" if self.host_kv_blocks else name
 
 
 def parse_entries(text: str) -> list[Entry]:
@@ -113,9 +117,19 @@ def parse_entries(text: str) -> list[Entry]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        spelled, plus, option = item.partition("+")
-        if plus and option != FLOW_OFF:
-            raise UserError(f"--compare: unknown option {option!r} in {item!r}; the one option is +{FLOW_OFF}")
+        spelled, *options = item.split("+")
+        flow_off, host_kv_blocks = False, 0
+        for option in options:
+            key, _, value = option.partition("=")
+            if option == FLOW_OFF:
+                flow_off = True
+            elif key == HOST_KV_BLOCKS and value.isdigit() and int(value) > 0:
+                host_kv_blocks = int(value)
+            else:
+                raise UserError(
+                    f"--compare: unknown option {option!r} in {item!r}; the options are +{FLOW_OFF} and "
+                    f"+{HOST_KV_BLOCKS}=N (N >= 1)"
+                )
         routed, at, mode = spelled.partition("@")
         router, _, policy = routed.rpartition(":")
         if router and router not in PEERS:
@@ -130,9 +144,9 @@ def parse_entries(text: str) -> list[Entry]:
             raise UserError(
                 f"--compare: unknown worker mode {mode!r} in {item!r}; choose from {', '.join(WORKER_MODES)}"
             )
-        if plus and router:
+        if flow_off and router:
             raise UserError(f"--compare: {item!r}: +{FLOW_OFF} is our gateway's flag; {router} has no flow control")
-        entries.append(Entry(router or KVROUTE, policy, mode or "grpc", flow_control=not plus))
+        entries.append(Entry(router or KVROUTE, policy, mode or "grpc", not flow_off, host_kv_blocks))
     if not entries:
         raise UserError("--compare: no entries")
     names = [e.name for e in entries]
@@ -233,6 +247,7 @@ class RouterFleet:
                 "--metrics-port", str(metrics_port), "--worker-id", f"w{i}", "--seed", str(self.config.seed),
                 *(["--num-kv-blocks", str(self.config.num_kv_blocks)] if self.config.num_kv_blocks else []),
                 *(["--kv-events-config", kv_events_config(*event_ports)] if event_ports else []),
+                *(["--host-kv-blocks", str(self.entry.host_kv_blocks)] if self.entry.host_kv_blocks else []),
                 *FLEET_WORKER_FLAGS, *self.config.worker_args,
             )  # fmt: skip
             child = self.fleet.spawn(f"worker-{i}", argv)
@@ -355,6 +370,7 @@ def scrape_counters(metrics_url: str) -> dict[str, float]:
         "vllm:prefix_cache_hits_total": "prefix_hits",
         "vllm:e2e_request_latency_seconds_count": "requests",
         "vllm:num_preemptions_total": "preemptions",
+        "kvroute:num_preemptions_recomputed_total": "preemptions_recomputed",
         "vllm:iteration_tokens_total_count": "steps",
         "vllm:request_queue_time_seconds_sum": "queue_s",
         "vllm:request_prefill_time_seconds_sum": "prefill_s",
@@ -416,7 +432,15 @@ def gateway_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 # counter_delta's figures of the engines, shown per run
-ENGINE_FIGURES = ("preemptions", "steps", "queue_ms_mean", "prefill_ms_mean", "ttft_ms_mean", "ttft_buckets")
+ENGINE_FIGURES = (
+    "preemptions",
+    "preemptions_recomputed",
+    "steps",
+    "queue_ms_mean",
+    "prefill_ms_mean",
+    "ttft_ms_mean",
+    "ttft_buckets",
+)
 
 
 def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -432,6 +456,7 @@ def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
         "cached_token_share": hits / prompt if prompt else 0.0,
         "per_worker_requests": {w: int(d["requests"]) for w, d in delta.items()},
         "preemptions": int(sum(d["preemptions"] for d in delta.values())),
+        "preemptions_recomputed": int(sum(d["preemptions_recomputed"] for d in delta.values())),
         "steps": int(sum(d["steps"] for d in delta.values())),
         "queue_ms_mean": round(sum(d["queue_s"] for d in delta.values()) * 1e3 / requests, 3) if requests else 0.0,
         "prefill_ms_mean": round(sum(d["prefill_s"] for d in delta.values()) * 1e3 / requests, 3) if requests else 0.0,
@@ -498,6 +523,7 @@ class RunResult:
             **self._mix_json(),
             "completed_tokens_per_s": round(self.summary.total_token_throughput, 2),
             "preemptions": self.workers["preemptions"],
+            "preemptions_recomputed": self.workers["preemptions_recomputed"],
             "queue_lost_hits": self.summary.lost_hits,
             "errors": self.summary.errors,
             "completed": self.summary.completed,
@@ -568,6 +594,7 @@ def format_table(results: dict[str, RunResult]) -> str:
         ("req/s", lambda r: f"{r.summary.request_throughput:.2f}"),
         ("completed tok/s", lambda r: f"{r.summary.total_token_throughput:,.0f}"),
         ("preemptions", lambda r: f"{r.workers['preemptions']:,}"),
+        ("of which recomputed", lambda r: f"{r.workers['preemptions_recomputed']:,}"),
         ("hits lost in queue", lambda r: _lost_hits(r.summary.lost_hits)),
         ("errors", lambda r: str(sum(r.summary.errors.values()))),
         ("requests/worker", lambda r: "/".join(str(v) for v in r.workers["per_worker_requests"].values())),
@@ -867,6 +894,7 @@ def predict(
         view_poll_draw=view_draw(run),
         flow_control=run.entry.flow_control,
         flow_settings=routing_flow_settings(config.gateway_args),
+        host_kv_blocks=run.entry.host_kv_blocks,
         **sim_costs(config.worker_args),
     )
     # The workers' own work per step, beyond the cost model: their mean TPOT less the one the cost model alone
@@ -1035,7 +1063,11 @@ def routing_flow_settings(gateway_args: tuple[str, ...]) -> FlowControlConfig:
 def sim_costs(worker_args: tuple[str, ...]) -> dict[str, Any]:
     """ReplayConfig's keyword arguments for the cost-model fields that the `--worker-arg`s set on sim workers
     (both `--flag=V` and `--flag V` forms); unset ones keep the replay's defaults, which are the sim worker's."""
-    flags = {"--sim-prefill-us-per-token": "prefill_us_per_token", "--sim-decode-ms-per-step": "decode_ms_per_step"}
+    flags = {
+        "--sim-prefill-us-per-token": "prefill_us_per_token",
+        "--sim-decode-ms-per-step": "decode_ms_per_step",
+        "--sim-host-copy-us-per-block": "host_copy_us_per_block",
+    }
     costs: dict[str, Any] = {}
     for i, arg in enumerate(worker_args):
         flag, sep, value = arg.partition("=")

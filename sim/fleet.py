@@ -113,6 +113,7 @@ class FleetConfig:
     max_num_seqs: int = 64
     watermark: float = 0.01
     step_overhead_s: float = 0.0  # per step beyond the cost model (sim.replica.SimReplica)
+    host_kv_blocks: int = 0  # each replica's host KV tier (worker/host_kv_tier.py); copies cost `cost`'s time
     flow_control: FlowControlConfig | None = None  # every gateway's flow control (None: off, sent at once)
 
 
@@ -135,6 +136,7 @@ class FleetSim:
                 config.max_num_seqs,
                 config.watermark,
                 step_overhead_s=config.step_overhead_s,
+                host_kv_blocks=config.host_kv_blocks,
             )
             for name in names
         ]

@@ -84,6 +84,9 @@ class ReplayConfig:
     jobs: int = 1  # runs (policy, one-gateway, oracle) simulated at once, one process each
     # Time each replica step takes beyond the cost model (a live fleet's measured step period less the model's).
     step_overhead_ms: float = 0.0
+    # Each replica's host KV tier (worker/host_kv_tier.py), in blocks (0: none), and a block's copy either way.
+    host_kv_blocks: int = 0
+    host_copy_us_per_block: float = 67.0
     # The gateways' flow control (the gateway's `--flow-control on`): requests wait in the gateway, by band and
     # tenant (the trace's), until a replica can admit them, as `flow_settings` says.
     flow_control: bool = False
@@ -98,7 +101,8 @@ class ReplayConfig:
             len(self.replica_names) != self.replicas or len(set(self.replica_names)) != self.replicas
         ):
             raise ReplayError(f"replica_names must be {self.replicas} distinct names, got {list(self.replica_names)}")
-        for name in ("prefill_us_per_token", "decode_ms_per_step", "epsilon", "view_poll_s", "step_overhead_ms"):
+        names = ("prefill_us_per_token", "decode_ms_per_step", "epsilon", "view_poll_s", "step_overhead_ms")
+        for name in (*names, "host_kv_blocks", "host_copy_us_per_block"):
             if getattr(self, name) < 0:
                 raise ReplayError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.policies:
@@ -233,6 +237,8 @@ class ReplayResult:
             "shared_view": self.config.shared_view,
             "prefill_us_per_token": self.config.prefill_us_per_token,
             "decode_ms_per_step": self.config.decode_ms_per_step,
+            "host_kv_blocks": self.config.host_kv_blocks,
+            "host_copy_us_per_block": self.config.host_copy_us_per_block,
             "flow_control": self.config.flow_control,
             "ideal": {"prefill_tokens": self.ideal_prefill_tokens, "hit_rate": round(self.ideal_hit_rate, 6)},
             "policies": {name: result.to_json() for name, result in self.policies.items()},
@@ -373,9 +379,10 @@ def fleet_config(trace: Trace, config: ReplayConfig, timing: ViewTiming) -> Flee
         capacity_blocks=config.capacity_blocks,
         block_size=trace.block_size,
         model_id=config.model_id,
-        cost=SimCostModel(config.prefill_us_per_token, config.decode_ms_per_step),
+        cost=SimCostModel(config.prefill_us_per_token, config.decode_ms_per_step, config.host_copy_us_per_block),
         timing=timing,
         step_overhead_s=config.step_overhead_ms * 1e-3,
+        host_kv_blocks=config.host_kv_blocks,
         flow_control=config.flow_settings if config.flow_control else None,
     )
 

@@ -66,6 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-ms-per-step", type=float, default=20.0, help="decode cost per step, ms (default 20)")
     parser.add_argument(
+        "--host-kv-blocks",
+        type=int,
+        default=0,
+        help="a host KV tier of this many blocks per replica (worker/host_kv_tier.py; default 0: none)",
+    )
+    parser.add_argument(
+        "--host-copy-us-per-block",
+        type=float,
+        default=ReplayConfig.host_copy_us_per_block,
+        help=f"a block's copy to or from the host tier, µs (default {ReplayConfig.host_copy_us_per_block:g})",
+    )
+    parser.add_argument(
         "--epsilon",
         type=float,
         default=ReplayConfig.epsilon,
@@ -126,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             prefill_us_per_token=args.prefill_us_per_token,
             decode_ms_per_step=args.decode_ms_per_step,
+            host_kv_blocks=args.host_kv_blocks,
+            host_copy_us_per_block=args.host_copy_us_per_block,
             epsilon=args.epsilon,
             min_in_flight=args.min_in_flight,
             seed=args.seed,

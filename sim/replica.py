@@ -70,6 +70,7 @@ class SimReplica:
         watermark: float = EngineConfig.watermark,
         max_model_len: int = 1 << 30,
         step_overhead_s: float = 0.0,
+        host_kv_blocks: int = 0,
     ) -> None:
         self.name = name
         self.clock = VirtualClock()
@@ -81,6 +82,7 @@ class SimReplica:
             max_num_seqs=max_num_seqs,
             watermark=watermark,
             max_model_len=max_model_len,
+            host_kv_blocks=host_kv_blocks,
         )
         self.runner = SimRunner(config, cost, clock=self.clock, outputs=self._next_token, outputs_run=self._next_tokens)
         self.engine = LLMEngine(config, clock=self.clock, sim_runner=self.runner, model_id=model_id)

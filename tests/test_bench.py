@@ -434,7 +434,17 @@ def test_compare_entries_are_checked_before_any_fleet_starts():
         ("kv_aware+flow-off", "grpc", False),
         ("kv_aware@vllm+flow-off", "vllm", False),
     ]
+    tiered = parse_entries(
+        "kv_aware+host-kv-blocks=3000,kv_aware+flow-off+host-kv-blocks=8,smg:cache_aware+host-kv-blocks=5"
+    )
+    assert [(e.name, e.flow_control, e.host_kv_blocks) for e in tiered] == [
+        ("kv_aware+host-kv-blocks=3000", True, 3000),
+        ("kv_aware+flow-off+host-kv-blocks=8", False, 8),
+        ("smg:cache_aware+host-kv-blocks=5", True, 5),
+    ]
     for bad, message in (
+        ("kv_aware+host-kv-blocks=0", "unknown option 'host-kv-blocks=0'"),
+        ("kv_aware+host-kv-blocks=many", "unknown option"),
         ("nginx:rr", "unknown router 'nginx'"),
         ("fastest", "unknown kvroute policy 'fastest'"),
         ("smg:", "names no policy"),

@@ -120,7 +120,7 @@ def test_request_timer_observes_ttft_itl_e2e() -> None:
 
 
 def test_each_worker_has_its_own_registry() -> None:
-    stats = EngineStats(10, 4, 3, 2, 1, 100, 40, 1, 100, 20)
+    stats = EngineStats(10, 4, 3, 2, 1, 100, 40, 1, 0, 100, 20)
     first = WorkerMetrics("a", lambda: stats)
     second = WorkerMetrics("b", lambda: None)  # no stats yet: no gauges, and no error
     assert first.registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "a"}) == 0.4

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvkernels import weight_only
 from kvroute.errors import UserError
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
@@ -24,7 +25,8 @@ from quality.protocol import Settings, Side, compare
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.model import load_model
-from worker.model_runner import ModelRunner
+from worker.model.quantized_linear import QuantizedLinear
+from worker.model_runner import ModelRunner, weight_quantization
 
 SMALL_KV = "kv-cache-memory-gb=0.05"  # the tiny model's cache: enough blocks, little memory to zero
 RULE = "flips_above_floor<=0.02,top1>=0.97"
@@ -211,3 +213,29 @@ def test_a_candidate_with_one_layer_doubled_fails() -> None:
     assert comparison.top1 < 0.9 and comparison.flips.value > 0.5 and comparison.noise_floor.value == 0
     assert comparison.flips_above_floor.low > 0  # the interval clears zero
     assert comparison.long is None
+
+
+def int4_engine_with_scales_off(config: EngineConfig, layer: str = "model.layers.0.mlp.down_proj") -> LLMEngine:
+    """An int4 engine on weights of its own whose one quantized layer has every group scale doubled: what a
+    loader that misread a format's scales would serve."""
+    engine = LLMEngine(config)
+    quantization = weight_quantization(config)
+    model, model_config = load_model(resolve_model(config.model), torch.float32, quantization=quantization)
+    module = model.get_submodule(layer)
+    assert isinstance(module, QuantizedLinear)
+    float_weight = load_model(resolve_model(config.model), torch.float32)[0].get_submodule(layer).weight
+    good = weight_only.quantize(float_weight, module.bits, module.group_size, symmetric=config.weight_scheme == "sym")
+    bad = weight_only.QuantizedWeight(good.bits, good.group_size, good.q, good.scales * 2, good.offsets)
+    parent, _, child = layer.rpartition(".")
+    setattr(model.get_submodule(parent), child, QuantizedLinear.from_weight(bad, module.backend))
+    engine.runner = ModelRunner(config, model, model_config)
+    return engine
+
+
+def test_an_int4_candidate_with_one_layers_scales_doubled_fails_against_int4() -> None:
+    config = parse_config_spec(f"{SMALL_KV},weights=int4", "-c").engine_config("tiny")
+    prompts = load_prompts(BUILTIN, 0).first(6)
+    broken = Side(config, label="scales x2", build=int4_engine_with_scales_off)
+    comparison = compare(Side(config, label="int4"), broken, prompts, Settings(8, 0))
+    assert not parse_rule(RULE).judge(comparison.metrics()).passed
+    assert comparison.top1 < 0.97 and comparison.flips_above_floor.low > 0

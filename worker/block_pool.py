@@ -136,6 +136,16 @@ class BlockPool:
 
     # -- changes -------------------------------------------------------------------------------
 
+    def eviction_candidates(self, n: int) -> list[KVBlock]:
+        """The cached blocks that `allocate(n)` would evict (the first n of the free queue that hold a hash)."""
+        out = []
+        for count, block in enumerate(self.free_queue):
+            if count == n:
+                break
+            if block.block_hash is not None:
+                out.append(block)
+        return out
+
     def allocate(self, n: int) -> list[KVBlock]:
         """Take `n` blocks for new data (ref_cnt 1 each), evicting cached ones from the LRU end if needed."""
         if n > len(self.free_queue):

@@ -61,6 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: from --kv-cache-memory-gb")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb)
+    parser.add_argument(
+        "--host-kv-blocks",
+        type=int,
+        default=defaults.host_kv_blocks,
+        help="a host-memory tier of this many KV blocks behind the device pool: evicted cached blocks go there "
+        "and come back by copy instead of prefill (default 0: none)",
+    )
+    parser.add_argument(
+        "--host-kv-memory-gb", type=float, default=defaults.host_kv_memory_gb, help="the host tier's size in GiB"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="prefill chunk budget"
@@ -137,6 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sim-decode-ms-per-step", type=float, default=defaults.sim_decode_ms_per_step, help="--model sim only"
     )
+    parser.add_argument(
+        "--sim-host-copy-us-per-block",
+        type=float,
+        default=defaults.sim_host_copy_us_per_block,
+        help="--model sim only: a block's copy to or from the host tier",
+    )
 
 
 def add_weight_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +193,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        host_kv_blocks=args.host_kv_blocks,
+        host_kv_memory_gb=args.host_kv_memory_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_reserve_tokens=args.decode_reserve_tokens,
@@ -187,6 +205,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         sim_prefill_us_per_token=args.sim_prefill_us_per_token,
         sim_decode_ms_per_step=args.sim_decode_ms_per_step,
+        sim_host_copy_us_per_block=args.sim_host_copy_us_per_block,
     )
 
 

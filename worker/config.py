@@ -31,6 +31,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    # The host tier (worker/host_kv_tier.py): blocks, or a size in GiB (one or the other); 0: none.
+    host_kv_blocks: int = 0
+    host_kv_memory_gb: float = 0.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # chunked prefill token budget per step (vLLM's CPU server default)
     watermark: float = 0.01  # share of blocks kept free when admitting
@@ -48,6 +51,9 @@ class EngineConfig:
     # --model sim only: time spent per step, by the replay's cost model
     sim_prefill_us_per_token: float = 32.0
     sim_decode_ms_per_step: float = 20.0
+    # A sim block's copy between the device and the host tier: its notional 2 MiB at 31.5 GB/s, seed 004's
+    # swap of 1.07 GB in 34 ms over PCIe.
+    sim_host_copy_us_per_block: float = 67.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -77,8 +83,16 @@ class EngineConfig:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.sim_prefill_us_per_token < 0 or self.sim_decode_ms_per_step < 0:
-            raise ValueError("sim_prefill_us_per_token and sim_decode_ms_per_step must be >= 0")
+        if self.sim_prefill_us_per_token < 0 or self.sim_decode_ms_per_step < 0 or self.sim_host_copy_us_per_block < 0:
+            raise ValueError(
+                "sim_prefill_us_per_token, sim_decode_ms_per_step, sim_host_copy_us_per_block must be >= 0"
+            )
+        if self.host_kv_blocks < 0 or self.host_kv_memory_gb < 0:
+            raise ValueError("host_kv_blocks and host_kv_memory_gb must be >= 0")
+        if self.host_kv_blocks and self.host_kv_memory_gb:
+            raise ValueError("give the host KV tier's size as host_kv_blocks or host_kv_memory_gb, not both")
+        if (self.host_kv_blocks or self.host_kv_memory_gb) and not self.enable_prefix_caching:
+            raise ValueError("a host KV tier keeps cached blocks by their hashes: it needs prefix caching")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

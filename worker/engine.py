@@ -26,6 +26,7 @@ from kvroute.tokenizer import Tokenizer
 from worker.block_pool import KVEvent
 from worker.clock import WALL_CLOCK, Clock
 from worker.config import EngineConfig
+from worker.host_kv_tier import HostKVTier
 from worker.kv_cache_manager import KVCacheManager
 from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM
@@ -73,10 +74,18 @@ class EngineStats:
     prefix_queries: int  # tokens
     prefix_hits: int  # tokens
     num_preemptions: int
+    num_preemptions_recomputed: int  # of those, resumed recomputing a full block (Scheduler)
     prompt_tokens_total: int
     generation_tokens_total: int
     # Under the priority policy, what each priority holds and has waiting (Scheduler.priority_loads); else empty.
     priority_loads: dict[int, PriorityLoad] = field(default_factory=dict)
+    # The host tier (worker/host_kv_tier.py), zeros without one: its size and held blocks, the prefix hits
+    # copied back from it (tokens, also in prefix_hits), the blocks copied each way.
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_cached: int = 0
+    host_prefix_hits: int = 0
+    host_kv_blocks_saved: int = 0
+    host_kv_blocks_restored: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -115,7 +124,11 @@ class LLMEngine:
         log.info(
             "%s: dtype %s (%s); attention %s", self.model_id, self.dtype, self.dtype_reason, self.attention_backend
         )
-        self.kv_manager = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        host_blocks = getattr(self.runner, "num_host_kv_blocks", 0)
+        host_tier, copier = (HostKVTier(host_blocks), self.runner) if host_blocks else (None, None)
+        self.kv_manager = KVCacheManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, host_tier, copier
+        )
         self.scheduler = Scheduler(config, self.kv_manager)
         self._pending: list[RequestOutput] = []  # abort notices, handed out by the next step
         self._ids = itertools.count()
@@ -334,6 +347,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pool = self.kv_manager.pool
+        tier = self.kv_manager.host_tier
         return EngineStats(
             num_blocks_total=pool.num_blocks,
             num_blocks_used=pool.num_used_blocks,
@@ -343,8 +357,14 @@ class LLMEngine:
             prefix_queries=self.kv_manager.stats.prefix_queries,
             prefix_hits=self.kv_manager.stats.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions_recomputed=self.scheduler.num_preemptions_recomputed,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            host_kv_blocks_total=tier.num_blocks if tier else 0,
+            host_kv_blocks_cached=len(tier) if tier else 0,
+            host_prefix_hits=self.kv_manager.stats.host_prefix_hits,
+            host_kv_blocks_saved=tier.stats.saved if tier else 0,
+            host_kv_blocks_restored=tier.stats.restored if tier else 0,
             priority_loads=self.scheduler.priority_loads(),
         )
 

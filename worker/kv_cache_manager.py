@@ -4,9 +4,10 @@ Contract for callers (the scheduler, the replay):
   1. `get_computed_blocks(hashes, num_prompt_tokens)` finds the longest cached prefix (it takes no
      references; it counts prefix-cache queries and hits). A caller that may not admit the request yet
      uses `find_prefix_hit` + `num_free_blocks_needed`, and `record_prefix_query` once it does.
-  2. `allocate_slots(req_id, num_tokens, computed)` makes the request hold enough blocks for `num_tokens`
-     tokens, first taking references on `computed`; it returns None and changes nothing when the pool
-     cannot provide the blocks, so the caller can wait or preempt.
+  2. `allocate_slots(req_id, num_tokens, computed, restore)` makes the request hold enough blocks for
+     `num_tokens` tokens, first taking references on `computed` and copying `restore` (a hit's host-tier
+     part) into the first new blocks; it returns None and changes nothing when the pool cannot provide the
+     blocks, so the caller can wait or preempt. A hit must be allocated before anything else allocates.
   3. `cache_blocks(req_id, hashes)` registers the request's full blocks under their hashes as they fill.
   4. `free(req_id)` returns every block of the request at once (finish, cancel, preempt, fault).
 """
@@ -14,16 +15,18 @@ Contract for callers (the scheduler, the replay):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvroute.kv_events import BlockKey, KVEvent
 from worker.block_pool import BlockPool, KVBlock
+from worker.host_kv_tier import HostKVTier, KVBlockCopier
 
 
 @dataclass
 class PrefixHit:
-    blocks: list[KVBlock]
-    num_tokens: int
+    blocks: list[KVBlock]  # on the device, in order
+    num_tokens: int  # the whole hit's: device and host blocks
+    restore: list[BlockKey] = field(default_factory=list)  # the host tier's blocks right after `blocks`
 
 
 @dataclass
@@ -31,7 +34,8 @@ class CacheStats:
     """Counters in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits."""
 
     prefix_queries: int = 0
-    prefix_hits: int = 0
+    prefix_hits: int = 0  # every tier's
+    host_prefix_hits: int = 0  # of prefix_hits, the tokens copied back from the host tier
 
     @property
     def hit_rate(self) -> float:
@@ -39,11 +43,27 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """`host_tier` and its `copier` (both or neither): a host tier behind the device pool (worker/host_kv_tier.py);
+    with prefix caching only, since it keeps blocks by their hashes."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier: HostKVTier | None = None,
+        copier: KVBlockCopier | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if (host_tier is None) != (copier is None):
+            raise ValueError("a host KV tier needs a copier, and a copier a host tier")
+        if host_tier is not None and not enable_prefix_caching:
+            raise ValueError("a host KV tier keeps blocks by their hashes: it needs prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.host_tier = host_tier
+        self.copier = copier
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_hashed: dict[str, int] = {}  # leading blocks of a request already offered to the cache
@@ -77,12 +97,14 @@ class KVCacheManager:
         compute, so a full hit still yields logits. Takes no references and counts nothing."""
         usable = (num_prompt_tokens - 1) // self.block_size
         blocks = self.find_longest_cache_hit(block_hashes[:usable])
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        restore = [] if self.host_tier is None else self.host_tier.prefix(block_hashes[len(blocks) : usable])
+        return PrefixHit(blocks, (len(blocks) + len(restore)) * self.block_size, restore)
 
     def record_prefix_query(self, hit: PrefixHit, num_prompt_tokens: int) -> None:
         """Count one admitted request's prefix-cache query and hit, in tokens."""
         self.stats.prefix_queries += num_prompt_tokens
         self.stats.prefix_hits += hit.num_tokens
+        self.stats.host_prefix_hits += len(hit.restore) * self.block_size
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockKey], num_prompt_tokens: int) -> PrefixHit:
         """`find_prefix_hit`, counted as a query: for callers that admit the request whatever the hit."""
@@ -92,28 +114,66 @@ class KVCacheManager:
 
     def num_free_blocks_needed(self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> int:
         """Free blocks that `allocate_slots(req_id, num_tokens, computed)` would take from the pool:
-        new blocks, plus the computed blocks now free (touching one takes it out of the free queue)."""
+        new blocks (a hit's host-tier part among them), plus the computed blocks now free (touching one takes
+        it out of the free queue)."""
         held = len(self.req_blocks.get(req_id, ()))
         num_new = max(self.num_blocks_for(num_tokens) - held - len(computed), 0)
         return num_new + sum(1 for b in computed if b.ref_cnt == 0)
 
-    def allocate_slots(self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = ()) -> list[KVBlock] | None:
-        """Grow `req_id` to hold `num_tokens` tokens; `computed` (a prefix hit) only on its first call.
+    def allocate_slots(
+        self, req_id: str, num_tokens: int, computed: Sequence[KVBlock] = (), restore: Sequence[BlockKey] = ()
+    ) -> list[KVBlock] | None:
+        """Grow `req_id` to hold `num_tokens` tokens; `computed` and `restore` (a prefix hit's device blocks and
+        host-tier hashes) only on its first call. The restored blocks are copied into the first new blocks and
+        offered to the prefix cache with the request's next `cache_blocks`, as blocks it computed.
 
         Returns the newly allocated blocks, or None (and no change) if the pool is short."""
         held = self.req_blocks.get(req_id, [])
-        if computed and held:
+        if (computed or restore) and held:
             raise ValueError(f"request {req_id} already holds blocks; computed blocks come first")
         if self.num_free_blocks_needed(req_id, num_tokens, computed) > self.pool.num_free_blocks:
             return None
         num_new = max(self.num_blocks_for(num_tokens) - len(held) - len(computed), 0)
+        if len(restore) > num_new:
+            raise ValueError(f"request {req_id}: {len(restore)} blocks to restore, {num_new} to allocate")
+        tier = self.host_tier
+        if tier is not None:
+            tier.pin(restore)
         self.pool.touch(computed)
+        self._save_evictions(num_new)
         new_blocks = self.pool.allocate(num_new)
+        if restore:
+            self._restore(restore, new_blocks[: len(restore)])
+        if tier is not None:
+            tier.unpin(restore)
         blocks = self.req_blocks.setdefault(req_id, [])
         blocks.extend(computed)
         blocks.extend(new_blocks)
         self.num_hashed.setdefault(req_id, len(computed))
         return new_blocks
+
+    def _save_evictions(self, num_blocks: int) -> None:
+        """Copy to the host tier the cached blocks that allocating `num_blocks` is about to reuse."""
+        if self.host_tier is None or self.copier is None:
+            return
+        device_blocks, slots = [], []
+        for block in self.pool.eviction_candidates(num_blocks):
+            assert block.block_hash is not None
+            slot = self.host_tier.reserve(block.block_hash)
+            if slot is not None:
+                device_blocks.append(block.block_id)
+                slots.append(slot)
+        if device_blocks:
+            self.copier.copy_to_host(device_blocks, slots)
+            self.host_tier.stats.saved += len(device_blocks)
+
+    def _restore(self, hashes: Sequence[BlockKey], blocks: Sequence[KVBlock]) -> None:
+        assert self.host_tier is not None and self.copier is not None, "a hit with a host part needs a host tier"
+        slots = [self.host_tier.slot(h) for h in hashes]
+        self.copier.copy_from_host(slots, [b.block_id for b in blocks])
+        for block_hash in hashes:
+            self.host_tier.touch(block_hash)
+        self.host_tier.stats.restored += len(hashes)
 
     def cache_blocks(
         self, req_id: str, block_hashes: Sequence[BlockKey], token_ids: Sequence[int] = (), cache_salt: str = ""
@@ -144,8 +204,10 @@ class KVCacheManager:
         return self.pool.drain_events()
 
     def check_invariants(self) -> None:
-        """Pool invariants, plus: each block's ref_cnt equals the number of live requests holding it."""
+        """Pool invariants (both tiers'), plus: each block's ref_cnt equals the number of live requests holding it."""
         self.pool.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         refs: dict[int, int] = {}
         for blocks in self.req_blocks.values():
             ids = [b.block_id for b in blocks]

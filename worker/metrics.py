@@ -80,9 +80,27 @@ class EngineStatsCollector(Collector):
             "vllm:prefix_cache_queries": ("Prefix cache queries, in queried tokens.", stats.prefix_queries),
             "vllm:prefix_cache_hits": ("Prefix cache hits, in cached tokens.", stats.prefix_hits),
             "vllm:num_preemptions": ("Cumulative number of preemptions.", stats.num_preemptions),
+            "kvroute:num_preemptions_recomputed": (
+                "Preempted requests that resumed recomputing at least one full KV block (gone from every tier).",
+                stats.num_preemptions_recomputed,
+            ),
             "vllm:prompt_tokens": ("Number of prefill tokens processed.", stats.prompt_tokens_total),
             "vllm:generation_tokens": ("Number of generation tokens processed.", stats.generation_tokens_total),
         }
+        if stats.host_kv_blocks_total:  # the host tier's (worker/host_kv_tier.py); vLLM has no names for these
+            host_usage = stats.host_kv_blocks_cached / stats.host_kv_blocks_total
+            gauges["kvroute:host_kv_cache_usage_perc"] = ("Host KV tier usage. 1 means 100 percent usage.", host_usage)
+            counters |= {
+                "kvroute:host_prefix_cache_hits": (
+                    "Prefix cache hits copied back from the host tier, in tokens (also in vllm:prefix_cache_hits).",
+                    stats.host_prefix_hits,
+                ),
+                "kvroute:host_kv_blocks_saved": ("KV blocks copied to the host tier.", stats.host_kv_blocks_saved),
+                "kvroute:host_kv_blocks_restored": (
+                    "KV blocks copied back from the host tier.",
+                    stats.host_kv_blocks_restored,
+                ),
+            }
         for name, (doc, value) in gauges.items():
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)

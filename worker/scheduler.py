@@ -109,6 +109,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: fcfs preempts the newest first
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        # Preempted sequences that resumed recomputing a full block: its KV had left the device (and the host
+        # tier, where there is one); the others resumed on their cached blocks or copies of them.
+        self.num_preemptions_recomputed = 0
         self.by_priority = config.scheduling_policy == "priority"
         self._preempted: set[Sequence] = set()  # waiting again after a preemption: re-admitted, not new
         self._arrivals = itertools.count()
@@ -306,11 +309,13 @@ class Scheduler:
                 break
             hit, num_new, growth = admission
             headroom += growth  # what it holds now leaves the free count; what it will grow by is kept free
-            allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks)
+            allocated = self.kv.allocate_slots(seq.request_id, hit.num_tokens + num_new, hit.blocks, hit.restore)
             assert allocated is not None, "admission checked the free blocks"
             self.waiting.popleft()
             if seq in self._preempted:
                 self._preempted.discard(seq)
+                if hit.num_tokens < (seq.num_tokens - 1) // self.block_size * self.block_size:
+                    self.num_preemptions_recomputed += 1
             else:
                 self.kv.record_prefix_query(hit, seq.num_tokens)
                 seq.num_cached_tokens = hit.num_tokens

@@ -2,7 +2,8 @@
 
 It drives the real scheduler and block manager and spends time by one cost model (`SimCostModel`):
 `prefill_us_per_token` for every token computed by a prefill chunk (cached prefix tokens cost nothing, as
-they are never scheduled) plus `decode_ms_per_step` for a step that decodes. The time is spent on the
+they are never scheduled) plus `decode_ms_per_step` for a step that decodes, plus `host_copy_us_per_block` for
+each block copied to or from a host KV tier (`--host-kv-blocks`; worker/host_kv_tier.py). The time is spent on the
 engine's clock (worker.clock): wall time in a live sim worker, virtual time in the fleet simulator (sim/),
 which runs this very runner and cost model.
 
@@ -17,12 +18,13 @@ answers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 
 from kvroute.tokenizer import Tokenizer
 from worker.clock import WALL_CLOCK, Clock
 from worker.config import EngineConfig
+from worker.host_kv_tier import host_tier_blocks
 from worker.sampler import SamplerOutput
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
@@ -41,6 +43,7 @@ class SimCostModel:
 
     prefill_us_per_token: float = 32.0
     decode_ms_per_step: float = 20.0
+    host_copy_us_per_block: float = 67.0  # a block's copy to or from the host tier (EngineConfig's default)
 
     def step_seconds(self, batch: SchedulerOutput) -> float:
         decodes = False
@@ -68,7 +71,9 @@ class SimRunner:
         outputs: Callable[[Sequence], int] | None = None,
         outputs_run: Callable[[Sequence, int], list[int]] | None = None,
     ) -> None:
-        self.cost = cost or SimCostModel(config.sim_prefill_us_per_token, config.sim_decode_ms_per_step)
+        self.cost = cost or SimCostModel(
+            config.sim_prefill_us_per_token, config.sim_decode_ms_per_step, config.sim_host_copy_us_per_block
+        )
         self.seed = config.seed
         self.clock = clock
         self.outputs = outputs
@@ -86,12 +91,23 @@ class SimRunner:
         else:
             memory = int(config.kv_cache_memory_gb * 2**30)
             self.num_kv_blocks = max(1, memory // (SIM_KV_BYTES_PER_TOKEN * config.block_size))
+        # A host tier of notional blocks: no memory is taken, only the copies' time (spent with the next step).
+        self.num_host_kv_blocks = host_tier_blocks(config, SIM_KV_BYTES_PER_TOKEN * config.block_size)
+        self.pending_copy_seconds = 0.0
 
     def warm_up(self) -> None:
         """Nothing to build: no weights, no kernels."""
 
+    def copy_to_host(self, device_blocks: Sized, host_slots: Sized) -> None:
+        """KVBlockCopier: only the time, spent with the next step."""
+        self.pending_copy_seconds += len(device_blocks) * self.cost.host_copy_us_per_block * 1e-6
+
+    def copy_from_host(self, host_slots: Sized, device_blocks: Sized) -> None:
+        self.pending_copy_seconds += len(device_blocks) * self.cost.host_copy_us_per_block * 1e-6
+
     def run(self, batch: SchedulerOutput) -> SamplerOutput:
-        seconds = self.cost.step_seconds(batch)
+        seconds = self.cost.step_seconds(batch) + self.pending_copy_seconds
+        self.pending_copy_seconds = 0.0
         if seconds > 0:
             self.clock.sleep(seconds)
         token_ids = [self.sample(s.seq) for s in batch.sampling]
@@ -99,7 +115,8 @@ class SimRunner:
 
     def spend_decode_steps(self, num_steps: int) -> None:
         """The cost of `num_steps` steps that only decode (LLMEngine.step(n)), spent at once."""
-        seconds = num_steps * self.cost.decode_ms_per_step * 1e-3
+        seconds = num_steps * self.cost.decode_ms_per_step * 1e-3 + self.pending_copy_seconds
+        self.pending_copy_seconds = 0.0
         if seconds > 0:
             self.clock.sleep(seconds)
 
