@@ -7,8 +7,10 @@ to keep that reuse (hit rate, prefill tokens and the cost model's TTFT per point
 policy it names the smallest fleet (fewest KV blocks in all, then fewest replicas) whose hit rate
 reaches `--target` of the ideal's.
 
-Axes: `replicas` and `capacity-blocks` (KV blocks per replica); an axis not swept takes its single
-value from `--replicas` / `--capacity-blocks`. Every other option is the replay's (`kvroute replay`).
+Axes: `replicas`, `capacity-blocks` (KV blocks per replica) and `host-kv-blocks` (a host KV tier's blocks per
+replica, 0 for none: how much host memory is worth buying, docs/worker.md "The host KV tier"); an axis not swept
+takes its single value from `--replicas` / `--capacity-blocks` / `--host-kv-blocks`. Every other option is the
+replay's (`kvroute replay`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sim.replay_cli import load_trace, write_output
 from sim.traces import Trace
 from sim.workloads import WORKLOAD_NAMES
 
-AXES = {"replicas": "replicas", "capacity-blocks": "capacity_blocks"}
+AXES = {"replicas": "replicas", "capacity-blocks": "capacity_blocks", "host-kv-blocks": "host_kv_blocks"}
 MAX_POINTS = 64  # a grid past this is a typo more often than a plan, and each point replays the whole trace
 
 
@@ -42,11 +44,13 @@ class Point:
     hit_rate: float
     ttft_ms: dict[str, float]
     load_imbalance: float
+    host_kv_blocks: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "replicas": self.replicas,
             "capacity_blocks": self.capacity_blocks,
+            "host_kv_blocks": self.host_kv_blocks,
             "policy": self.policy,
             "prefill_tokens": self.prefill_tokens,
             "hit_rate": round(self.hit_rate, 6),
@@ -69,11 +73,15 @@ class Sweep:
         return 1 - self.ideal_prefill_tokens / self.input_tokens
 
     def smallest(self, policy: str) -> Point | None:
-        """The cheapest point (fewest blocks in all, then fewest replicas) where `policy` keeps `target` of
-        the ideal's hit rate; None when no point does."""
+        """The cheapest point (fewest device blocks in all, then fewest host blocks, then fewest replicas) where
+        `policy` keeps `target` of the ideal's hit rate; None when no point does."""
         goal = self.target * self.ideal_hit_rate
         keeping = [p for p in self.points if p.policy == policy and p.hit_rate >= goal]
-        return min(keeping, key=lambda p: (p.replicas * p.capacity_blocks, p.replicas), default=None)
+        return min(
+            keeping,
+            key=lambda p: (p.replicas * p.capacity_blocks, p.replicas * p.host_kv_blocks, p.replicas),
+            default=None,
+        )
 
     def to_json(self) -> dict[str, Any]:
         policies = sorted({p.policy for p in self.points})
@@ -88,9 +96,16 @@ class Sweep:
         }
 
 
-def parse_axes(specs: list[str], replicas: int, capacity_blocks: int) -> tuple[list[int], list[int]]:
-    """`--sweep AXIS=V1,V2,...` (repeatable) into the replicas and capacity values; bad input raises UserError."""
-    values: dict[str, list[int]] = {"replicas": [replicas], "capacity-blocks": [capacity_blocks]}
+def parse_axes(
+    specs: list[str], replicas: int, capacity_blocks: int, host_kv_blocks: int = 0
+) -> tuple[list[int], list[int], list[int]]:
+    """`--sweep AXIS=V1,V2,...` (repeatable) into the replicas, capacity and host-tier values; bad input raises
+    UserError."""
+    values: dict[str, list[int]] = {
+        "replicas": [replicas],
+        "capacity-blocks": [capacity_blocks],
+        "host-kv-blocks": [host_kv_blocks],
+    }
     seen: set[str] = set()
     for spec in specs:
         axis, sep, text = spec.partition("=")
@@ -104,43 +119,58 @@ def parse_axes(specs: list[str], replicas: int, capacity_blocks: int) -> tuple[l
             parsed = [int(v) for v in text.split(",") if v.strip()]
         except ValueError:
             raise UserError(f"--sweep {axis}: values must be integers, got {text!r}") from None
-        if not parsed or min(parsed) < 1:
-            raise UserError(f"--sweep {axis}: need one or more integers >= 1, got {text!r}")
+        least = 0 if axis == "host-kv-blocks" else 1
+        if not parsed or min(parsed) < least:
+            raise UserError(f"--sweep {axis}: need one or more integers >= {least}, got {text!r}")
         values[axis] = sorted(set(parsed))
-    grid = len(values["replicas"]) * len(values["capacity-blocks"])
+    grid = len(values["replicas"]) * len(values["capacity-blocks"]) * len(values["host-kv-blocks"])
     if grid > MAX_POINTS:
         raise UserError(f"--sweep: {grid} grid points, at most {MAX_POINTS}")
-    return values["replicas"], values["capacity-blocks"]
+    return values["replicas"], values["capacity-blocks"], values["host-kv-blocks"]
 
 
 def sweep(
-    trace: Trace, base: ReplayConfig, replicas: list[int], capacities: list[int], target: float, progress: bool = True
+    trace: Trace,
+    base: ReplayConfig,
+    replicas: list[int],
+    capacities: list[int],
+    target: float,
+    progress: bool = True,
+    hosts: list[int] | None = None,
 ) -> Sweep:
-    """Replay `trace` at every (replicas, capacity) point with `base`'s other settings."""
+    """Replay `trace` at every (replicas, capacity, host tier) point with `base`'s other settings (`hosts`
+    default: `base`'s host tier alone)."""
     points: list[Point] = []
     first: ReplayResult | None = None
-    total = len(replicas) * len(capacities)
-    for i, (n, blocks) in enumerate(((n, b) for n in replicas for b in capacities), start=1):
+    hosts = hosts or [base.host_kv_blocks]
+    grid = [(n, b, h) for n in replicas for b in capacities for h in hosts]
+    for i, (n, blocks, host) in enumerate(grid, start=1):
+        where = f"{n} replicas x {blocks:,} blocks" + (f" + {host:,} host blocks" if host else "")
         if progress:
-            print(f"[{i}/{total}] {n} replicas x {blocks:,} blocks", file=sys.stderr)
+            print(f"[{i}/{len(grid)}] {where}", file=sys.stderr)
         try:
-            result = replay(trace, replace(base, replicas=n, capacity_blocks=blocks))
+            result = replay(trace, replace(base, replicas=n, capacity_blocks=blocks, host_kv_blocks=host))
         except ReplayError as exc:
-            raise UserError(f"{n} replicas x {blocks} blocks: {exc}") from None
+            raise UserError(f"{where}: {exc}") from None
         first = first or result
         for name, p in result.policies.items():
-            points.append(Point(n, blocks, name, p.prefill_tokens, p.hit_rate, p.ttft_ms, p.load_imbalance))
+            points.append(Point(n, blocks, name, p.prefill_tokens, p.hit_rate, p.ttft_ms, p.load_imbalance, host))
     assert first is not None
     return Sweep(trace.name, first.requests, first.input_tokens, first.ideal_prefill_tokens, tuple(points), target)
 
 
 def format_table(result: Sweep) -> str:
-    """One row per (replicas, capacity, policy), then each policy's smallest fleet that keeps the target."""
+    """One row per (replicas, capacity, host tier, policy), then each policy's smallest fleet that keeps the target.
+    The host column shows only where a point has a host tier."""
+    tiered = any(p.host_kv_blocks for p in result.points)
     header = ["replicas", "blocks/replica", "policy", "prefill tokens", "x ideal", "hit rate", "TTFT p50 ms", "p99"]
+    if tiered:
+        header.insert(2, "host blocks/replica")
     rows = [
         [
             str(p.replicas),
             f"{p.capacity_blocks:,}",
+            *([f"{p.host_kv_blocks:,}"] if tiered else []),
             p.policy,
             f"{p.prefill_tokens:,}",
             f"{p.prefill_tokens / result.ideal_prefill_tokens:.3f}",
@@ -156,14 +186,19 @@ def format_table(result: Sweep) -> str:
         f"cache): {result.ideal_prefill_tokens:,} prefill tokens, hit rate {result.ideal_hit_rate:.3f}"
     ]
     for row in [header, *rows]:
+        policy_column = 3 if tiered else 2
         lines.append(
-            "  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            "  ".join(
+                c.ljust(w) if i == policy_column else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
         )
     goal = result.target * result.ideal_hit_rate
     for policy in dict.fromkeys(p.policy for p in result.points):
         best = result.smallest(policy)
+        host = f" + {best.host_kv_blocks:,} host blocks" if best and best.host_kv_blocks else ""
         where = (
-            f"{best.replicas} replicas x {best.capacity_blocks:,} blocks (hit rate {best.hit_rate:.3f})"
+            f"{best.replicas} replicas x {best.capacity_blocks:,} blocks{host} (hit rate {best.hit_rate:.3f})"
             if best
             else "no point of the grid"
         )
@@ -177,7 +212,7 @@ def plot_sweep(result: Sweep, path: Path) -> None:
     from matplotlib.figure import Figure
 
     policies = list(dict.fromkeys(p.policy for p in result.points))
-    capacities = sorted({p.capacity_blocks for p in result.points})
+    capacities = sorted({(p.capacity_blocks, p.host_kv_blocks) for p in result.points})
     replicas = sorted({p.replicas for p in result.points})
     styles = ["-", "--", ":", "-."]
     fig = Figure(figsize=(16, 4.8))
@@ -190,9 +225,13 @@ def plot_sweep(result: Sweep, path: Path) -> None:
     ]
     for ax, (label, value, ideal) in zip(axes, panels, strict=True):
         for ci, policy in enumerate(policies):
-            for si, blocks in enumerate(capacities):
+            for si, (blocks, host) in enumerate(capacities):
                 pts = sorted(
-                    (p for p in result.points if p.policy == policy and p.capacity_blocks == blocks),
+                    (
+                        p
+                        for p in result.points
+                        if p.policy == policy and (p.capacity_blocks, p.host_kv_blocks) == (blocks, host)
+                    ),
                     key=lambda p: p.replicas,
                 )
                 ax.plot(
@@ -202,7 +241,7 @@ def plot_sweep(result: Sweep, path: Path) -> None:
                     linestyle=styles[si % len(styles)],
                     marker="o",
                     markersize=3,
-                    label=f"{policy}, {blocks:,} blocks",
+                    label=f"{policy}, {blocks:,} blocks" + (f" + {host:,} host" if host else ""),
                 )
         if ideal is not None:
             ax.axhline(ideal, color="0.5", linewidth=1, label="ideal (one unlimited cache)")
@@ -230,11 +269,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="AXIS=V1,V2,...",
-        help="an axis to sweep, repeatable: replicas=2,4,8,16 or capacity-blocks=500,2000,8000",
+        help="an axis to sweep, repeatable: replicas=2,4,8,16, capacity-blocks=500,2000,8000 or "
+        "host-kv-blocks=0,2000,8000",
     )
     parser.add_argument("--replicas", type=int, default=4, help="replicas where not swept (default 4)")
     parser.add_argument(
         "--capacity-blocks", type=int, default=10_000, help="KV blocks per replica where not swept (default 10000)"
+    )
+    parser.add_argument(
+        "--host-kv-blocks", type=int, default=0, help="host KV tier blocks per replica where not swept (default 0)"
+    )
+    parser.add_argument(
+        "--host-copy-us-per-block",
+        type=float,
+        default=ReplayConfig.host_copy_us_per_block,
+        help=f"a block's copy to or from the host tier, µs (default {ReplayConfig.host_copy_us_per_block:g})",
     )
     parser.add_argument(
         "--policies",
@@ -264,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     for policy in policies:
         if policy not in REPLAY_POLICIES:
             raise UserError(f"unknown policy {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
-    replicas, capacities = parse_axes(args.sweep, args.replicas, args.capacity_blocks)
+    replicas, capacities, hosts = parse_axes(args.sweep, args.replicas, args.capacity_blocks, args.host_kv_blocks)
     trace = load_trace(args.trace, args.block_size, args.requests, args.seed)
     try:
         base = ReplayConfig(
@@ -273,14 +322,18 @@ def run(args: argparse.Namespace) -> int:
             policies=policies,
             prefill_us_per_token=args.prefill_us_per_token,
             decode_ms_per_step=args.decode_ms_per_step,
+            host_copy_us_per_block=args.host_copy_us_per_block,
             seed=args.seed,
         )
     except ReplayError as exc:
         raise UserError(str(exc)) from None
     started = time.perf_counter()
-    result = sweep(trace, base, replicas, capacities, args.target)
+    result = sweep(trace, base, replicas, capacities, args.target, hosts=hosts)
     print(format_table(result))
-    print(f"swept {len(replicas) * len(capacities)} points in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    print(
+        f"swept {len(replicas) * len(capacities) * len(hosts)} points in {time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+    )
     if args.json is not None:
         write_output(args.json, lambda path: path.write_text(json.dumps(result.to_json(), indent=2) + "\n"))
     if args.plot is not None:

@@ -620,8 +620,9 @@ def test_the_prediction_reads_flow_control_from_the_gateways_routing_config(tmp_
 
 
 def test_sweep_axes_are_checked_and_an_unswept_axis_keeps_its_single_value():
-    assert parse_axes(["replicas=8,2,4,4"], 4, 1000) == ([2, 4, 8], [1000])
-    assert parse_axes(["capacity-blocks=500", "replicas=2"], 4, 1000) == ([2], [500])
+    assert parse_axes(["replicas=8,2,4,4"], 4, 1000) == ([2, 4, 8], [1000], [0])
+    assert parse_axes(["capacity-blocks=500", "replicas=2"], 4, 1000) == ([2], [500], [0])
+    assert parse_axes(["host-kv-blocks=3000,0"], 4, 1000) == ([4], [1000], [0, 3000])
     for bad, message in (
         (["nodes=2"], "AXIS one of replicas, capacity-blocks"),
         (["replicas"], "expected AXIS=V1"),
@@ -652,3 +653,19 @@ def test_the_sweep_replays_every_point_against_one_ideal(tmp_path):
     report = json.loads(out.read_text())
     assert len(report["points"]) == 2 * 4 and set(report["smallest"]) == {"round_robin", "prefix", "kv_aware", "oracle"}
     assert sweep_main(["synthetic:multiturn", "--sweep", "gpus=2"]) == 2  # a clear one-line error, no traceback
+
+
+def test_the_sweep_prices_a_host_tier_in_prefill_saved(tmp_path, capsys):
+    """`--sweep host-kv-blocks=0,N`: the same fleet with and without a host tier, one trace, one ideal; the tier
+    only ever saves prefill, and the table and PNG say which rows have one."""
+    trace = generate("multiturn", 60, seed=0)
+    config = ReplayConfig(policies=("kv_aware",))
+    result = sweep(trace, config, [2], [300], 0.9, False, hosts=[0, 3000])
+    prefill = {p.host_kv_blocks: p.prefill_tokens for p in result.points if p.policy == "kv_aware"}
+    assert prefill[3000] < prefill[0]
+    png = tmp_path / "sweep.png"
+    argv = ["synthetic:multiturn", "--requests", "60", "--replicas", "2", "--capacity-blocks", "300"]
+    assert sweep_main([*argv, "--policies", "kv_aware", "--sweep", "host-kv-blocks=0,3000", "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "host blocks/replica" in table and "3,000" in table and png.stat().st_size > 0
+    assert sweep_main([*argv, "--sweep", "host-kv-blocks=-1"]) == 2
