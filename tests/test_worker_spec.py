@@ -146,6 +146,13 @@ def test_engine_keys_and_medium_weights_come_from_the_spec_and_the_routing_confi
     built = gateway("--workers", f"vllm://127.0.0.1:8000?api_key_file={key_file},sglang://127.0.0.1:8001",
                     "--routing-config", str(config))  # fmt: skip
     assert built.fleets[0].options.medium_weights == {"CPU": 0.5, "DISK": 0.2}
+    default = gateway("--workers", "vllm://127.0.0.1:8000")
+    assert default.fleets[0].options.medium_weights == {"CPU": 0.92}  # seed 004's copy against recompute
+    config.write_text(json.dumps({"medium_weights": {}}))
+    assert (
+        gateway("--workers", "vllm://127.0.0.1:8000", "--routing-config", str(config)).fleets[0].options.medium_weights
+        == {}
+    )
     assert built.fleets[0].engine_target("127.0.0.1:8000").api_key == "sk-secret-123"
     assert built.fleets[0].engine_target("127.0.0.1:8001").api_key is None
     assert "sk-secret" not in repr(built.fleets[0].engine_target("127.0.0.1:8000"))
