@@ -1,12 +1,14 @@
 """What a host-tier copy costs against recomputing the same tokens, on this machine's worker.
 
     python -m benchmarks.host_tier_bench [--model smollm2] [--tokens 512,2048,8000] [--repeats 5] [--json OUT]
+        [--device cuda]
 
 For each prompt length: the model runner's copy of that many tokens' KV blocks (every layer's K and V) to the
 host tier and back (`ModelRunner.copy_to_host` / `copy_from_host`, the worker's own code), in GB/s, against the
 prefill of the same tokens (a fresh prompt, nothing cached): the ratio is what a prefix hit in the host tier
 saves over recomputing it. Medians of `--repeats`, the copy and the prefill taking turns. The engine's `auto`
-dtype; 2 threads. On a GPU worker the same copies cross PCIe (loadtest/gpu_check.sh measures those).
+dtype; 2 threads. With `--device cuda` the same copies cross PCIe, to pinned host memory (loadtest/gpu_check.sh
+runs it there).
 """
 
 from __future__ import annotations
@@ -26,12 +28,20 @@ from worker.engine import LLMEngine
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def copy_seconds(runner: ModelRunner, blocks: int) -> tuple[float, float]:
     ids, slots = list(range(blocks)), list(range(blocks))
+    synchronize(runner.device)
     start = time.perf_counter()
     runner.copy_to_host(ids, slots)
+    synchronize(runner.device)
     middle = time.perf_counter()
     runner.copy_from_host(slots, ids)
+    synchronize(runner.device)
     return middle - start, time.perf_counter() - middle
 
 
@@ -48,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="512,2048,8000")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -55,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(lengths)
     config = EngineConfig(
         model=args.model,
+        device=args.device,
         max_model_len=longest + 16,
         max_num_batched_tokens=2048,
         num_kv_blocks=longest // 16 + 8,
@@ -65,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(runner, ModelRunner), "the host-tier bench runs a model"
     engine.warm_up()
     block_bytes = kv_bytes_per_block(runner.model_config, config.block_size, runner.kv_cache_dtype)
-    report: dict = {"model": args.model, "cpu": cpu_description(), "dtype": str(engine.dtype), "rows": []}
-    print(f"{args.model} ({engine.dtype}) on {cpu_description()}, {args.threads} threads, medians of {args.repeats}")
+    where = torch.cuda.get_device_name() if runner.device.type == "cuda" else cpu_description()
+    report: dict = {"model": args.model, "device": where, "dtype": str(engine.dtype), "rows": []}
+    print(f"{args.model} ({engine.dtype}) on {where}, {args.threads} threads, medians of {args.repeats}")
     header = ("tokens", 7), ("MB", 8), ("to host GB/s", 13), ("back GB/s", 10), ("back ms", 8), ("prefill ms", 11)
     print(" ".join(f"{name:>{width}}" for name, width in header), f"{'ratio':>7}")
     for tokens in lengths:
