@@ -142,13 +142,10 @@ def dequantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor
     output features at a time (DEQUANTIZE_CHUNK_BYTES), each chunk's product by x's dtype's GEMM."""
     if x.dtype not in (torch.float32, torch.bfloat16) or not load_kernel():
         return F.linear(x, dequantize(packed, x.dtype), bias)
-    ops = getattr(torch.ops, kernel_build().namespace)  # type: ignore[union-attr]  # load_kernel() said it runs
     chunk = max(1, DEQUANTIZE_CHUNK_BYTES // (PANEL * packed.in_features * x.element_size()))
     outs = []
     for start in range(0, packed.blocks.shape[0], chunk):
-        blocks = packed.blocks[start : start + chunk]
-        weight = torch.empty(blocks.shape[0] * PANEL, packed.in_features, dtype=x.dtype)
-        ops.dequantize(blocks, packed.bits, packed.group_size, weight)
+        weight = _dequantize_panels(packed, packed.blocks[start : start + chunk], x.dtype)
         part = None if bias is None else bias[start * PANEL : start * PANEL + weight.shape[0]]
         outs.append(F.linear(x, weight, part))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -159,9 +156,15 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torc
     for float32 and bfloat16 where it loads (a prefill's linears call this each step), else in torch ops."""
     if dtype not in (torch.float32, torch.bfloat16) or not load_kernel():
         return dequantize_format(_unpack(packed, None), dtype)
-    out = torch.empty(packed.out_features, packed.in_features, dtype=dtype)
+    return _dequantize_panels(packed, packed.blocks, dtype)
+
+
+def _dequantize_panels(packed: PackedWeight, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`blocks` (a run of packed.blocks' panels) as their [16 * panels, K] weight in float32 or bfloat16, by the C++
+    op. Needs `load_kernel()`."""
+    out = torch.empty(blocks.shape[0] * PANEL, packed.in_features, dtype=dtype)
     ops = getattr(torch.ops, kernel_build().namespace)  # type: ignore[union-attr]  # load_kernel() said it runs
-    ops.dequantize(packed.blocks, packed.bits, packed.group_size, out)
+    ops.dequantize(blocks, packed.bits, packed.group_size, out)
     return out
 
 

@@ -90,10 +90,6 @@ class HostKVTier:
     def __len__(self) -> int:
         return len(self._slots)
 
-    @property
-    def usage(self) -> float:
-        return len(self._slots) / self.num_blocks
-
     def prefix(self, block_hashes: Sequence[BlockKey]) -> list[BlockKey]:
         """The leading hashes of `block_hashes` this tier holds, up to the first it does not."""
         held = []

@@ -100,25 +100,29 @@ class SimRunner:
 
     def copy_to_host(self, device_blocks: Sized, host_slots: Sized) -> None:
         """KVBlockCopier: only the time, spent with the next step."""
-        self.pending_copy_seconds += len(device_blocks) * self.cost.host_copy_us_per_block * 1e-6
+        self._count_copies(len(device_blocks))
 
     def copy_from_host(self, host_slots: Sized, device_blocks: Sized) -> None:
-        self.pending_copy_seconds += len(device_blocks) * self.cost.host_copy_us_per_block * 1e-6
+        self._count_copies(len(device_blocks))
 
-    def run(self, batch: SchedulerOutput) -> SamplerOutput:
-        seconds = self.cost.step_seconds(batch) + self.pending_copy_seconds
+    def _count_copies(self, num_blocks: int) -> None:
+        self.pending_copy_seconds += num_blocks * self.cost.host_copy_us_per_block * 1e-6
+
+    def _spend(self, seconds: float) -> None:
+        """`seconds` of computing, and the copies made since the last spend, on the clock."""
+        seconds += self.pending_copy_seconds
         self.pending_copy_seconds = 0.0
         if seconds > 0:
             self.clock.sleep(seconds)
+
+    def run(self, batch: SchedulerOutput) -> SamplerOutput:
+        self._spend(self.cost.step_seconds(batch))
         token_ids = [self.sample(s.seq) for s in batch.sampling]
         return SamplerOutput(token_ids, [0.0] * len(token_ids))
 
     def spend_decode_steps(self, num_steps: int) -> None:
         """The cost of `num_steps` steps that only decode (LLMEngine.step(n)), spent at once."""
-        seconds = num_steps * self.cost.decode_ms_per_step * 1e-3 + self.pending_copy_seconds
-        self.pending_copy_seconds = 0.0
-        if seconds > 0:
-            self.clock.sleep(seconds)
+        self._spend(num_steps * self.cost.decode_ms_per_step * 1e-3)
 
     def sample(self, seq: Sequence) -> int:
         """The token `seq` samples next: `outputs(seq)` when given, else `next_token`."""
