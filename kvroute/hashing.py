@@ -84,12 +84,14 @@ def extend_block_hashes(parent: BlockHash, tokens: Sequence[int], block_size: in
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     num_full = len(tokens) // block_size
-    end = num_full * block_size
-    data = serialize_tokens(tokens if len(tokens) == end else tokens[:end])
+    try:
+        data = serialize_tokens(tokens)  # the trailing partial block's few ids too: cheaper than a copy without them
+    except ValueError:  # perhaps an id of the partial block, which is not hashed: refuse only one of a full block
+        data = serialize_tokens(tokens[: num_full * block_size])
     stride = 4 * block_size
     hashes: list[BlockHash] = []
     append, fresh = hashes.append, _EMPTY.copy
-    for block in [data[i : i + stride] for i in range(0, len(data), stride)]:
+    for block in [data[i : i + stride] for i in range(0, num_full * stride, stride)]:
         h = fresh()  # H(parent || block) fed in two updates: no concatenated copy per block
         h.update(parent)
         h.update(block)
@@ -112,7 +114,7 @@ class BlockHasher:
         if len(tokens) < done + self.block_size:  # no new full block: the common case, called every step
             return []
         parent = self.hashes[-1] if self.hashes else self.root
-        new = extend_block_hashes(parent, tokens[done:], self.block_size)
+        new = extend_block_hashes(parent, tokens[done:] if done else tokens, self.block_size)  # no copy of a prompt
         self.hashes.extend(new)
         return new
 

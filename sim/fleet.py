@@ -349,8 +349,8 @@ class FleetSim:
                 self.shared_index.resync(replica.name, seq, hashes)
         for gateway in self.gateways:
             gateway.published(replica.name, events, report)
-            if self.config.timing.poll_s == 0:
-                gateway.read(self._snapshot)
+            if self.config.timing.poll_s == 0:  # read at every publish: the other replicas have nothing unread
+                gateway.read(self._snapshot, replica.name)
 
     def _snapshot(self, name: str) -> tuple[int, list]:
         return self.replicas[self.names.index(name)].engine.kv_manager.pool.snapshot()

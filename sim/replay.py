@@ -38,7 +38,7 @@ import numpy as np
 
 from gateway.flow_control.config import FlowControlConfig
 from gateway.routing.router import POLICY_NAMES, RouteRequest, RoutingPolicy, make_policy
-from kvroute.hashing import block_hashes, extend_block_hashes
+from kvroute.hashing import BlockHash, block_hashes, extend_block_hashes
 from kvroute.prefix import common_prefix_length
 from sim import FleetConfig, FleetRun, FleetSim, SimRequest, ViewTiming
 from sim.oracle import BoundedOracle
@@ -261,6 +261,9 @@ class _Prepared:
     finish_keys: Sequence  # keys of every full block at finish (prompt + known answer)
     session: str
     band: int
+    # The gateway's hashes of the prompt's tokens (Mooncake: of the tokens made from its hash ids, not the ids),
+    # hashed once here rather than once per policy run.
+    prompt_hashes: Sequence[BlockHash]
 
 
 def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
@@ -272,6 +275,8 @@ def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
             finish_keys = keys
             kv_tokens = req.input_length + max(req.output_length, 1)
             session = str(keys[min(1, len(keys) - 1)])
+            prompt = _mooncake_prompt(req.hash_ids, req.input_length, trace.block_size)()
+            prompt_hashes = block_hashes(prompt, model_id=model_id, block_size=trace.block_size)
         else:
             keys = block_hashes(
                 req.token_ids, model_id=model_id, cache_salt=req.cache_salt, block_size=trace.block_size
@@ -280,6 +285,7 @@ def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
             finish_keys = keys + _answer_hashes(req, keys, trace.block_size, model_id)
             kv_tokens = req.input_length + max(req.output_length, 1)
             session = req.session_id if req.session_id is not None else f"request-{i}"
+            prompt_hashes = keys
         route = RouteRequest(f"req-{i}", keys, req.input_length, req.session_id)
         out.append(
             _Prepared(
@@ -293,6 +299,7 @@ def _prepare(trace: Trace, model_id: str = REPLAY_MODEL_ID) -> list[_Prepared]:
                 finish_keys,
                 session,
                 req.band,
+                prompt_hashes,
             )
         )
     return out
@@ -353,7 +360,7 @@ def _sim_requests(trace: Trace, prepared: list[_Prepared]) -> list[SimRequest]:
             out.append(
                 SimRequest(
                     p.arrival_ms / 1e3, prompt, p.input_length, p.output_length,
-                    tenant=req.tenant, weight=req.weight, band=req.band,
+                    block_hashes=p.prompt_hashes, tenant=req.tenant, weight=req.weight, band=req.band,
                 )
             )  # fmt: skip
         else:
@@ -362,7 +369,7 @@ def _sim_requests(trace: Trace, prepared: list[_Prepared]) -> list[SimRequest]:
                 SimRequest(
                     p.arrival_ms / 1e3, functools.partial(list, ids), p.input_length, p.output_length,
                     answer=req.output_token_ids or (), cache_salt=req.cache_salt, session_id=req.session_id,
-                    block_hashes=p.route.block_hashes, tenant=req.tenant, weight=req.weight, band=req.band,
+                    block_hashes=p.prompt_hashes, tenant=req.tenant, weight=req.weight, band=req.band,
                 )
             )  # fmt: skip
     return out

@@ -11,6 +11,7 @@ from pathlib import Path
 from gateway.flow_control.config import FlowControlConfig
 from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
+from kvroute.heap import freeze_start_up_heap
 from sim.replay import (
     ORACLE,
     REPLAY_MODEL_ID,
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if policy not in REPLAY_POLICIES:
             raise UserError(f"unknown policy {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
     trace = load_trace(args.trace, args.block_size, args.requests, args.seed)
+    freeze_start_up_heap()  # the modules and the trace: every full collection of the replay walked them again
     started = time.perf_counter()
     try:
         config = ReplayConfig(

@@ -85,7 +85,10 @@ class SimReplica:
             host_kv_blocks=host_kv_blocks,
         )
         self.runner = SimRunner(config, cost, clock=self.clock, outputs=self._next_token, outputs_run=self._next_tokens)
-        self.engine = LLMEngine(config, clock=self.clock, sim_runner=self.runner, model_id=model_id)
+        # Its KV events feed the gateways' indexes, which read their hashes only.
+        self.engine = LLMEngine(
+            config, clock=self.clock, sim_runner=self.runner, model_id=model_id, event_token_ids=False
+        )
         self.engine.on_step = self._count_step
         self._answers: dict[str, tuple[Sequence[int], int]] = {}  # request id -> (known answer, filler token)
         self._pending: StepDone | None = None  # the step computed last, delivered at its end

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.errors import UserError
+from kvroute.heap import freeze_start_up_heap
 from sim.replay import ORACLE, REPLAY_POLICIES, ReplayConfig, ReplayError, ReplayResult, replay
 from sim.replay_cli import load_trace, write_output
 from sim.traces import Trace
@@ -315,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"unknown policy {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
     replicas, capacities, hosts = parse_axes(args.sweep, args.replicas, args.capacity_blocks, args.host_kv_blocks)
     trace = load_trace(args.trace, args.block_size, args.requests, args.seed)
+    freeze_start_up_heap()  # the modules and the trace: every full collection of the sweep walked them again
     try:
         base = ReplayConfig(
             replicas=replicas[0],

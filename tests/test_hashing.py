@@ -72,8 +72,14 @@ def test_salt_and_model_isolate():
 def test_bad_token_ids_are_refused():
     with pytest.raises(ValueError, match="token id -1"):
         serialize_tokens([1, -1])
+    with pytest.raises(ValueError, match="token id -1"):
+        block_hashes([1] * 15 + [-1] + [2], model_id="m")
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1] * 16, model_id="m", block_size=0)
+
+
+def test_a_trailing_partial_block_is_not_read():
+    assert block_hashes([1] * 16 + [-1, 2**40], model_id="m") == block_hashes([1] * 16, model_id="m")
 
 
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(1, 20))

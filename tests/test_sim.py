@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -16,12 +17,12 @@ from worker.engine import LLMEngine
 from worker.sim_runner import SimCostModel, SimRunner
 
 
-def sim_engine(num_kv_blocks: int = 64) -> LLMEngine:
+def sim_engine(num_kv_blocks: int = 64, event_token_ids: bool = True) -> LLMEngine:
     config = EngineConfig(model="sim", num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=64)
     clock = VirtualClock()
     runner = SimRunner(config, SimCostModel(100.0, 10.0), clock=clock, outputs=lambda seq: 5 + seq.num_output_tokens)
     runner.outputs_run = lambda seq, n: [5 + seq.num_output_tokens + i for i in range(n)]
-    return LLMEngine(config, clock=clock, sim_runner=runner)
+    return LLMEngine(config, clock=clock, sim_runner=runner, event_token_ids=event_token_ids)
 
 
 def test_plain_decode_steps_at_once_are_the_single_steps():
@@ -51,6 +52,22 @@ def test_plain_decode_steps_at_once_are_the_single_steps():
     with pytest.raises(ValueError, match="plain decode steps"):
         engines[0].add_request("x", [1] * 20, SamplingParams(max_tokens=5))
         engines[0].step(3)  # a prefill is waiting: the next step is not a plain decode
+
+
+def test_without_event_token_ids_the_stored_events_name_the_same_blocks_without_tokens():
+    """What a simulated replica runs (its gateways' indexes read hashes only): the same events, tokens left out."""
+    engines = [sim_engine(), sim_engine(event_token_ids=False)]
+    prompt = list(range(40))
+    for engine in engines:
+        engine.generate([prompt], SamplingParams(max_tokens=30))
+    with_tokens, without = (engine.drain_kv_events() for engine in engines)
+    assert [e.token_ids for e in with_tokens if e.kind == "stored"] == [
+        tuple(prompt[:32]),
+        tuple(prompt[32:] + [5 + i for i in range(8)]),
+        tuple(5 + i for i in range(8, 24)),
+    ]
+    assert without == [dataclasses.replace(e, token_ids=()) for e in with_tokens]
+    assert engines[0].stats() == engines[1].stats()
 
 
 def request(at: float, prompt: list[int], max_tokens: int = 4) -> SimRequest:

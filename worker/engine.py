@@ -96,7 +96,9 @@ class EngineStats:
 class LLMEngine:
     """`clock` stamps request timings (wall time unless given). `sim_runner` (with `config.model` "sim"): run
     this runner instead of building one, with no tokenizer and any token id a prompt carries (the fleet
-    simulator's replicas; their block hashes use `model_id` when given, else the sim model's id)."""
+    simulator's replicas; their block hashes use `model_id` when given, else the sim model's id).
+    `event_token_ids` False: `stored` KV events name no token ids (only vLLM's wire format needs them; the
+    simulator's index reads the hashes)."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class LLMEngine:
         clock: Clock = WALL_CLOCK,
         sim_runner: SimRunner | None = None,
         model_id: str | None = None,
+        event_token_ids: bool = True,
     ) -> None:
         config.validate()
         self.config = config
@@ -129,7 +132,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching, host_tier, copier
         )
-        self.scheduler = Scheduler(config, self.kv_manager)
+        self.scheduler = Scheduler(config, self.kv_manager, event_token_ids)
         self._pending: list[RequestOutput] = []  # abort notices, handed out by the next step
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -200,7 +203,7 @@ class LLMEngine:
         hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
         seq = Sequence(
             request_id,
-            list(prompt_token_ids),
+            prompt_token_ids,
             params,
             hasher,
             cache_salt,
@@ -281,10 +284,10 @@ class LLMEngine:
 
     def _plain_decode_steps(self, num_steps: int) -> list[RequestOutput]:
         runner = self.runner
-        if not isinstance(runner, SimRunner) or num_steps > self.decode_steps_ahead():
-            raise ValueError(f"{num_steps} plain decode steps asked, {self.decode_steps_ahead()} ahead")
+        if not isinstance(runner, SimRunner) or self._pending:
+            raise ValueError(f"{num_steps} plain decode steps asked, 0 ahead")
+        advanced = self.scheduler.advance_decodes(num_steps, runner.sample_run)  # it checks the steps ahead
         runner.spend_decode_steps(num_steps)
-        advanced = self.scheduler.advance_decodes(num_steps, runner.sample_run)
         now = self.clock.now()
         for seq in advanced:
             seq.timings.decode_steps += num_steps
@@ -296,20 +299,22 @@ class LLMEngine:
         return [self._output(seq) for seq in advanced]
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        new_tokens = seq.output_token_ids[seq.num_emitted :]
+        # Sliced from token_ids: output_token_ids would copy the whole output at every step.
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted :]
         new_logprobs = seq.output_logprobs[seq.num_emitted :] if seq.params.logprobs else []
-        new_top_logprobs = list(seq.output_top_logprobs[seq.num_emitted :])
+        new_top_logprobs = seq.output_top_logprobs[seq.num_emitted :]
         seq.num_emitted = seq.num_output_tokens
+        finished = seq.is_finished
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
             new_logprobs=new_logprobs,
             new_top_logprobs=new_top_logprobs,
-            finished=seq.is_finished,
+            finished=finished,
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens,
-            timings=seq.timings if seq.is_finished else None,
+            timings=seq.timings if finished else None,
         )
 
     def generate(

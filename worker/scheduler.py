@@ -98,8 +98,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+    """`event_token_ids` False: blocks are offered to the prefix cache without their tokens, so its `stored`
+    events name none (LLMEngine)."""
+
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, event_token_ids: bool = True) -> None:
         self.kv = kv_manager
+        self.event_token_ids = event_token_ids
         self.block_size = kv_manager.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -205,7 +209,10 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
         """Make `seq` hold blocks for its next `num_new` tokens, preempting if needed (the newest running sequence;
         under the priority policy the least urgent, newest among equals). False if `seq` itself was preempted."""
-        while self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new) is None:
+        num_tokens = seq.num_computed_tokens + num_new
+        if len(self.kv.req_blocks[seq.request_id]) * self.block_size >= num_tokens:
+            return True  # its blocks hold them already (most decode steps): allocate_slots would change nothing
+        while self.kv.allocate_slots(seq.request_id, num_tokens) is None:
             victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
             self.running.remove(victim)
             chosen.pop(victim, None)
@@ -387,7 +394,8 @@ class Scheduler:
             # Blocks full of computed K/V become findable, prompt and generated tokens alike.
             num_full = seq.num_computed_tokens // self.block_size
             if num_full > self.kv.num_hashed[seq.request_id]:
-                self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full], seq.token_ids, seq.cache_salt)
+                tokens = seq.token_ids if self.event_token_ids else ()
+                self.kv.cache_blocks(seq.request_id, seq.block_hashes()[:num_full], tokens, seq.cache_salt)
             if samples:
                 reason = seq.check_stop()
                 if reason is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import functools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -48,13 +49,14 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: InitVar[Iterable[int]]  # copied: the sequence's tokens start as its prompt
     params: SamplingParams
     hasher: BlockHasher
     cache_salt: str = ""
     eos_token_ids: frozenset[int] = frozenset()  # the model's; they stop the sequence unless params.ignore_eos
     priority: int = 0  # vLLM's: lower is more urgent (read by the scheduler's priority policy only)
     token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # one per output token, with top_logprobs
     num_computed_tokens: int = 0
@@ -65,8 +67,9 @@ class Sequence:
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_token_ids)
+    def __post_init__(self, prompt: Iterable[int]) -> None:
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(self.token_ids)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own RNG on `device` when params.seed is set (created, seeded, on first use), else None.
@@ -82,16 +85,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:
