@@ -59,7 +59,7 @@ def compute(mgr: KVCacheManager, copier: ValueCopier, req_id: str, tokens: list[
         assert copier.device[block_id] == hs[i], f"block {i} of the hit holds another block's KV"
     for i, block_id in enumerate(table[num_hit:], num_hit):
         copier.device[block_id] = hs[i] if i < len(hs) else "partial"
-    mgr.cache_blocks(req_id, hs)
+    mgr.cache_blocks(req_id, hs, tokens)
     mgr.check_invariants()
     mgr.free(req_id)
     mgr.check_invariants()
@@ -69,12 +69,15 @@ def compute(mgr: KVCacheManager, copier: ValueCopier, req_id: str, tokens: list[
 def test_the_host_tiers_books_lru_pins_and_one_slot_per_hash():
     tier = HostKVTier(2)
     a, b, c = hashes(list(range(12)))
-    assert tier.reserve(a) == 0 and tier.reserve(b) == 1
-    assert tier.reserve(a) is None  # held already: no copy, and a becomes the most recent
-    assert tier.reserve(c) == 1 and b not in tier  # the least recent (b) made room
-    assert tier.stats.evicted == 1
+    evicted: list = []
+    assert tier.reserve(a, evicted) == 0 and tier.reserve(b, evicted) == 1
+    assert tier.reserve(a, evicted) is None  # held already: no copy, and a becomes the most recent
+    assert tier.reserve(c, evicted) == 1 and b not in tier  # the least recent (b) made room
+    assert evicted == [b] and tier.stats.evicted == 1
+    assert tier.snapshot_page(0, 2) == [a, c] and tier.snapshot_page(1, 5) == [c]
     tier.pin([a, c])
-    assert tier.reserve(b) is None and b not in tier  # every slot pinned: nothing is saved, nothing lost
+    assert tier.reserve(b, evicted) is None and b not in tier  # every slot pinned: nothing is saved, nothing lost
+    assert evicted == [b]
     tier.unpin([a, c])
     assert tier.prefix([a, b, c]) == [a]
     tier.check_invariants()
