@@ -14,7 +14,7 @@ from kvroute.sampling import SamplingParams
 from worker.clock import VirtualClock
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.host_kv_tier import HostKVTier, check_host_memory
+from worker.host_kv_tier import CopyCostMeter, HostKVTier, check_host_memory
 from worker.kv_cache_manager import KVCacheManager
 from worker.metrics import WorkerMetrics
 from worker.sim_runner import SimRunner
@@ -44,6 +44,11 @@ class ValueCopier:
         for slot, block in zip(host_slots, device_blocks, strict=True):
             self.device[block] = self.host[slot]
         self.restored.extend(device_blocks)
+
+    def copy_pays(self) -> bool:
+        return self.pays
+
+    pays = True
 
 
 def compute(mgr: KVCacheManager, copier: ValueCopier, req_id: str, tokens: list[int]) -> tuple[int, int]:
@@ -139,7 +144,11 @@ def test_a_manager_without_prefix_caching_or_without_a_copier_is_refused():
 
 
 def tiny(num_kv_blocks: int, host_kv_blocks: int = 0, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_kv_blocks=num_kv_blocks, host_kv_blocks=host_kv_blocks, **kw))
+    """The tiny random model, its copies always taken: its prefill of a block can cost no more than the copy on
+    some CPUs (CopyCostMeter would then save nothing), and these tests check the bytes that come back."""
+    engine = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=num_kv_blocks, host_kv_blocks=host_kv_blocks, **kw))
+    engine.runner.copy_pays = lambda: True  # type: ignore[method-assign,union-attr]
+    return engine
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -229,3 +238,29 @@ def test_bad_host_tier_sizes_are_refused_with_what_to_ask_for(tmp_path):
         EngineConfig(host_kv_blocks=4, enable_prefix_caching=False).validate()
     with pytest.raises(ValueError, match="ask for at most"):
         tiny(num_kv_blocks=8, host_kv_blocks=2**40)
+
+
+def test_the_tier_takes_nothing_while_a_copy_costs_more_than_the_recompute():
+    meter = CopyCostMeter(block_size=16)
+    assert meter.copy_pays()  # nothing measured yet: every machine measured copies far cheaper
+    meter.observe_prefill(1000, 0.5)  # 0.5 ms a token: 8 ms a block
+    meter.observe_copy(10, 0.01)  # 1 ms a block
+    assert meter.copy_pays()
+    for _ in range(30):
+        meter.observe_copy(1, 0.02)  # a slow link: 20 ms a block
+    assert not meter.copy_pays() and meter.copy_seconds_per_block is not None
+    assert 0.019 < meter.copy_seconds_per_block < 0.02
+
+    copier = ValueCopier()
+    copier.pays = False
+    mgr = KVCacheManager(4, BS, host_tier=HostKVTier(16), copier=copier)
+    a = list(range(100, 113))
+    compute(mgr, copier, "a1", a)
+    compute(mgr, copier, "b", list(range(200, 216)))  # a's blocks are evicted, and recomputed later
+    assert copier.saved == [] and compute(mgr, copier, "a2", a) == (0, 0)
+    mgr.check_invariants()
+
+    sim = SimRunner(EngineConfig(model="sim", num_kv_blocks=8, block_size=16, sim_host_copy_us_per_block=67.0))
+    assert sim.copy_pays()  # 67 us against 16 x 32 us
+    slow = EngineConfig(model="sim", num_kv_blocks=8, block_size=16, sim_host_copy_us_per_block=600.0)
+    assert not SimRunner(slow).copy_pays()

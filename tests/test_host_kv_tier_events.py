@@ -97,6 +97,7 @@ def tier_engine() -> LLMEngine:
             max_model_len=256,
             sim_decode_ms_per_step=0.1,
             sim_prefill_us_per_token=1.0,
+            sim_host_copy_us_per_block=0.5,  # below the 4 us a block of 4 tokens takes to recompute
         )  # fmt: skip
     )
 

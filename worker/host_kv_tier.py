@@ -31,11 +31,43 @@ from worker.config import EngineConfig
 
 
 class KVBlockCopier(Protocol):
-    """Moves whole KV blocks (every layer's K and V) between the device pool and the host tier."""
+    """Moves whole KV blocks (every layer's K and V) between the device pool and the host tier, and says whether a
+    block's copy costs less than recomputing its tokens (`copy_pays`: a CopyCostMeter's, or a sim's parameters)."""
 
     def copy_to_host(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None: ...
 
     def copy_from_host(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None: ...
+
+    def copy_pays(self) -> bool: ...
+
+
+class CopyCostMeter:
+    """What a block costs to copy and to recompute, as measured: moving averages of the seconds a copy takes per
+    block and a prefill per token. `copy_pays()` until both are measured (every machine measured so far copies
+    12x to 441x cheaper than it recomputes: docs/worker.md), then whether a block's copy costs less than its
+    `block_size` tokens' prefill; the KV cache manager saves nothing to the host tier while it does not."""
+
+    SMOOTHING = 0.2  # the weight of each new measurement
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.copy_seconds_per_block: float | None = None
+        self.prefill_seconds_per_token: float | None = None
+
+    def observe_copy(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0:
+            self.copy_seconds_per_block = self._average(self.copy_seconds_per_block, seconds / num_blocks)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self.prefill_seconds_per_token = self._average(self.prefill_seconds_per_token, seconds / num_tokens)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def copy_pays(self) -> bool:
+        copy, prefill = self.copy_seconds_per_block, self.prefill_seconds_per_token
+        return copy is None or prefill is None or copy < prefill * self.block_size
 
 
 @dataclass
