@@ -179,3 +179,15 @@ def test_a_resync_restores_both_tiers_and_a_tier_weighing_nothing_is_not_indexed
     assert blind.match(["s", "p1"]) == [1]
     assert blind.apply("a", [KVEvent(3, "removed", ("s",))])
     assert blind.match(["s"]) == [0] and blind.num_blocks("a") == 0
+
+
+def test_a_restart_or_a_departure_drops_the_workers_host_tier_too():
+    index = KVIndex(("a", "b"))
+    for replica in ("a", "b"):
+        assert index.apply(replica, [KVEvent(1, "stored", ("s",)), KVEvent(2, "stored", ("p1", "p2"), medium=HOST)])
+    index.reset_replica("a")  # a new incarnation: its host memory is gone with the process
+    assert index.tiers("a") == ([], {}) and not index.host_only("a") and index.match(["s", "p1", "p2"]) == [0, 2]
+    assert index.apply("a", [KVEvent(1, "stored", ("s",))])
+    index.remove_replica("b")
+    index.add_replica("b")  # a new member in the freed slot starts empty
+    assert index.tiers("b") == ([], {}) and index.match(["s", "p1", "p2"]) == [1, 0]
