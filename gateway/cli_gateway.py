@@ -411,15 +411,19 @@ def _fleet_state(
     try:
         for address in addresses:
             validate_address(address)
+        fleet: Any
         if args.redis:
             from gateway.fleet.redis_fleet import RedisFleetState
 
-            return RedisFleetState(
+            fleet = RedisFleetState(
                 args.redis, identity, fallback_addresses=addresses, password=redis_password(), worker_token=token
             )
-        return EmbeddedFleetState(addresses, identity, token=token)
+        else:
+            fleet = EmbeddedFleetState(addresses, identity, token=token)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    fleet.book.set_medium_weights(engine.medium_weights)  # a kvroute worker's host KV tier
+    return fleet
 
 
 # The event loop shares the GIL with the prompt pool's threads (template, tokenizer): a thread that holds it is

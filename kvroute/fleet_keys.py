@@ -8,11 +8,13 @@ and its snapshot and stream trim go in one transaction):
     <prefix>:{<worker_id>}:info               HASH   WorkerRecord: identity, fingerprints, load, heartbeat;
                                                      expires heartbeat_ttl after the last heartbeat
     <prefix>:{<worker_id>}:kv:<incarnation>   STREAM one entry per KV event, entry id "<seq>-0" (the worker's
-                                                     own event seq), fields k (stored|removed|cleared) and h
-                                                     (the block hashes, 16 bytes each, concatenated)
-    <prefix>:{<worker_id>}:snap:<incarnation> HASH   seq, h: every block cached as of event seq (a late or
-                                                     lagging reader starts there; the stream keeps the
-                                                     events after the previous snapshot)
+                                                     own event seq), fields k (stored|removed|cleared), h
+                                                     (the block hashes, 16 bytes each, concatenated) and, for
+                                                     a host-tier event only, m (its medium, "CPU")
+    <prefix>:{<worker_id>}:snap:<incarnation> HASH   seq, h: every block cached on the device as of event seq,
+                                                     hc: on the host tier (a late or lagging reader starts
+                                                     there; the stream keeps the events after the previous
+                                                     snapshot)
 
 `redis_client(url)` connects either side: redis://, rediss:// and unix:// through redis-py's own URL parsing;
 redis+cluster:// (rediss+cluster://) as a Cluster; redis+sentinel://[user:password@]host:port[,host:port...]

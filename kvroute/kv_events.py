@@ -13,12 +13,17 @@ from typing import Literal
 
 BlockKey = Hashable  # a BlockHash (bytes) in the engine and the gateway; any hashable id in the replay
 KVEventKind = Literal["stored", "removed", "cleared"]
+# The tiers a worker's blocks live on, by vLLM's `medium` names: "GPU" is the engine's own KV pool (on a CPU worker
+# too: the pool the model reads), "CPU" its host tier (worker/host_kv_tier.py).
+DEVICE = "GPU"
+HOST = "CPU"
 
 
 @dataclass(frozen=True)
 class KVEvent:
-    """`stored`: a contiguous run of new blocks after `parent_hash`; `removed`: blocks the worker lost;
-    `cleared`: every block is gone (`block_hashes` empty)."""
+    """`stored`: a contiguous run of new blocks after `parent_hash` on tier `medium`; `removed`: blocks that tier
+    lost (a copy on the other tier may remain); `cleared`: every block is gone from every tier (`block_hashes`
+    empty)."""
 
     seq: int
     kind: KVEventKind
@@ -26,3 +31,4 @@ class KVEvent:
     parent_hash: BlockKey | None = None
     token_ids: tuple[int, ...] = ()  # a `stored` run's tokens, when the caller gave them (vLLM's events carry them)
     cache_salt: str = ""  # the salt a `stored` run's sequence was hashed under
+    medium: str = DEVICE

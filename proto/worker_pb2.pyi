@@ -167,7 +167,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "block_size", "hash_fingerprint", "max_model_len", "vocab_size", "num_kv_blocks", "kv_cache_dtype", "dtype", "max_num_seqs", "tokenizer_fingerprint", "worker_id", "incarnation", "attention_backend", "dtype_reason")
+    __slots__ = ("model_id", "block_size", "hash_fingerprint", "max_model_len", "vocab_size", "num_kv_blocks", "kv_cache_dtype", "dtype", "max_num_seqs", "tokenizer_fingerprint", "worker_id", "incarnation", "attention_backend", "dtype_reason", "num_host_kv_blocks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class WorkerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     block_size: int
     hash_fingerprint: str
@@ -196,7 +197,8 @@ class WorkerInfo(_message.Message):
     incarnation: int
     attention_backend: str
     dtype_reason: str
-    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., attention_backend: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
+    num_host_kv_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., attention_backend: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., num_host_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class GetKVEventsRequest(_message.Message):
     __slots__ = ("after_seq", "max_events", "snapshot_cursor", "max_snapshot_blocks")
@@ -211,7 +213,7 @@ class GetKVEventsRequest(_message.Message):
     def __init__(self, after_seq: _Optional[int] = ..., max_events: _Optional[int] = ..., snapshot_cursor: _Optional[bytes] = ..., max_snapshot_blocks: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("seq", "kind", "block_hashes", "parent_hash")
+    __slots__ = ("seq", "kind", "block_hashes", "parent_hash", "medium")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
@@ -226,14 +228,16 @@ class KVEvent(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: KVEvent.Kind
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+    medium: str
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("is_snapshot", "snapshot_seq", "snapshot_hashes", "events", "latest_seq", "worker_id", "incarnation", "next_snapshot_cursor")
+    __slots__ = ("is_snapshot", "snapshot_seq", "snapshot_hashes", "events", "latest_seq", "worker_id", "incarnation", "next_snapshot_cursor", "snapshot_medium")
     IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +246,7 @@ class KVEventBatch(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NEXT_SNAPSHOT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_MEDIUM_FIELD_NUMBER: _ClassVar[int]
     is_snapshot: bool
     snapshot_seq: int
     snapshot_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -250,4 +255,5 @@ class KVEventBatch(_message.Message):
     worker_id: str
     incarnation: int
     next_snapshot_cursor: bytes
-    def __init__(self, is_snapshot: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., latest_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., next_snapshot_cursor: _Optional[bytes] = ...) -> None: ...
+    snapshot_medium: str
+    def __init__(self, is_snapshot: _Optional[bool] = ..., snapshot_seq: _Optional[int] = ..., snapshot_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., latest_seq: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., next_snapshot_cursor: _Optional[bytes] = ..., snapshot_medium: _Optional[str] = ...) -> None: ...

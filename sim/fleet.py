@@ -39,7 +39,7 @@ from gateway.flow_control.dispatcher import TICK_S, Grant
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.router import RouteDecision, RouteRequest, RoutingPolicy
 from kvroute.hashing import block_hashes as hash_blocks
-from kvroute.kv_events import BlockKey
+from kvroute.kv_events import HOST, BlockKey
 from sim.gateway import LoadReport, SimGateway, ViewTiming
 from sim.replica import SimReplica
 from worker.sim_runner import SimCostModel
@@ -345,12 +345,13 @@ class FleetSim:
         report = LoadReport(self._reports[r], load.running, load.waiting, load.kv_usage, self.config.capacity_blocks)
         if events and self.config.timing.index == "shared":
             if not self.shared_index.apply(replica.name, events):
-                seq, hashes = self._snapshot(replica.name)
-                self.shared_index.resync(replica.name, seq, hashes)
+                self.shared_index.resync(replica.name, *self._snapshot(replica.name))
         for gateway in self.gateways:
             gateway.published(replica.name, events, report)
             if self.config.timing.poll_s == 0:  # read at every publish: the other replicas have nothing unread
                 gateway.read(self._snapshot, replica.name)
 
-    def _snapshot(self, name: str) -> tuple[int, list]:
-        return self.replicas[self.names.index(name)].engine.kv_manager.pool.snapshot()
+    def _snapshot(self, name: str) -> tuple[int, list, dict[str, list]]:
+        """A replica's resync point: the seq, its device's hashes and its host tier's (KVIndex.resync)."""
+        seq, device, host = self.replicas[self.names.index(name)].engine.kv_manager.snapshot()
+        return seq, device, {HOST: host}

@@ -200,15 +200,14 @@ class SimGateway:
 
     def read(self, resync, replica: str | None = None) -> None:
         """Apply what `replica` (None: every replica) published since the last read; `resync(replica)` gives
-        (seq, hashes) after a gap."""
+        (seq, device hashes, offloaded hashes by tier) after a gap."""
         names = self._unread if replica is None else (replica,)
         if self.timing.index == "books":
             for name in names:
                 batches = self._unread[name]
                 for events in batches:
                     if not self.book.apply_events(name, 1, events):
-                        seq, hashes = resync(name)
-                        self.book.resync(name, 1, seq, hashes)
+                        self.book.resync(name, 1, *resync(name))
                 batches.clear()
         if self.timing.load == "reported":
             for name in names:

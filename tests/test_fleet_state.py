@@ -5,6 +5,7 @@ incarnation), hash parity, a late gateway, Redis stopped and restarted mid-run, 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -75,8 +76,11 @@ async def start_worker(
     block_size: int = BLOCK,
     snapshot_every: int = 10_000,
     lost_device: bool = False,
+    host_kv_blocks: int = 0,
 ) -> Worker:
-    config = EngineConfig(model="sim", num_kv_blocks=64, max_model_len=256, block_size=block_size)
+    config = EngineConfig(
+        model="sim", num_kv_blocks=64, max_model_len=256, block_size=block_size, host_kv_blocks=host_kv_blocks
+    )
     engine = LLMEngine(config)
     if lost_device:
         engine.runner = LostDevice(config)
@@ -379,6 +383,43 @@ def test_a_late_gateway_sees_blocks_cached_before_it_started(redis_server):
                 assert late.counters.resyncs >= 1
             finally:
                 await late.stop()
+        finally:
+            await worker.stop()
+
+    run(main)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_workers_host_tier_is_held_and_scored_below_its_device(kind, redis_server):
+    """A worker with a host KV tier: the prompts its device evicted are still held, on the host tier, and score
+    their blocks at 0.92 (kv_index.DEFAULT_MEDIUM_WEIGHTS), through gRPC events or Redis (from a snapshot: one
+    after every event)."""
+
+    async def main() -> None:
+        worker = await start_worker("w0", redis_server.url, snapshot_every=1, host_kv_blocks=256)
+        try:
+            prompts = [prompt(seed) for seed in range(1, 15)]  # 14 x 6 full blocks on a device of 64
+            for p in prompts:
+                await worker.generate(p)
+            await asyncio.sleep(0.2)
+            fleet = fleet_state(kind, [worker.address], identity_of(worker), redis_server.url)
+            await fleet.start()
+            try:
+                _, device, host = await worker.server.engine.call(lambda e: e.kv_manager.snapshot())
+                device, host = set(device), set(host)
+
+                def score(block_hashes_: list[bytes]) -> int:
+                    held = device | host
+                    depth = next((i for i, h in enumerate(block_hashes_) if h not in held), len(block_hashes_))
+                    return math.floor(sum(1 if h in device else 0.92 for h in block_hashes_[:depth]) + 1e-9)
+
+                expected = [score(hashes(p)) for p in prompts]
+                assert expected[0] == 5 and expected[-1] == 6  # the first on the host only, the last on the device
+                await eventually(lambda: [matched(fleet, "w0", hashes(p)) for p in prompts] == expected)
+                if kind == "redis":
+                    assert fleet.counters.resyncs >= 1
+            finally:
+                await fleet.stop()
         finally:
             await worker.stop()
 

@@ -14,7 +14,7 @@ from kvroute.sampling import SamplingParams
 from worker.clock import VirtualClock
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.host_kv_tier import HostKVTier, check_host_memory
+from worker.host_kv_tier import CopyCostMeter, HostKVTier, check_host_memory
 from worker.kv_cache_manager import KVCacheManager
 from worker.metrics import WorkerMetrics
 from worker.sim_runner import SimRunner
@@ -45,6 +45,11 @@ class ValueCopier:
             self.device[block] = self.host[slot]
         self.restored.extend(device_blocks)
 
+    def copy_pays(self) -> bool:
+        return self.pays
+
+    pays = True
+
 
 def compute(mgr: KVCacheManager, copier: ValueCopier, req_id: str, tokens: list[int]) -> tuple[int, int]:
     """Admit a request, 'compute' its blocks (write each block's hash as its content), check that every block
@@ -59,7 +64,7 @@ def compute(mgr: KVCacheManager, copier: ValueCopier, req_id: str, tokens: list[
         assert copier.device[block_id] == hs[i], f"block {i} of the hit holds another block's KV"
     for i, block_id in enumerate(table[num_hit:], num_hit):
         copier.device[block_id] = hs[i] if i < len(hs) else "partial"
-    mgr.cache_blocks(req_id, hs)
+    mgr.cache_blocks(req_id, hs, tokens)
     mgr.check_invariants()
     mgr.free(req_id)
     mgr.check_invariants()
@@ -69,12 +74,15 @@ def compute(mgr: KVCacheManager, copier: ValueCopier, req_id: str, tokens: list[
 def test_the_host_tiers_books_lru_pins_and_one_slot_per_hash():
     tier = HostKVTier(2)
     a, b, c = hashes(list(range(12)))
-    assert tier.reserve(a) == 0 and tier.reserve(b) == 1
-    assert tier.reserve(a) is None  # held already: no copy, and a becomes the most recent
-    assert tier.reserve(c) == 1 and b not in tier  # the least recent (b) made room
-    assert tier.stats.evicted == 1
+    evicted: list = []
+    assert tier.reserve(a, evicted) == 0 and tier.reserve(b, evicted) == 1
+    assert tier.reserve(a, evicted) is None  # held already: no copy, and a becomes the most recent
+    assert tier.reserve(c, evicted) == 1 and b not in tier  # the least recent (b) made room
+    assert evicted == [b] and tier.stats.evicted == 1
+    assert tier.snapshot_page(0, 2) == [a, c] and tier.snapshot_page(1, 5) == [c]
     tier.pin([a, c])
-    assert tier.reserve(b) is None and b not in tier  # every slot pinned: nothing is saved, nothing lost
+    assert tier.reserve(b, evicted) is None and b not in tier  # every slot pinned: nothing is saved, nothing lost
+    assert evicted == [b]
     tier.unpin([a, c])
     assert tier.prefix([a, b, c]) == [a]
     tier.check_invariants()
@@ -136,7 +144,11 @@ def test_a_manager_without_prefix_caching_or_without_a_copier_is_refused():
 
 
 def tiny(num_kv_blocks: int, host_kv_blocks: int = 0, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_kv_blocks=num_kv_blocks, host_kv_blocks=host_kv_blocks, **kw))
+    """The tiny random model, its copies always taken: its prefill of a block can cost no more than the copy on
+    some CPUs (CopyCostMeter would then save nothing), and these tests check the bytes that come back."""
+    engine = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=num_kv_blocks, host_kv_blocks=host_kv_blocks, **kw))
+    engine.runner.copy_pays = lambda: True  # type: ignore[method-assign,union-attr]
+    return engine
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -226,3 +238,29 @@ def test_bad_host_tier_sizes_are_refused_with_what_to_ask_for(tmp_path):
         EngineConfig(host_kv_blocks=4, enable_prefix_caching=False).validate()
     with pytest.raises(ValueError, match="ask for at most"):
         tiny(num_kv_blocks=8, host_kv_blocks=2**40)
+
+
+def test_the_tier_takes_nothing_while_a_copy_costs_more_than_the_recompute():
+    meter = CopyCostMeter(block_size=16)
+    assert meter.copy_pays()  # nothing measured yet: every machine measured copies far cheaper
+    meter.observe_prefill(1000, 0.5)  # 0.5 ms a token: 8 ms a block
+    meter.observe_copy(10, 0.01)  # 1 ms a block
+    assert meter.copy_pays()
+    for _ in range(30):
+        meter.observe_copy(1, 0.02)  # a slow link: 20 ms a block
+    assert not meter.copy_pays() and meter.copy_seconds_per_block is not None
+    assert 0.019 < meter.copy_seconds_per_block < 0.02
+
+    copier = ValueCopier()
+    copier.pays = False
+    mgr = KVCacheManager(4, BS, host_tier=HostKVTier(16), copier=copier)
+    a = list(range(100, 113))
+    compute(mgr, copier, "a1", a)
+    compute(mgr, copier, "b", list(range(200, 216)))  # a's blocks are evicted, and recomputed later
+    assert copier.saved == [] and compute(mgr, copier, "a2", a) == (0, 0)
+    mgr.check_invariants()
+
+    sim = SimRunner(EngineConfig(model="sim", num_kv_blocks=8, block_size=16, sim_host_copy_us_per_block=67.0))
+    assert sim.copy_pays()  # 67 us against 16 x 32 us
+    slow = EngineConfig(model="sim", num_kv_blocks=8, block_size=16, sim_host_copy_us_per_block=600.0)
+    assert not SimRunner(slow).copy_pays()

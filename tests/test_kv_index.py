@@ -3,6 +3,7 @@ import pytest
 from gateway.routing.fleet_view import FleetView
 from gateway.routing.kv_index import KVIndex, LearnedKVIndex
 from kvroute.hashing import block_hashes
+from kvroute.kv_events import HOST, KVEvent
 from worker.kv_cache_manager import KVCacheManager
 
 BS = 4
@@ -72,8 +73,8 @@ def test_learned_index_is_an_lru_of_the_replica_capacity_evicting_tails_first():
     assert index.num_blocks("a") == 4 and index.num_blocks("b") == 0
 
 
-def stored(seq: int, *block_hashes: str) -> object:
-    return type("Event", (), {"seq": seq, "kind": "stored", "block_hashes": block_hashes})()
+def stored(seq: int, *block_hashes: str) -> KVEvent:
+    return KVEvent(seq, "stored", block_hashes)
 
 
 def test_membership_changes_in_place_keep_the_other_replicas_entries():
@@ -141,3 +142,52 @@ def test_learned_index_follows_membership():
     assert index.match(["s", "q", "r"]) == [1, 0, 2]
     index.reset_replica("b")
     assert index.num_blocks("b") == 0
+
+
+def test_a_block_held_only_on_the_host_tier_scores_its_weight():
+    index = KVIndex(("a", "b"), {HOST: 0.5})
+    events = [
+        KVEvent(1, "stored", ("s", "p1", "p2", "p3")),
+        KVEvent(2, "stored", ("p2", "p3"), "p1", medium=HOST),  # saved to the host as the device reuses them
+        KVEvent(3, "removed", ("p2", "p3")),
+    ]
+    assert index.apply("a", events)
+    assert index.apply("b", [KVEvent(1, "stored", ("s", "p1", "p2"))])
+    assert index.match(["s", "p1", "p2", "p3"]) == [3, 3]  # a: 2 device blocks + 2 host blocks at 0.5
+    assert set(index.host_only("a")) == {"p2", "p3"}
+    assert index.apply("a", [KVEvent(4, "stored", ("p2",), "p1")])  # restored to the device
+    assert index.match(["s", "p1", "p2", "p3"]) == [3, 3]  # 3.5, rounded down
+    assert index.apply("a", [KVEvent(5, "removed", ("p2", "p3"), medium=HOST)])  # the host's LRU drops them
+    assert index.match(["s", "p1", "p2", "p3"]) == [3, 3]  # p2 is on the device still, p3 is gone
+    assert sorted(index.tiers("a")[0]) == ["p1", "p2", "s"] and index.tiers("a")[1] == {}
+    assert index.apply("a", [KVEvent(6, "removed", ("p2",))])
+    assert index.match(["s", "p1", "p2"]) == [2, 3] and not index.host_only("a")
+
+
+def test_a_resync_restores_both_tiers_and_a_tier_weighing_nothing_is_not_indexed():
+    index = KVIndex(("a",))
+    index.resync("a", 7, ["s"], {HOST: ["s", "p1", "p2"]})
+    assert index.match(["s", "p1", "p2"]) == [2]  # 1 + 2 x 0.92
+    device, offloaded = index.tiers("a")
+    rebuilt = KVIndex(("a",))
+    rebuilt.resync("a", 7, device, offloaded)
+    assert rebuilt.match(["s", "p1", "p2"]) == [2] and rebuilt.tiers("a") == (["s"], {HOST: {"s", "p1", "p2"}})
+    assert index.apply("a", [KVEvent(8, "cleared")])
+    assert index.match(["s"]) == [0] and index.tiers("a") == ([], {})
+    blind = KVIndex(("a",), {})
+    assert blind.apply("a", [KVEvent(1, "stored", ("s",)), KVEvent(2, "stored", ("s", "p1"), medium=HOST)])
+    assert blind.match(["s", "p1"]) == [1]
+    assert blind.apply("a", [KVEvent(3, "removed", ("s",))])
+    assert blind.match(["s"]) == [0] and blind.num_blocks("a") == 0
+
+
+def test_a_restart_or_a_departure_drops_the_workers_host_tier_too():
+    index = KVIndex(("a", "b"))
+    for replica in ("a", "b"):
+        assert index.apply(replica, [KVEvent(1, "stored", ("s",)), KVEvent(2, "stored", ("p1", "p2"), medium=HOST)])
+    index.reset_replica("a")  # a new incarnation: its host memory is gone with the process
+    assert index.tiers("a") == ([], {}) and not index.host_only("a") and index.match(["s", "p1", "p2"]) == [0, 2]
+    assert index.apply("a", [KVEvent(1, "stored", ("s",))])
+    index.remove_replica("b")
+    index.add_replica("b")  # a new member in the freed slot starts empty
+    assert index.tiers("b") == ([], {}) and index.match(["s", "p1", "p2"]) == [1, 0]

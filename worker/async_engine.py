@@ -40,7 +40,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvroute.kv_events import BlockKey, KVEvent
+from kvroute.kv_events import DEVICE, BlockKey, KVEvent
 from kvroute.sampling import InvalidRequest, SamplingParams
 from worker.engine import EngineStats, LLMEngine, RequestOutput
 
@@ -91,17 +91,19 @@ class KVEventsSince:
 
     events: list[KVEvent]
     latest_seq: int
-    snapshot: list[BlockKey] | None = None  # every cached hash as of latest_seq
+    snapshot: list[BlockKey] | None = None  # every cached hash on the device as of latest_seq
+    host_snapshot: list[BlockKey] = dataclasses.field(default_factory=list)  # and on the host tier
 
 
 @dataclass(frozen=True)
 class KVSnapshotPage:
-    """The cached hashes of one range of the block pool, as of `seq`; `next_block` starts the next page
-    (None after the last)."""
+    """The cached hashes of one range of the block pool or the host tier after it (`medium`), as of `seq`;
+    `next_block` starts the next page (None after the last)."""
 
     seq: int
     block_hashes: list[BlockKey]
     next_block: int | None
+    medium: str = DEVICE
 
 
 @dataclass(eq=False)
@@ -323,8 +325,8 @@ class AsyncEngine:
         logged = self.kv_events_logged(after_seq, max_events)
         if logged is not None:
             return logged
-        seq, cached = await self.call(self._kv_snapshot)
-        return KVEventsSince([], seq, cached)
+        seq, device, host = await self.call(self._kv_snapshot)
+        return KVEventsSince([], seq, device, host)
 
     def kv_events_logged(self, after_seq: int, max_events: int) -> KVEventsSince | None:
         """`kv_events_since` from the published log only: None where that would take a snapshot."""
@@ -339,7 +341,7 @@ class AsyncEngine:
 
         def read(engine: LLMEngine) -> KVSnapshotPage:
             self._publish_kv_events(engine)
-            return KVSnapshotPage(*engine.kv_manager.pool.snapshot_page(start_block, max_blocks))
+            return KVSnapshotPage(*engine.kv_manager.snapshot_page(start_block, max_blocks))
 
         return await self.call(read)
 
@@ -502,11 +504,11 @@ class AsyncEngine:
             with self._kv_lock:
                 self._kv_events.extend(events)
 
-    def _kv_snapshot(self, engine: LLMEngine) -> tuple[int, list[BlockKey]]:
+    def _kv_snapshot(self, engine: LLMEngine) -> tuple[int, list[BlockKey], list[BlockKey]]:
         """On the engine thread: publish the pool's pending events, then take its snapshot, so the snapshot's
         seq is the log's latest and a reader can go on from it with events."""
         self._publish_kv_events(engine)
-        return engine.kv_manager.pool.snapshot()
+        return engine.kv_manager.snapshot()
 
 
 class _Fatal(Exception):

@@ -9,7 +9,8 @@ The free queue is ordered by eviction priority: allocation pops from the head. F
 hash go to the head (nothing is lost by reusing them); freed cached blocks go to the tail (LRU).
 
 There is at most one physical block per hash: a block whose hash is already cached by another block is
-left uncached. So a `removed` event always means the fleet has lost that block (see DESIGN §7).
+left uncached. So a `removed` event always means this pool has lost that block (see DESIGN §7); a host tier
+behind it (worker/kv_cache_manager.py) may still hold a copy, and says so with its own events in this log.
 
 Events (`stored` / `removed` / `cleared`) carry a sequence number that grows by one per event, so a
 reader can detect a gap and resync from `snapshot()`. The pool keeps at most `max_pending_events` events
@@ -23,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.kv_events import BlockKey, KVEvent, KVEventKind
+from kvroute.kv_events import DEVICE, BlockKey, KVEvent, KVEventKind
 
 # Events kept between two drains. A step emits at most about twice the blocks it allocates (a `removed` per
 # eviction, a `stored` per run of new blocks), a few hundred at the default token budget, so a reader that
@@ -36,6 +37,11 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockKey | None = None
+    # What a `stored` event names a cached block by besides its hash, kept while it is cached when the pool is
+    # asked to (`keep_block_tokens`: a host tier announces the blocks it takes over with them).
+    parent_hash: BlockKey | None = None
+    token_ids: tuple[int, ...] = ()
+    cache_salt: str = ""
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -94,10 +100,15 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Bookkeeping for `num_blocks` KV blocks: ref counts, the hash map, the free queue and the event log."""
+    """Bookkeeping for `num_blocks` KV blocks: ref counts, the hash map, the free queue and the event log.
+    `keep_block_tokens`: each cached block keeps its parent hash, tokens and salt (KVBlock)."""
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, max_pending_events: int = MAX_PENDING_EVENTS
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        max_pending_events: int = MAX_PENDING_EVENTS,
+        keep_block_tokens: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -105,6 +116,7 @@ class BlockPool:
             raise ValueError(f"max_pending_events must be >= 1, got {max_pending_events}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.keep_block_tokens = keep_block_tokens
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
@@ -209,13 +221,16 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.keep_block_tokens:
+                block.parent_hash = hashes[i - 1] if i else parent
+                block.token_ids = tuple(token_ids[i * per_block : (i + 1) * per_block])
+                block.cache_salt = cache_salt
             run.append(block_hash)
         if run:
             self._emit_stored(run, run_parent, token_ids[run_start * per_block : len(blocks) * per_block], cache_salt)
 
     def _emit_stored(self, run: list[BlockKey], parent: BlockKey | None, tokens: Sequence[int], salt: str) -> None:
-        self.event_seq += 1
-        self._events.append(KVEvent(self.event_seq, "stored", tuple(run), parent, tuple(tokens), salt))
+        self.log_event("stored", tuple(run), parent, tuple(tokens), salt)
 
     def reset_cache(self) -> bool:
         """Forget every cached hash (weights changed, an operator asked); only when no block is in use."""
@@ -224,7 +239,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        self._emit("cleared", ())
+        self.log_event("cleared", ())
         return True
 
     def drain_events(self) -> list[KVEvent]:
@@ -255,12 +270,23 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self.cached[block.block_hash]
-        self._emit("removed", (block.block_hash,))
-        block.block_hash = None
+        self.log_event("removed", (block.block_hash,))
+        block.block_hash = block.parent_hash = None
+        block.token_ids = ()
 
-    def _emit(self, kind: KVEventKind, hashes: tuple, parent=None) -> None:
+    def log_event(
+        self,
+        kind: KVEventKind,
+        hashes: tuple,
+        parent: BlockKey | None = None,
+        tokens: tuple[int, ...] = (),
+        salt: str = "",
+        medium: str = DEVICE,
+    ) -> None:
+        """Append one event to the log under the next seq: the pool's own, and a host tier's (`medium`), so
+        that a reader sees both tiers' changes in the order they happened."""
         self.event_seq += 1
-        self._events.append(KVEvent(self.event_seq, kind, hashes, parent))
+        self._events.append(KVEvent(self.event_seq, kind, hashes, parent, tokens, salt, medium))
 
     # -- integrity -----------------------------------------------------------------------------
 

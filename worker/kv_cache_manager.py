@@ -10,6 +10,11 @@ Contract for callers (the scheduler, the replay):
      blocks, so the caller can wait or preempt. A hit must be allocated before anything else allocates.
   3. `cache_blocks(req_id, hashes)` registers the request's full blocks under their hashes as they fill.
   4. `free(req_id)` returns every block of the request at once (finish, cancel, preempt, fault).
+
+With a host tier, one event log covers both tiers (BlockPool.log_event): a block the device is about to reuse is
+announced `stored` on the host tier (medium "CPU", with its parent and tokens) before the device's `removed`, so
+a reader never sees the worker lose a block it still has; the host tier's LRU drops are `removed` on "CPU". A
+snapshot lists both tiers (`snapshot`, `snapshot_page`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvroute.kv_events import BlockKey, KVEvent
+from kvroute.kv_events import DEVICE, HOST, BlockKey, KVEvent
 from worker.block_pool import BlockPool, KVBlock
 from worker.host_kv_tier import HostKVTier, KVBlockCopier
 
@@ -64,7 +69,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.host_tier = host_tier
         self.copier = copier
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, keep_block_tokens=host_tier is not None)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_hashed: dict[str, int] = {}  # leading blocks of a request already offered to the cache
         self.stats = CacheStats()
@@ -154,18 +159,26 @@ class KVCacheManager:
 
     def _save_evictions(self, num_blocks: int) -> None:
         """Copy to the host tier the cached blocks that allocating `num_blocks` is about to reuse."""
-        if self.host_tier is None or self.copier is None:
+        if self.host_tier is None or self.copier is None or not self.copier.copy_pays():
             return
-        device_blocks, slots = [], []
+        saved: list[KVBlock] = []
+        slots: list[int] = []
+        evicted: list[BlockKey] = []
         for block in self.pool.eviction_candidates(num_blocks):
             assert block.block_hash is not None
-            slot = self.host_tier.reserve(block.block_hash)
+            slot = self.host_tier.reserve(block.block_hash, evicted)
             if slot is not None:
-                device_blocks.append(block.block_id)
+                saved.append(block)
                 slots.append(slot)
-        if device_blocks:
-            self.copier.copy_to_host(device_blocks, slots)
-            self.host_tier.stats.saved += len(device_blocks)
+        if not saved:
+            return
+        self.copier.copy_to_host([b.block_id for b in saved], slots)
+        self.host_tier.stats.saved += len(saved)
+        log = self.pool.log_event
+        if evicted:
+            log("removed", tuple(evicted), medium=HOST)
+        for block in saved:
+            log("stored", (block.block_hash,), block.parent_hash, block.token_ids, block.cache_salt, HOST)
 
     def _restore(self, hashes: Sequence[BlockKey], blocks: Sequence[KVBlock]) -> None:
         assert self.host_tier is not None and self.copier is not None, "a hit with a host part needs a host tier"
@@ -202,6 +215,39 @@ class KVCacheManager:
 
     def drain_events(self) -> list[KVEvent]:
         return self.pool.drain_events()
+
+    def snapshot(self) -> tuple[int, list[BlockKey], list[BlockKey]]:
+        """The last event's seq, the device's cached hashes and the host tier's: a reader's resync point."""
+        seq, device = self.pool.snapshot()
+        host = [] if self.host_tier is None else self.host_tier.snapshot_page(0, self.host_tier.num_blocks)
+        return seq, device, host
+
+    def snapshot_page(self, start: int, count: int) -> tuple[int, list[BlockKey], int | None, str]:
+        """A snapshot in pages (BlockPool.snapshot_page), the device pool's blocks [0, num_blocks) first and then
+        the host tier's slots after them, a page on one tier only: the last event's seq, the page's hashes, where
+        the next page starts (None after the last) and the page's tier."""
+        num_device = self.pool.num_blocks
+        tier = self.host_tier
+        if start < num_device:
+            seq, hashes, stop = self.pool.snapshot_page(start, count)
+            if stop is None and tier is not None:
+                stop = num_device
+            return seq, hashes, stop, DEVICE
+        if tier is None or not start < num_device + tier.num_blocks or count < 1:
+            raise ValueError(
+                f"a snapshot page starts below {num_device + (tier.num_blocks if tier else 0)}, got {start}"
+            )
+        stop = min(start + count, num_device + tier.num_blocks)
+        hashes = tier.snapshot_page(start - num_device, stop - start)
+        return self.pool.event_seq, hashes, stop if stop < num_device + tier.num_blocks else None, HOST
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block on both tiers (one `cleared`); only when no block is in use."""
+        if not self.pool.reset_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        return True
 
     def check_invariants(self) -> None:
         """Pool invariants (both tiers'), plus: each block's ref_cnt equals the number of live requests holding it."""

@@ -11,7 +11,9 @@ What goes out (`kvroute.engine_kv_events`, vLLM 0.33's shape): per batch `[topic
 start, the payload `[ts, events, data_parallel_rank]` (rank 0, always sent, as vLLM's publisher does);
 `BlockStored` per run of new blocks with its `token_ids`, `block_size` and, for a run that starts a sequence
 with a salt, that salt as the first block's extra key (where vLLM puts a request's `cache_salt`);
-`BlockRemoved`; `AllBlocksCleared`. Block hashes are ints: the low 64 bits of kvroute's 128-bit hash (vLLM's
+`BlockRemoved`; `AllBlocksCleared`. Each names its tier as vLLM does (`medium`): "GPU" for the engine's own
+pool, "CPU" for its host KV tier, whose stores go out one block at a time with their parent and tokens (vLLM's
+self-describing offloading events). Block hashes are ints: the low 64 bits of kvroute's 128-bit hash (vLLM's
 own `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` conversion), since consumers (Dynamo, llm-d) read 64-bit ints; they
 name blocks only, a router re-hashes the tokens. The replay socket (ROUTER) answers `[b"", start_seq]` with
 every buffered batch from start_seq as `[b"", topic, seq, payload]`, then `[b"", b"", -1, b""]`.
@@ -129,13 +131,13 @@ def to_wire(events: list[KVEvent], block_size: int) -> list:
                     event.token_ids,
                     block_size,
                     None,
-                    "GPU",
+                    event.medium,
                     None,
                     extra,
                 )  # fmt: skip
             )
         elif event.kind == "removed":
-            out.append(BlockRemoved(tuple(engine_hash(h) for h in hashes), "GPU"))
+            out.append(BlockRemoved(tuple(engine_hash(h) for h in hashes), event.medium))
         else:
             out.append(AllBlocksCleared())
     return out

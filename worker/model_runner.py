@@ -12,6 +12,7 @@ bf16 in the same memory.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -23,7 +24,7 @@ from kvkernels.backend_select import get_attention_backend
 from kvkernels.cpu_backend import CpuAttentionBackend, native_bf16
 from worker.config import EngineConfig
 from worker.cpu_memory import keep_freed_memory
-from worker.host_kv_tier import check_host_memory, host_tier_blocks
+from worker.host_kv_tier import CopyCostMeter, check_host_memory, host_tier_blocks
 from worker.model.config import LlamaConfig
 from worker.model.llama import LlamaForCausalLM, OutputRows
 from worker.model.packed_linear import (
@@ -195,15 +196,23 @@ class ModelRunner:
                 for _ in range(model_config.num_hidden_layers)
             ]
         self.sampler = Sampler(config.seed)
+        self.copy_cost = CopyCostMeter(config.block_size)
 
     @torch.inference_mode()
     def copy_to_host(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None:
-        """KVBlockCopier: whole blocks, every layer's K and V, as raw words (an FP8 cache too)."""
+        """KVBlockCopier: whole blocks, every layer's K and V, as raw words (an FP8 cache too). Timed for
+        `copy_pays` (synchronous: the rows land in host memory before it returns)."""
+        started = time.perf_counter()
         src = torch.tensor(device_blocks, device=self.device)
         dst = torch.tensor(host_slots)
         for device_pair, host_pair in zip(self.kv_caches, self.host_kv_caches, strict=True):
             for device_cache, host_cache in zip(device_pair, host_pair, strict=True):
                 block_words(host_cache).index_copy_(0, dst, block_words(device_cache).index_select(0, src).cpu())
+        self.copy_cost.observe_copy(len(device_blocks), time.perf_counter() - started)
+
+    def copy_pays(self) -> bool:
+        """KVBlockCopier: by the copies and prefills measured so far (CopyCostMeter)."""
+        return self.copy_cost.copy_pays()
 
     @torch.inference_mode()
     def copy_from_host(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None:
@@ -217,16 +226,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> SamplerOutput:
+        started = time.perf_counter()
         logits = self.compute_logits(batch)
         sampling = batch.sampling
         if not sampling:  # only prefill chunks: the step filled the cache
+            if self.device.type == "cpu":
+                self._observe_prefill(batch, started)
             return SamplerOutput([], [])
-        return self.sampler(
+        out = self.sampler(
             logits,
             [s.seq.params for s in sampling],
             [s.seq.generator(self.device) for s in sampling],
             [s.seq.suppressed_token_ids() for s in sampling],
         )
+        self._observe_prefill(batch, started)  # the sampled ids are on the host: the step is done
+        return out
+
+    def _observe_prefill(self, batch: SchedulerOutput, started: float) -> None:
+        """A step of prefill chunks only prices a token's recompute (CopyCostMeter)."""
+        if self.host_kv_caches and all(s.num_new_tokens > 1 for s in batch.seqs):
+            self.copy_cost.observe_prefill(batch.num_tokens, time.perf_counter() - started)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

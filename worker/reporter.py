@@ -38,7 +38,7 @@ from kvroute.fleet_keys import (
     redis_client,
     stream_id,
 )
-from kvroute.kv_events import BlockKey
+from kvroute.kv_events import DEVICE, BlockKey
 
 if TYPE_CHECKING:
     from worker.async_engine import KVEventsSince
@@ -165,12 +165,12 @@ class WorkerReporter:
 
     async def _write_snapshot(self) -> None:
         since = await self.engine.kv_events_since(_AHEAD_OF_ANY_ENGINE, 1)
-        await self._put_snapshot(since.latest_seq, since.snapshot or [])
+        await self._put_snapshot(since.latest_seq, since.snapshot or [], since.host_snapshot)
 
-    async def _put_snapshot(self, seq: int, block_hashes: Sequence[BlockKey]) -> None:
+    async def _put_snapshot(self, seq: int, device: Sequence[BlockKey], host: Sequence[BlockKey]) -> None:
         previous = self._snapshot_seq if self._registered else seq
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(self._snapshot_key, mapping={"seq": str(seq), "h": pack_hashes(block_hashes)})
+        pipe.hset(self._snapshot_key, mapping={"seq": str(seq), "h": pack_hashes(device), "hc": pack_hashes(host)})
         pipe.expire(self._snapshot_key, DATA_TTL_S)
         # Keep the events after the previous snapshot: a reader a little behind catches up without it.
         pipe.xtrim(self._stream_key, minid=stream_id(previous + 1), approximate=False)
@@ -182,15 +182,16 @@ class WorkerReporter:
         while True:
             since = await self.engine.kv_events_since(self._published_seq, self.max_events)
             if since.snapshot is not None:  # the engine no longer has the events after ours
-                await self._put_snapshot(since.latest_seq, since.snapshot)
+                await self._put_snapshot(since.latest_seq, since.snapshot, since.host_snapshot)
                 return
             if not since.events:
                 return
             pipe = self._redis.pipeline(transaction=False)
             for event in since.events:
-                pipe.xadd(
-                    self._stream_key, {"k": event.kind, "h": pack_hashes(event.block_hashes)}, id=stream_id(event.seq)
-                )
+                fields: dict[str, str | bytes] = {"k": event.kind, "h": pack_hashes(event.block_hashes)}
+                if event.medium != DEVICE:
+                    fields["m"] = event.medium
+                pipe.xadd(self._stream_key, fields, id=stream_id(event.seq))  # type: ignore[arg-type]  # (invariant)
             await pipe.execute()
             self._published_seq = since.events[-1].seq
             if self._published_seq - self._snapshot_seq >= self.snapshot_every:

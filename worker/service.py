@@ -43,6 +43,7 @@ from opentelemetry import trace
 from kvroute.credentials import AUTHORIZATION_KEY
 from kvroute.grpc_options import SERVER_OPTIONS, grpc_address
 from kvroute.hashing import block_hashes, hash_fingerprint
+from kvroute.kv_events import DEVICE
 from kvroute.proto_maps import FINISH_REASONS, KV_EVENT_KINDS
 from kvroute.sampling import InvalidRequest, SamplingParams
 from kvroute.sampling_proto import sampling_from_proto
@@ -161,6 +162,7 @@ def worker_info(engine: LLMEngine, identity: WorkerIdentity) -> worker_pb2.Worke
         max_model_len=engine.max_model_len,
         vocab_size=engine.vocab_size,
         num_kv_blocks=engine.stats().num_blocks_total,
+        num_host_kv_blocks=0 if engine.kv_manager.host_tier is None else engine.kv_manager.host_tier.num_blocks,
         kv_cache_dtype=config.kv_cache_dtype,
         dtype=str(engine.dtype).removeprefix("torch."),
         max_num_seqs=config.max_num_seqs,
@@ -184,6 +186,7 @@ def kv_events_to_proto(since: KVEventsSince, identity: WorkerIdentity) -> worker
             kind=KV_EVENT_KINDS[event.kind],
             block_hashes=list(event.block_hashes),
             parent_hash=event.parent_hash or b"",
+            medium="" if event.medium == DEVICE else event.medium,
         )
     return batch
 
@@ -202,6 +205,8 @@ def snapshot_page_to_proto(
         incarnation=identity.incarnation,
     )
     batch.snapshot_hashes.extend(page.block_hashes)
+    if page.medium != DEVICE:
+        batch.snapshot_medium = page.medium
     if page.next_block is not None:
         batch.next_snapshot_cursor = _CURSOR.pack(identity.incarnation, snapshot_seq, page.next_block)
     return batch
@@ -465,7 +470,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if logged is not None:
                 return kv_events_to_proto(logged, self.identity)
             snapshot_seq, start = None, 0
-        num_blocks = self.info.num_kv_blocks
+        num_blocks = self.info.num_kv_blocks + self.info.num_host_kv_blocks
         page_blocks = min(request.max_snapshot_blocks or self.snapshot_page_blocks, self.snapshot_page_blocks)
         wait = self.snapshot_limiter.take(min(page_blocks, num_blocks - start) / num_blocks)
         if wait:
@@ -483,7 +488,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """(snapshot seq, next block) of a cursor this incarnation issued; INVALID_ARGUMENT for any other."""
         if len(cursor) == _CURSOR.size:
             incarnation, snapshot_seq, start = _CURSOR.unpack(cursor)
-            if incarnation == self.identity.incarnation and 0 < start < self.info.num_kv_blocks:
+            if (
+                incarnation == self.identity.incarnation
+                and 0 < start < self.info.num_kv_blocks + self.info.num_host_kv_blocks
+            ):
                 return snapshot_seq, start
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,

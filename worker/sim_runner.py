@@ -75,6 +75,7 @@ class SimRunner:
             config.sim_prefill_us_per_token, config.sim_decode_ms_per_step, config.sim_host_copy_us_per_block
         )
         self.seed = config.seed
+        self.block_size = config.block_size
         self.clock = clock
         self.outputs = outputs
         self.outputs_run = outputs_run
@@ -104,6 +105,10 @@ class SimRunner:
 
     def copy_from_host(self, host_slots: Sized, device_blocks: Sized) -> None:
         self._count_copies(len(device_blocks))
+
+    def copy_pays(self) -> bool:
+        """KVBlockCopier: by the cost model's parameters, a block's copy against its tokens' prefill."""
+        return self.cost.host_copy_us_per_block < self.cost.prefill_us_per_token * self.block_size
 
     def _count_copies(self, num_blocks: int) -> None:
         self.pending_copy_seconds += num_blocks * self.cost.host_copy_us_per_block * 1e-6

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -48,7 +48,7 @@ from gateway.routing.fleet_view import PriorityShare
 from gateway.routing.kv_index import KVIndex
 from gateway.worker_client import worker_stub
 from kvroute.grpc_options import CLIENT_OPTIONS
-from kvroute.kv_events import KVEvent
+from kvroute.kv_events import DEVICE, KVEvent
 from kvroute.proto_maps import KV_EVENT_KIND_NAMES
 from proto import worker_pb2, worker_pb2_grpc
 
@@ -94,9 +94,27 @@ class _Throttled(Exception):
 def _events(batch: worker_pb2.KVEventBatch) -> list[KVEvent]:
     """The batch's events as records; a kind this gateway does not know makes KVIndex.apply refuse the batch."""
     return [
-        KVEvent(e.seq, KV_EVENT_KIND_NAMES.get(e.kind, "unknown"), tuple(e.block_hashes))  # type: ignore[arg-type]
+        KVEvent(
+            e.seq,
+            KV_EVENT_KIND_NAMES.get(e.kind, "unknown"),  # type: ignore[arg-type]
+            tuple(e.block_hashes),
+            medium=e.medium or DEVICE,
+        )
         for e in batch.events
     ]
+
+
+@dataclass
+class _Snapshot:
+    """A snapshot's hashes, read page by page: the device's, and per offloaded tier that tier's."""
+
+    device: list[bytes] = field(default_factory=list)
+    offloaded: dict[str, list[bytes]] = field(default_factory=dict)
+
+    def add(self, page: worker_pb2.KVEventBatch) -> None:
+        medium = page.snapshot_medium or DEVICE
+        into = self.device if medium == DEVICE else self.offloaded.setdefault(medium, [])
+        into.extend(page.snapshot_hashes)
 
 
 def validate_address(address: str) -> str:
@@ -245,8 +263,8 @@ class WorkerPoller(PollLoop):
         while True:
             batch = await self._get_events(stub, member, self.book.last_seq(member.worker_id))
             if batch.is_snapshot:
-                seq, hashes, batch = await self._read_snapshot(stub, member, batch)
-                self.book.resync(member.worker_id, member.incarnation, seq, hashes)
+                seq, snapshot, batch = await self._read_snapshot(stub, member, batch)
+                self.book.resync(member.worker_id, member.incarnation, seq, snapshot.device, snapshot.offloaded)
                 if seq >= batch.latest_seq:
                     return
                 continue  # the events after the snapshot's seq, which its later pages may have overtaken
@@ -262,29 +280,30 @@ class WorkerPoller(PollLoop):
         """Rebuild the worker's cached set from seq 0 (events, or a snapshot) in an index of its own, then swap it
         in at once."""
         worker_id = member.worker_id
-        rebuilt = KVIndex((worker_id,))
+        rebuilt = KVIndex((worker_id,), self.book.fleet.kv_index.medium_weights)
         while True:
             batch = await self._get_events(stub, member, rebuilt.last_seq(worker_id))
             if batch.is_snapshot:
-                seq, hashes, batch = await self._read_snapshot(stub, member, batch)
-                rebuilt.resync(worker_id, seq, hashes)
+                seq, snapshot, batch = await self._read_snapshot(stub, member, batch)
+                rebuilt.resync(worker_id, seq, snapshot.device, snapshot.offloaded)
             if not rebuilt.apply(worker_id, _events(batch)):
                 raise _WorkerChanged(f"worker {worker_id} sent events out of order")
             if not batch.events or rebuilt.last_seq(worker_id) >= batch.latest_seq:
                 break
-        self.book.resync(worker_id, member.incarnation, rebuilt.last_seq(worker_id), rebuilt.held(worker_id))
+        self.book.resync(worker_id, member.incarnation, rebuilt.last_seq(worker_id), *rebuilt.tiers(worker_id))
 
     async def _read_snapshot(
         self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, first: worker_pb2.KVEventBatch
-    ) -> tuple[int, list[bytes], worker_pb2.KVEventBatch]:
-        """The snapshot whose first page is `first`: its seq, the hashes of all its pages, and the last page."""
-        hashes, batch = list(first.snapshot_hashes), first
+    ) -> tuple[int, _Snapshot, worker_pb2.KVEventBatch]:
+        """The snapshot whose first page is `first`: its seq, the hashes of all its pages by tier, and the last page."""
+        snapshot, batch = _Snapshot(), first
+        snapshot.add(first)
         while batch.next_snapshot_cursor:
             batch = await self._get_events(stub, member, first.snapshot_seq, batch.next_snapshot_cursor)
             if not batch.is_snapshot or batch.snapshot_seq != first.snapshot_seq:
                 raise _WorkerChanged(f"worker {member.worker_id} answered a snapshot page out of order")
-            hashes.extend(batch.snapshot_hashes)
-        return first.snapshot_seq, hashes, batch
+            snapshot.add(batch)
+        return first.snapshot_seq, snapshot, batch
 
     async def _get_events(
         self, stub: worker_pb2_grpc.WorkerStub, member: WorkerMember, after_seq: int, cursor: bytes = b""

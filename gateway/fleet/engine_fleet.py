@@ -70,7 +70,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.fleet.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
 from gateway.routing.fleet_view import FleetView
-from gateway.routing.kv_index import BlockKey
+from gateway.routing.kv_index import DEFAULT_MEDIUM_WEIGHTS, BlockKey
 from gateway.worker_spec import EngineTarget, WorkerSpec, read_api_key
 from kvroute.engine_kv_events import BlockStored, EngineHash, KVEventDecodeError, decode_batch
 from kvroute.hashing import BlockHash, hash_fingerprint
@@ -127,15 +127,10 @@ EventSourceFactory = Callable[
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
-# What a block an engine holds only in host memory is worth against one on its GPU, by default: restoring it costs
-# its copy instead of its prefill. Seed 004 measured 34 ms to bring 1.07 GB (8k tokens of an 8B model) over PCIe
-# against 421 ms to recompute them, so such a block saves 1 - 34/421 = 0.92 of what a GPU block saves.
-DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"CPU": 0.92}
-
-
 @dataclass(frozen=True)
 class EngineOptions:
-    """`medium_weights`: what a cached block an engine holds only on an offloaded tier is worth to the router,
+    """`medium_weights`: what a cached block a worker (an engine, or a kvroute worker with a host KV tier) holds only
+    on an offloaded tier is worth to the router,
     by vLLM's `medium` name (`{"CPU": 0.5, "DISK": 0.25}`; a GPU block is worth 1, a tier not named 0: its
     blocks are not scored; DEFAULT_MEDIUM_WEIGHTS where the routing config names none, `{}` to score none). A
     worker's match is the sum of its leading blocks' weights, in whole blocks (rounded down), so a prefix half

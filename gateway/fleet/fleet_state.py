@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.routing.fleet_view import FleetView, PriorityShare
@@ -181,6 +181,10 @@ class FleetBook:
         self._reported: dict[str, _Reported] = {}
         self._heard: dict[str, float] = {}  # member id -> time.monotonic() of its last admission or report
         self._watchers: list[Callable[[WorkerMember, bool], None]] = []
+
+    def set_medium_weights(self, weights: Mapping[str, float]) -> None:
+        """What a block a member holds only on an offloaded tier is worth to the router (KVIndex)."""
+        self.fleet.kv_index.medium_weights = dict(weights)
 
     def watch_membership(self, callback: Callable[[WorkerMember, bool], None]) -> None:
         """`callback(old, lost)` when a member leaves, restarts (new incarnation) or moves (new address)."""
@@ -341,13 +345,21 @@ class FleetBook:
         if self.is_current(worker_id, incarnation):
             self.fleet.kv_index.mark_stale(worker_id)
 
-    def resync(self, worker_id: str, incarnation: int, seq: int, block_hashes: Iterable[BlockKey]) -> None:
-        """Replace a member's entries with its snapshot as of event `seq`."""
+    def resync(
+        self,
+        worker_id: str,
+        incarnation: int,
+        seq: int,
+        block_hashes: Iterable[BlockKey],
+        offloaded: Mapping[str, Iterable[BlockKey]] | None = None,
+    ) -> None:
+        """Replace a member's entries with its snapshot as of event `seq`: its device's hashes and, per offloaded
+        tier, that tier's (KVIndex.resync)."""
         if not self.is_current(worker_id, incarnation):
             return
         if not self._members[worker_id].parity_ok:
-            block_hashes = ()
-        self.fleet.kv_index.resync(worker_id, seq, block_hashes)
+            block_hashes, offloaded = (), None
+        self.fleet.kv_index.resync(worker_id, seq, block_hashes, offloaded)
         self.counters.resyncs += 1
 
     # -- this gateway's own requests ------------------------------------------------------------------

@@ -54,7 +54,7 @@ from kvroute.fleet_keys import (
     unpack_hashes,
     unpack_priority_loads,
 )
-from kvroute.kv_events import KVEvent
+from kvroute.kv_events import DEVICE, HOST, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,15 @@ class RedisFleetState(BookkeepingFleetState):
         worker_id, incarnation = member.worker_id, member.incarnation
         after = self.book.last_seq(worker_id)
         if entries and seq_of(entries[0][0]) == after + 1:
-            events = [KVEvent(seq_of(i), f[b"k"].decode(), tuple(unpack_hashes(f[b"h"]))) for i, f in entries]
+            events = [
+                KVEvent(
+                    seq_of(i),
+                    f[b"k"].decode(),
+                    tuple(unpack_hashes(f[b"h"])),
+                    medium=f[b"m"].decode() if b"m" in f else DEVICE,
+                )
+                for i, f in entries
+            ]
             if self.book.apply_events(worker_id, incarnation, events):
                 return True
         elif not entries and self._published_seq.get(worker_id, 0) <= after:
@@ -287,9 +295,10 @@ class RedisFleetState(BookkeepingFleetState):
         raw = await self._redis.hgetall(self.keys.snapshot(member.worker_id, member.incarnation))
         if b"seq" not in raw:
             return  # not written yet (Redis came back empty): the reporter writes one as it re-registers
-        seq, packed = int(raw[b"seq"]), raw.get(b"h", b"")
-        assert isinstance(packed, bytes), "redis_client keeps responses as bytes"
-        self.book.resync(member.worker_id, member.incarnation, seq, unpack_hashes(packed))
+        seq, packed, host = int(raw[b"seq"]), raw.get(b"h", b""), raw.get(b"hc", b"")
+        assert isinstance(packed, bytes) and isinstance(host, bytes), "redis_client keeps responses as bytes"
+        offloaded = {HOST: unpack_hashes(host)} if host else None
+        self.book.resync(member.worker_id, member.incarnation, seq, unpack_hashes(packed), offloaded)
         logger.info("fleet: worker %s resynced from its snapshot at seq %d", member.worker_id, seq)
 
     # -- the direct fallback ------------------------------------------------------------------------
@@ -311,3 +320,9 @@ class RedisFleetState(BookkeepingFleetState):
     @staticmethod
     def _now() -> float:
         return asyncio.get_running_loop().time()
+
+
+def _medium(fields: dict[bytes, bytes]) -> str:
+    """A stream entry's tier (kvroute.fleet_keys: `m` only for a host-tier event)."""
+    medium = fields.get(b"m")
+    return DEVICE if medium is None else medium.decode()

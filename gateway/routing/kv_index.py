@@ -17,25 +17,40 @@ sequence number start over, even when the new numbers would pass the old ones); 
 `replicas` is sorted. Each replica owns one bit of a holder mask for as long as it is a member (a
 freed bit is reused by the next joiner), so a membership change touches only that replica's blocks.
 
+Tiers (KVEvent.medium): a worker with a host KV tier reports that tier's changes as events of medium "CPU"
+beside its device pool's ("GPU"). A block counts as held while either tier holds it, and `match` scores a
+leading block held only on the host tier at `medium_weights[medium]` (default DEFAULT_MEDIUM_WEIGHTS, the copy
+back against the recompute: docs/engines.md): a replica's depth less (1 - weight) per such block, rounded down to
+whole blocks, as the engine fleets' WeightedKVIndex does. A tier that weighs 0 is not indexed.
+
 `LearnedKVIndex` is the index of a gateway that sees no events: it assumes the blocks of every request
 it routed are stored on the replica it chose, bounded per replica by an LRU of the replica's capacity.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from kvroute.kv_events import BlockKey, KVEvent
+from kvroute.kv_events import DEVICE, BlockKey, KVEvent
+
+# What a block a worker holds only in host memory is worth against one on its device, by default: restoring it costs
+# its copy instead of its prefill. Seed 004 measured 34 ms to bring 1.07 GB (8k tokens of an 8B model) over PCIe
+# against 421 ms to recompute them, so such a block saves 1 - 34/421 = 0.92 of what a device block saves.
+DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"CPU": 0.92}
 
 
 class KVIndex:
-    """Per replica, the set of cached block hashes; one dict hash -> bitmask of holders for matching."""
+    """Per replica, the set of cached block hashes; one dict hash -> bitmask of holders for matching. Per replica
+    too, the hashes with a copy on an offloaded tier (`_offloaded`: medium -> hashes) and, of those, the hashes
+    with no device copy (`_host_only`: hash -> weight)."""
 
-    def __init__(self, replicas: Sequence[str]) -> None:
+    def __init__(self, replicas: Sequence[str], medium_weights: Mapping[str, float] | None = None) -> None:
         if len(set(replicas)) != len(replicas):
             raise ValueError(f"replica ids must be distinct, got {tuple(replicas)}")
+        self.medium_weights = dict(DEFAULT_MEDIUM_WEIGHTS if medium_weights is None else medium_weights)
         self.replicas = tuple(replicas)
         self._bit = {r: 1 << i for i, r in enumerate(self.replicas)}
         self._slot_order: list[int] | None = None  # slot of each replica in order; None while slot == position
@@ -43,6 +58,8 @@ class KVIndex:
         self._alive = (1 << len(self.replicas)) - 1  # the bits of the replicas that are not stale
         self._holders: dict[BlockKey, int] = {}
         self._held: dict[str, set[BlockKey]] = {r: set() for r in self.replicas}
+        self._offloaded: dict[str, dict[str, set[BlockKey]]] = {r: {} for r in self.replicas}
+        self._host_only: dict[str, dict[BlockKey, float]] = {r: {} for r in self.replicas}
         self._last_seq: dict[str, int] = {r: 0 for r in self.replicas}
         self._stale: set[str] = set()
 
@@ -59,8 +76,29 @@ class KVIndex:
     def last_seq(self, replica: str) -> int:
         return self._last_seq[replica]
 
+    def host_only(self, replica: str) -> AbstractSet[BlockKey]:
+        """The block hashes the replica holds on an offloaded tier only (read it, never change it)."""
+        return self._host_only[replica].keys()
+
+    def tiers(self, replica: str) -> tuple[list[BlockKey], dict[str, set[BlockKey]]]:
+        """What `resync` takes back: the hashes the replica's device holds, and per offloaded tier the hashes it
+        holds there."""
+        host_only = self._host_only[replica]
+        device = [h for h in self._held[replica] if h not in host_only]
+        return device, {medium: set(hashes) for medium, hashes in self._offloaded[replica].items()}
+
     def match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
-        """Leading blocks of `block_hashes` held by each replica, in `self.replicas` order."""
+        """Leading blocks of `block_hashes` held by each replica, in `self.replicas` order; a block held only on an
+        offloaded tier counts its tier's weight (module docstring)."""
+        matched = self._match(block_hashes)
+        for i, replica in enumerate(self.replicas):
+            host_only, depth = self._host_only[replica], matched[i]
+            if host_only and depth:
+                lost = sum(1.0 - host_only.get(h, 1.0) for h in block_hashes[:depth])
+                matched[i] = math.floor(depth - lost + 1e-9)
+        return matched
+
+    def _match(self, block_hashes: Sequence[BlockKey]) -> list[int]:
         order = self._slot_order
         matched = [0] * self._num_slots
         alive = self._alive
@@ -90,6 +128,8 @@ class KVIndex:
         slot = next(i for i in range(len(used) + 1) if 1 << i not in used)
         self._bit[replica] = 1 << slot
         self._held[replica] = set()
+        self._offloaded[replica] = {}
+        self._host_only[replica] = {}
         self._last_seq[replica] = 0
         self.replicas = tuple(sorted((*self.replicas, replica)))
         self._alive |= self._bit[replica]
@@ -100,6 +140,7 @@ class KVIndex:
         self.clear(replica)
         self._alive &= ~self._bit[replica]
         del self._bit[replica], self._held[replica], self._last_seq[replica]
+        del self._offloaded[replica], self._host_only[replica]
         self._stale.discard(replica)
         self.replicas = tuple(r for r in self.replicas if r != replica)
         self._renumber()
@@ -131,6 +172,15 @@ class KVIndex:
     # -- changes -------------------------------------------------------------------------------
 
     def add(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
+        """The replica's device holds these blocks."""
+        host_only = self._host_only[replica]
+        if host_only:
+            block_hashes = list(block_hashes)
+            for block_hash in block_hashes:
+                host_only.pop(block_hash, None)
+        self._hold(replica, block_hashes)
+
+    def _hold(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
         bit, held, holders = self._bit[replica], self._held[replica], self._holders
         for block_hash in block_hashes:
             if block_hash not in held:
@@ -138,6 +188,15 @@ class KVIndex:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def remove(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
+        """The replica's device lost these blocks: they stay held where an offloaded tier keeps a copy."""
+        host_only = self._host_only[replica]
+        if self._offloaded[replica]:
+            kept = self._offloaded_weights(replica, block_hashes)
+            host_only.update(kept)
+            block_hashes = [h for h in block_hashes if h not in kept]
+        self._drop(replica, block_hashes)
+
+    def _drop(self, replica: str, block_hashes: Iterable[BlockKey]) -> None:
         bit, held, holders = self._bit[replica], self._held[replica], self._holders
         for block_hash in block_hashes:
             if block_hash in held:
@@ -148,8 +207,58 @@ class KVIndex:
                 else:
                     del holders[block_hash]
 
+    def _offloaded_weights(self, replica: str, block_hashes: Iterable[BlockKey]) -> dict[BlockKey, float]:
+        """Of `block_hashes`, those with a copy on an offloaded tier -> the best such tier's weight."""
+        out: dict[BlockKey, float] = {}
+        for medium, hashes in self._offloaded[replica].items():
+            weight = self.medium_weights.get(medium, 0.0)
+            for block_hash in block_hashes:
+                if block_hash in hashes and weight > out.get(block_hash, 0.0):
+                    out[block_hash] = weight
+        return out
+
+    def add_offloaded(self, replica: str, medium: str, block_hashes: Iterable[BlockKey]) -> None:
+        """Copies on offloaded tier `medium`; a block the device does not hold is held at the tier's weight."""
+        weight = self.medium_weights.get(medium, 0.0)
+        if weight <= 0:
+            return
+        block_hashes = list(block_hashes)
+        self._offloaded[replica].setdefault(medium, set()).update(block_hashes)
+        held, host_only = self._held[replica], self._host_only[replica]
+        new = []
+        for block_hash in block_hashes:
+            if block_hash not in held:
+                new.append(block_hash)
+                host_only[block_hash] = weight
+            elif block_hash in host_only and weight > host_only[block_hash]:
+                host_only[block_hash] = weight
+        self._hold(replica, new)
+
+    def remove_offloaded(self, replica: str, medium: str, block_hashes: Iterable[BlockKey]) -> None:
+        """Tier `medium` lost these copies; a block with no copy left anywhere leaves the index."""
+        hashes = self._offloaded[replica].get(medium)
+        if not hashes:
+            return
+        block_hashes = [h for h in block_hashes if h in hashes]
+        hashes.difference_update(block_hashes)
+        if not hashes:
+            del self._offloaded[replica][medium]
+        host_only = self._host_only[replica]
+        if not host_only:
+            return
+        gone = [h for h in block_hashes if h in host_only]
+        remaining = self._offloaded_weights(replica, gone)
+        for block_hash in gone:
+            if block_hash in remaining:
+                host_only[block_hash] = remaining[block_hash]
+            else:
+                del host_only[block_hash]
+        self._drop(replica, [h for h in gone if h not in remaining])
+
     def clear(self, replica: str) -> None:
-        self.remove(replica, list(self._held[replica]))
+        self._offloaded[replica].clear()
+        self._host_only[replica].clear()
+        self._drop(replica, list(self._held[replica]))
 
     def apply(self, replica: str, events: Iterable[KVEvent]) -> bool:
         """Apply one replica's events in order. Events already covered (seq <= last) are skipped.
@@ -165,9 +274,15 @@ class KVIndex:
                 self._set_stale(replica, True)
                 return False
             if event.kind == "stored":
-                self.add(replica, event.block_hashes)
+                if event.medium == DEVICE:
+                    self.add(replica, event.block_hashes)
+                else:
+                    self.add_offloaded(replica, event.medium, event.block_hashes)
             elif event.kind == "removed":
-                self.remove(replica, event.block_hashes)
+                if event.medium == DEVICE:
+                    self.remove(replica, event.block_hashes)
+                else:
+                    self.remove_offloaded(replica, event.medium, event.block_hashes)
             elif event.kind == "cleared":
                 self.clear(replica)
             else:
@@ -175,10 +290,19 @@ class KVIndex:
             self._last_seq[replica] = event.seq
         return replica not in self._stale
 
-    def resync(self, replica: str, seq: int, block_hashes: Iterable[BlockKey]) -> None:
-        """Replace the replica's entries with a snapshot taken at event `seq` (BlockPool.snapshot())."""
+    def resync(
+        self,
+        replica: str,
+        seq: int,
+        block_hashes: Iterable[BlockKey],
+        offloaded: Mapping[str, Iterable[BlockKey]] | None = None,
+    ) -> None:
+        """Replace the replica's entries with a snapshot taken at event `seq` (KVCacheManager.snapshot()): the
+        device's hashes and, per offloaded tier, that tier's."""
         self.clear(replica)
         self.add(replica, block_hashes)
+        for medium, hashes in (offloaded or {}).items():
+            self.add_offloaded(replica, medium, hashes)
         self._last_seq[replica] = seq
         self._set_stale(replica, False)
 
