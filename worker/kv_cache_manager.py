@@ -159,7 +159,7 @@ class KVCacheManager:
 
     def _save_evictions(self, num_blocks: int) -> None:
         """Copy to the host tier the cached blocks that allocating `num_blocks` is about to reuse."""
-        if self.host_tier is None or self.copier is None or not self.copier.copy_pays():
+        if not num_blocks or self.host_tier is None or self.copier is None or not self.copier.copy_pays():
             return
         saved: list[KVBlock] = []
         slots: list[int] = []
