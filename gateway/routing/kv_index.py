@@ -191,6 +191,7 @@ class KVIndex:
         """The replica's device lost these blocks: they stay held where an offloaded tier keeps a copy."""
         host_only = self._host_only[replica]
         if self._offloaded[replica]:
+            block_hashes = list(block_hashes)
             kept = self._offloaded_weights(replica, block_hashes)
             host_only.update(kept)
             block_hashes = [h for h in block_hashes if h not in kept]
