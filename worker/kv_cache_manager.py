@@ -136,6 +136,8 @@ class KVCacheManager:
         held = self.req_blocks.get(req_id, [])
         if (computed or restore) and held:
             raise ValueError(f"request {req_id} already holds blocks; computed blocks come first")
+        if held and len(held) * self.block_size >= num_tokens:
+            return []  # its blocks hold them already (most decode steps): nothing to take, nothing to walk
         if self.num_free_blocks_needed(req_id, num_tokens, computed) > self.pool.num_free_blocks:
             return None
         num_new = max(self.num_blocks_for(num_tokens) - len(held) - len(computed), 0)

@@ -209,10 +209,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_new: int, chosen: dict[Sequence, int], preempted: list[Sequence]) -> bool:
         """Make `seq` hold blocks for its next `num_new` tokens, preempting if needed (the newest running sequence;
         under the priority policy the least urgent, newest among equals). False if `seq` itself was preempted."""
-        num_tokens = seq.num_computed_tokens + num_new
-        if len(self.kv.req_blocks[seq.request_id]) * self.block_size >= num_tokens:
-            return True  # its blocks hold them already (most decode steps): allocate_slots would change nothing
-        while self.kv.allocate_slots(seq.request_id, num_tokens) is None:
+        while self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new) is None:
             victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
             self.running.remove(victim)
             chosen.pop(victim, None)

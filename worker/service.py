@@ -336,6 +336,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.info = worker_info(engine.engine, identity)
         self.snapshot_limiter = snapshot_limiter or SnapshotLimiter()
         self.snapshot_page_blocks = snapshot_page_blocks
+        # What a snapshot covers: the device pool's blocks, then the host tier's slots.
+        self.snapshot_blocks = self.info.num_kv_blocks + self.info.num_host_kv_blocks
         self.draining = False
         self._warned_hash_mismatch = False
 
@@ -470,7 +472,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if logged is not None:
                 return kv_events_to_proto(logged, self.identity)
             snapshot_seq, start = None, 0
-        num_blocks = self.info.num_kv_blocks + self.info.num_host_kv_blocks
+        num_blocks = self.snapshot_blocks
         page_blocks = min(request.max_snapshot_blocks or self.snapshot_page_blocks, self.snapshot_page_blocks)
         wait = self.snapshot_limiter.take(min(page_blocks, num_blocks - start) / num_blocks)
         if wait:
@@ -488,10 +490,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """(snapshot seq, next block) of a cursor this incarnation issued; INVALID_ARGUMENT for any other."""
         if len(cursor) == _CURSOR.size:
             incarnation, snapshot_seq, start = _CURSOR.unpack(cursor)
-            if (
-                incarnation == self.identity.incarnation
-                and 0 < start < self.info.num_kv_blocks + self.info.num_host_kv_blocks
-            ):
+            if incarnation == self.identity.incarnation and 0 < start < self.snapshot_blocks:
                 return snapshot_seq, start
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,

@@ -70,7 +70,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.fleet.embedded_fleet import PollLoop, PollOptions, WorkerPoller, stop_pollers
 from gateway.fleet.fleet_state import BookkeepingFleetState, FleetBook, FleetIdentity
 from gateway.routing.fleet_view import FleetView
-from gateway.routing.kv_index import DEFAULT_MEDIUM_WEIGHTS, BlockKey
+from gateway.routing.kv_index import DEFAULT_MEDIUM_WEIGHTS, BlockKey, weighted_depth
 from gateway.worker_spec import EngineTarget, WorkerSpec, read_api_key
 from kvroute.engine_kv_events import BlockStored, EngineHash, KVEventDecodeError, decode_batch
 from kvroute.hashing import BlockHash, hash_fingerprint
@@ -755,8 +755,7 @@ class WeightedKVIndex:
         for i, replica in enumerate(self.replicas):
             weights, depth = self.weights.get(replica), matched[i]
             if weights and depth:
-                lost = sum(1.0 - weights.get(h, 1.0) for h in hashes[:depth])
-                matched[i] = math.floor(depth - lost + 1e-9)
+                matched[i] = weighted_depth(hashes, depth, weights)
         return matched
 
     def narrowed(self, replicas: Sequence[str]) -> WeightedKVIndex:
