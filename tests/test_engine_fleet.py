@@ -687,9 +687,13 @@ def test_an_engine_without_tokenize_is_checked_from_its_own_kv_events() -> None:
             assert member.parity_ok and stack.fleet.counters.parity_mismatches == {}
             paths = [path for path, _ in seen]
             assert "/tokenize" in paths and {"/v1/completions", "/v1/chat/completions"} <= set(paths)
-            for _ in range(2):
+            index = stack.fleet.view().kv_index
+            before = index.num_blocks(member.worker_id)  # the canaries' blocks (their events decided parity)
+            for turn in range(2):
                 response = post(stack, "/v1/completions", {"prompt": f"dynamo {LONG}", "max_tokens": 2})
                 assert response.status_code == 200, response.text
+                if not turn:  # the first prompt's BlockStored events reach the index before the second is routed
+                    _wait(lambda: stack.fleet.view().kv_index.num_blocks(member.worker_id) > before)
             assert "reason=hit" in response.headers["x-kvroute-route"], response.headers["x-kvroute-route"]
         finally:
             stack.call(session.close())
