@@ -42,6 +42,7 @@ from typing import Any
 
 from gateway.frontdoors.http_listener import HttpServer, bound_socket
 from gateway.frontdoors.http_protocol import HttpLimits
+from gateway.responses.store import StoreLimits
 from gateway.routing.router import POLICY_NAMES
 from kvroute.errors import UserError
 from kvroute.heap import freeze_start_up_heap
@@ -150,6 +151,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a stream waits for its worker's next token before, if the worker has stopped answering "
         "the fleet state, it ends with an error event (a worker that answers gets 10x)",
     )
+    store = StoreLimits()
+    parser.add_argument(
+        "--responses-ttl", type=float, default=store.ttl_s,
+        help="seconds a stored /v1/responses response is kept (30 days); in Redis with --redis, else in memory",
+    )  # fmt: skip
+    parser.add_argument(
+        "--responses-max-bytes", type=int, default=store.max_response_bytes,
+        help="a stored response's bytes (its whole conversation); a bigger one is served and not stored",
+    )  # fmt: skip
+    parser.add_argument(
+        "--responses-tenant-bytes", type=int, default=store.max_tenant_bytes,
+        help="a tenant's stored responses, in bytes; its oldest go to make room",
+    )  # fmt: skip
     parser.add_argument("--log-prompts", action="store_true", help="log prompt text (never logged otherwise)")
     parser.add_argument(
         "--metrics-port", type=int, default=9091, help="Prometheus /metrics port, apart from the API (0: off)"
@@ -172,6 +186,7 @@ class Gateway:
     default_max_tokens: int
     http_limits: HttpLimits
     pool_configs: list[PoolConfig]  # as read at start (SIGHUP's reload compares against them)
+    response_store: Any  # gateway.responses.store.ResponseStore: /v1/responses' stored responses
 
 
 @dataclass(frozen=True)
@@ -362,7 +377,32 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     except ValueError as exc:
         raise UserError(f"--routing-config: {exc}") from exc
     fleets = [path.fleet for path in paths]
-    return Gateway(pools, fleets, limits.max_body_bytes, limits.max_tokens, http_limits, configs)
+    store = _response_store(args)
+    return Gateway(pools, fleets, limits.max_body_bytes, limits.max_tokens, http_limits, configs, store)
+
+
+def _response_store(args: argparse.Namespace) -> Any:
+    """/v1/responses' store: the fleet's Redis with --redis (every gateway continues every conversation),
+    else this process's memory (docs/agents.md)."""
+    from gateway.responses.store import MemoryResponseStore, RedisResponseStore
+    from kvroute.credentials import redis_password
+    from kvroute.fleet_keys import redis_client
+
+    try:
+        limits = StoreLimits(
+            ttl_s=args.responses_ttl, max_response_bytes=args.responses_max_bytes,
+            max_tenant_bytes=args.responses_tenant_bytes,
+        )  # fmt: skip
+        if args.redis:
+            return RedisResponseStore(redis_client(args.redis, password=redis_password()), limits)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    if args.processes > 1:
+        logger.warning(
+            "/v1/responses: %d processes each keep their own stored responses; a conversation continued on "
+            "another process's connection gets 404 (give --redis to share them)", args.processes,
+        )  # fmt: skip
+    return MemoryResponseStore(limits)
 
 
 def _routing_options(path: str | None) -> dict[str, Any]:
@@ -512,6 +552,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     signal."""
     from gateway.frontdoors import http_server
     from gateway.frontdoors.metrics_port import metrics_app
+    from gateway.responses.endpoints import ResponsesEndpoints
     from kvroute.tracing import flush_tracing, setup_tracing
 
     setup_tracing("kvroute-gateway")
@@ -524,9 +565,13 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     )
     for fleet in fleets:
         await fleet.start()
-    app = http_server.build_app(
-        request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens
+    responses = ResponsesEndpoints(
+        request_path, gateway.response_store, gateway.max_body_bytes, gateway.default_max_tokens
     )
+    app = http_server.build_app(
+        request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens,
+        extra_routes=responses.routes(),
+    )  # fmt: skip
     in_group = getattr(args, "processes", 1) > 1
     http = HttpServer.start(app, args.host, args.http_port, gateway.http_limits, reuse_port=in_group)
     grpc_server = None
@@ -583,6 +628,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
         await metrics_http.stop()
     for fleet in fleets:
         await fleet.stop()
+    await gateway.response_store.close()
     await request_path.close()
     flush_tracing()
     print("kvroute gateway: stopped", flush=True)

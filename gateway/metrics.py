@@ -209,6 +209,10 @@ class _Registry:
         self.errors = _Children(Counter(
             "kvroute:gateway_request_errors", "Requests that ended with an error, by error type.", ["type"], registry=r
         ))  # fmt: skip
+        self.responses_store_errors = _Children(Counter(
+            "kvroute:gateway_responses_store_errors", "Responses served but not stored (/v1/responses), by cause.",
+            ["cause"], registry=r,
+        ))  # fmt: skip
         self.retries = _Children(Counter(
             "kvroute:gateway_retries", "Worker requests retried on another worker, by cause.", ["cause"], registry=r
         ))  # fmt: skip
@@ -278,6 +282,7 @@ class GatewayMetrics:
         self.e2e_request_latency = shared.e2e_request_latency.labels(model_name)
         self.request_success = _Children(shared.request_success, model_name)
         self.errors = shared.errors
+        self.responses_store_errors = shared.responses_store_errors
         self.retries = shared.retries
         self.in_flight = shared.in_flight.labels(model_name)
         self.prefix_divergence = shared.prefix_divergence

@@ -69,6 +69,9 @@ class GatewayRequest:
     stream: bool = False
     kind: Literal["chat", "completion", "tokens"] = "completion"
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent from the client, if any
+    # The worker that served the conversation's previous turn (/v1/responses): kv_aware's first choice while it
+    # holds the prefix and is under its load bound (reason `conversation`).
+    conversation_worker: str | None = None
     # The JSON body as the client sent it (HTTP front door only; parsed only when an HTTP engine is sent it, so
     # the fields only the engine understands, such as tools, response_format or its own extensions, reach it).
     api_json: bytes | None = None

@@ -343,7 +343,9 @@ class RequestPath:
                 request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
                 request.max_tokens_defaulted, span, priority=priority,
             )  # fmt: skip
-            route_request = RouteRequest(request_id, hashes, len(prompt_ids), request.session_id)
+            route_request = RouteRequest(
+                request_id, hashes, len(prompt_ids), request.session_id, request.conversation_worker
+            )
             grant = await self.wait_for_worker(request, prepared, route_request)
             first, route = await self._open(forward, route_request, choice=0, arrival=arrival, grant=grant)
             if grant is not None and self.flow is not None:

@@ -141,6 +141,8 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     from gateway.frontdoors.render_endpoints import RenderEndpoints
     from gateway.metrics import GatewayMetrics
     from gateway.request_path import RequestPath, fleet_identity
+    from gateway.responses.endpoints import ResponsesEndpoints
+    from gateway.responses.store import MemoryResponseStore
     from gateway.routing.router import make_policy
     from launch.in_process_backend import InProcessBackend
 
@@ -161,9 +163,11 @@ async def start_http_front_door(engine: LLMEngine, args: argparse.Namespace) -> 
     await fleet.start()  # the worker is not serving yet: its poller keeps trying, /ready says 503 until it is
     engine_routes = EngineRoutes()
     render = RenderEndpoints(request_path, limits.max_body_bytes, limits.max_tokens)
+    responses = ResponsesEndpoints(request_path, MemoryResponseStore(), limits.max_body_bytes, limits.max_tokens)
     app = http_server.build_app(
-        request_path, default_max_tokens=limits.max_tokens, extra_routes=[*engine_routes.routes(), *render.routes()]
-    )
+        request_path, default_max_tokens=limits.max_tokens,
+        extra_routes=[*engine_routes.routes(), *render.routes(), *responses.routes()],
+    )  # fmt: skip
     host = args.http_host or args.host
     http = HttpServer.start(app, host, args.http_port)
     print(f"kvroute worker: OpenAI HTTP API on http://{host}:{http.port}/v1", flush=True)

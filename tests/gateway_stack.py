@@ -34,7 +34,10 @@ from gateway.frontdoors.http_server import build_app
 from gateway.frontdoors.metrics_port import metrics_app
 from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity
+from gateway.responses.endpoints import ResponsesEndpoints
+from gateway.responses.store import MemoryResponseStore, RedisResponseStore
 from gateway.routing.router import make_policy
+from kvroute.fleet_keys import redis_client
 from kvroute.model_source import resolve_model
 from kvroute.tokenizer import Tokenizer
 from launch.fleet import free_port
@@ -66,6 +69,8 @@ class StackOptions:
     num_kv_blocks: int = 256
     sim_decode_ms_per_step: float = 2.0
     dead_fleet: bool = False  # also serve a second gateway whose only worker address has nothing behind it
+    gateways: int = 1  # gateways over the same workers (`http_urls`), each with its own fleet view
+    redis_url: str | None = None  # /v1/responses' store in this Redis (shared by the gateways), else memory
 
 
 def stack_fixture(options: StackOptions) -> Callable[[], Iterator[GatewayStack]]:
@@ -125,12 +130,17 @@ class GatewayStack(LoopThreadStack):
         self.metrics_http: HttpServer  # the gateway's /metrics, apart from the API port
         self.grpc: GatewayGrpcServer
         self.dead_http: HttpServer | None = None
+        self.more_http: list[HttpServer] = []  # the gateways after the first (StackOptions.gateways)
         self.dead_grpc: GatewayGrpcServer | None = None
         self._closers: list[Any] = []
 
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http.port}"
+
+    @property
+    def http_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{http.port}" for http in (self.http, *self.more_http)]
 
     @property
     def metrics_url(self) -> str:
@@ -189,6 +199,8 @@ class GatewayStack(LoopThreadStack):
         addresses = [f"127.0.0.1:{w.port}" for w in self.workers]
         self.request_path, self.http, self.grpc = await self._gateway(addresses, source.model_id, tokenizer)
         self.metrics_http = HttpServer.start(metrics_app(self.request_path.metrics), "127.0.0.1", 0)
+        for _ in range(o.gateways - 1):
+            self.more_http.append((await self._gateway(addresses, source.model_id, tokenizer))[1])
         if o.dead_fleet:
             dead_address = f"127.0.0.1:{free_port()}"
             _, self.dead_http, self.dead_grpc = await self._gateway([dead_address], source.model_id, tokenizer)
@@ -204,22 +216,28 @@ class GatewayStack(LoopThreadStack):
             fleet, make_policy(o.policy), tokenizer, model_id, SERVED_MODEL, Authenticator(o.api_keys), o.limits,
             metrics,
         )  # fmt: skip
-        app = build_app(request_path, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens)
+        store = RedisResponseStore(redis_client(o.redis_url)) if o.redis_url else MemoryResponseStore()
+        responses = ResponsesEndpoints(request_path, store, o.limits.max_body_bytes, o.limits.max_tokens)
+        app = build_app(
+            request_path, max_body_bytes=o.limits.max_body_bytes, default_max_tokens=o.limits.max_tokens,
+            extra_routes=responses.routes(),
+        )  # fmt: skip
         http = HttpServer.start(app, "127.0.0.1", 0)
         grpc_server = await start_grpc_server(
             request_path, "127.0.0.1", 0, default_max_tokens=o.limits.max_tokens,
             max_body_bytes=o.limits.max_body_bytes, health_interval_s=0.1,
         )  # fmt: skip
-        self._closers.append((http, grpc_server, fleet, request_path))
+        self._closers.append((http, grpc_server, fleet, request_path, store))
         return request_path, http, grpc_server
 
     async def _stop(self) -> None:
         if hasattr(self, "metrics_http"):
             await self.metrics_http.stop()
-        for http, grpc_server, fleet, request_path in reversed(self._closers):
+        for http, grpc_server, fleet, request_path, store in reversed(self._closers):
             await grpc_server.stop(grace=0)
             await http.stop()
             await fleet.stop()
             await request_path.close()
+            await store.close()
         for worker in self.workers:
             await worker.stop(drain_timeout=0)

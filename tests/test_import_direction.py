@@ -5,7 +5,8 @@
                    kvroute ──────────────────► gateway
     sim, loadtest, launch, benchmarks, exercises, deploy above them all
     gateway/: request, errors, worker_spec, worker_client ──► routing, admission, tracing, metrics ──► fleet
-              ──► forwarding ──► request_stream ──► request_path ──► pools ──► frontdoors ──► cli_gateway, cli_epp
+              ──► forwarding ──► request_stream ──► request_path ──► pools ──► frontdoors ──► responses
+              ──► cli_gateway, cli_epp
 
 `MAY_IMPORT` is the one table: a row per package (a top-level folder, a room inside one such as
 "gateway/routing", or one module such as "launch/cli") and the packages it may import besides itself. A module
@@ -63,6 +64,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gateway/request_path": {"kvroute", "proto", "gateway/request_stream"} | _GATEWAY_BELOW_PATH,
     "gateway/pools": {"kvroute", "proto", "gateway/request_path"} | _GATEWAY_BELOW_PATH,
     "gateway/frontdoors": {"kvroute", "proto", "gateway/request_path", "gateway/pools"} | _GATEWAY_BELOW_PATH,
+    # the Responses API: its routes (on the HTTP front door's helpers), its store and its renderer
+    "gateway/responses": {"kvroute", "proto", "gateway/request_path", "gateway/pools", "gateway/frontdoors"}
+    | _GATEWAY_BELOW_PATH,
     "gateway/cli_gateway": {"kvroute", "proto", "gateway"},  # builds and serves it all
     "gateway/cli_epp": {"kvroute", "proto", "gateway"},
     "sim": _SERVING,  # the simulator runs the real engine and the real router

@@ -113,6 +113,11 @@ class Exchange(Protocol):
     path: str  # the target's path, percent-decoded, without its query
     headers: list[tuple[bytes, bytes]]  # the head's, as received, names lower-case
 
+    @property
+    def query(self) -> str:
+        """The target's query as sent (after `?`, before any `#`), latin-1 text; empty without one."""
+        ...
+
     async def body(self) -> bytes:
         """The whole body; BodyTooLarge once it passes the app's `max_body_bytes`; the task cancelled if the
         client leaves first."""
@@ -571,6 +576,10 @@ class RequestCycle:
         self._size = 0
         self._too_large = False
         self._body_ready: asyncio.Future[None] | None = None
+
+    @property
+    def query(self) -> str:
+        return self.target.partition(b"?")[2].partition(b"#")[0].decode("latin-1")
 
     # -- the connection's side -----------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ for every endpoint.
     POST /v1/completions, /v1/chat/completions ─► parse (openai_protocol) ─► GatewayRequest
         ─► RequestPath.generate ─► Generation ─► JSON body, or server-sent events ending in `data: [DONE]`
     POST /tokenize, /detokenize (vLLM's bodies) ─► RequestPath.tokenize / detokenize ─► JSON body
+    POST /v1/responses, GET and DELETE /v1/responses/{id}, GET .../input_items (gateway.responses, added by
+    the servers that build this app)
     GET /v1/models, /v1/models/{id}, /health (alive), /ready (a routable worker), /openapi.json
 
 Prometheus metrics are not on this port: they list workers and per-app series that API clients have no
@@ -121,7 +123,7 @@ def build_app(
     """The HTTP app over one request path. `max_body_bytes` bounds a request body (413 past it);
     `default_max_tokens` is a chat request's max_tokens when the client sets none (completions default to
     OpenAI's 16); `extra_routes` are matched first (a worker's front door serves its engine's /metrics and
-    its own /health, and vLLM's render endpoints)."""
+    its own /health, vLLM's render endpoints, and the Responses API's routes: gateway.responses)."""
     server = OpenAIServer(request_path, max_body_bytes, default_max_tokens)
     routes = [
         *extra_routes,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -441,10 +442,26 @@ def parse_request(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise _invalid_request(exc, body) from None
+        raise _invalid_request(exc, body, _FIELD_NAMES | _field_names(model)) from None
 
 
-def _invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """The names (aliases included) of `model`'s fields and of the models nested in them."""
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        names.add(info.alias or name)
+        stack = [info.annotation]
+        while stack:
+            annotation = stack.pop()
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                names |= _field_names(annotation)
+            else:
+                stack.extend(typing.get_args(annotation))
+    return frozenset(names)
+
+
+def _invalid_request(exc: ValidationError, body: bytes, field_names: frozenset[str]) -> InvalidRequestError:
     error = exc.errors(include_url=False)[0]
     if error["type"] == "json_invalid":
         try:
@@ -454,7 +471,7 @@ def _invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:
         return InvalidRequestError(f"request body is not valid JSON: {error['msg'].removeprefix('Invalid JSON: ')}")
     if not error["loc"]:
         return InvalidRequestError("request body must be a JSON object")
-    param, union_member = _param_of(error["loc"])
+    param, union_member = _param_of(error["loc"], field_names)
     if error["type"] == "missing":
         return InvalidRequestError("is required", param=param)
     if union_member:
@@ -467,13 +484,13 @@ def _invalid_request(exc: ValidationError, body: bytes) -> InvalidRequestError:
     return InvalidRequestError(f"{_must(error['msg'])}{shown}", param=param)
 
 
-def _param_of(loc: tuple[int | str, ...]) -> tuple[str, bool]:
+def _param_of(loc: tuple[int | str, ...], field_names: frozenset[str]) -> tuple[str, bool]:
     """`('messages', 2, 'role')` -> `messages[2].role`; stops at a union member's tag (`'list[int]'`) and says so."""
     param = ""
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in _FIELD_NAMES:
+        elif part in field_names:
             param += f".{part}" if param else part
         else:
             return param, True

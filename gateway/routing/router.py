@@ -13,6 +13,9 @@ tenant's or a one-off request's first block of its own, which its later turns ca
 no full block is keyed by its request id.
 
 `kv_aware` decides by these rules, in order (`KVAware._pick` follows them one by one):
+  0. A conversation's continued turn (`RouteRequest.holder`, /v1/responses) goes back to the replica that
+     served its previous turn while that one's match is deeper than the common prefix, as deep as any
+     other replica's, and under the bound with rule 2's slack (reason "conversation"); else rules 1-4.
   1. A replica's match is the leading blocks it holds per the index. Only a match deeper than the common
      prefix says where the request belongs.
   2. A replica that holds a share f of the prompt stays a candidate under the load bound with epsilon
@@ -64,12 +67,13 @@ class RouteRequest:
     block_hashes: Sequence[BlockKey]  # chained (kvroute.hashing) or a trace's prefix-chained hash ids
     num_tokens: int
     session_id: str | None = None
+    holder: str | None = None  # the replica that served the conversation's previous turn (kv_aware's rule 0)
 
 
 @dataclass(frozen=True)
 class RouteDecision:
     replica: str
-    reason: str  # hit, ring, session, fallback-overloaded, idle, round_robin, least_loaded, random
+    reason: str  # conversation, hit, ring, session, fallback-overloaded, idle, round_robin, least_loaded, random
     matched_blocks: int = 0  # leading blocks the chosen replica holds, per the view's KV index
     skipped: tuple[str, ...] = ()  # ring successors (or better-matching replicas) passed over for load
 
@@ -321,6 +325,12 @@ class KVAware(PrefixRing):
         index_of = fleet.index_of
         depths = [matched[index_of[r]] for r in place.order]  # in ring order
 
+        if request.holder is not None and request.holder in index_of:  # rule 0: the conversation's holder
+            held = matched[index_of[request.holder]]
+            if held > place.common and held >= max(depths):
+                limit = self.bound.in_flight_limit(fleet, 1 + HIT_SLACK * held / total, in_flight)
+                if not self.bound.is_over(request.holder, fleet, limit):
+                    return RouteDecision(request.holder, "conversation", held)  # a hit: no starvation guard
         best = -1
         for i, m in enumerate(depths):  # rule 3: the order breaks ties, so the first longest match wins
             if m <= place.common or (best >= 0 and m <= depths[best]):
