@@ -530,17 +530,18 @@ class RequestPath:
 
     # -- vLLM's /tokenize and /detokenize -------------------------------------------------------------------
 
-    async def tokenize(self, request: GatewayRequest) -> TokenizeResult:
+    async def tokenize(self, request: GatewayRequest, *, backlog: bool = True) -> TokenizeResult:
         """The prompt ids `generate` would send for `request`, after the same checks (the key, the model, the
         chat template, the prompt-length limit) and without routing: what vLLM's /tokenize answers, and what a
         router compares with an engine's to check tokenizer parity. It holds a tenant's concurrency slot while it
         works (429 at the limit), and a long prompt is tokenized in the prompt pool as for `generate`, at most
-        TOKENIZE_BACKLOG of them at once (429 past it). Raises GatewayError."""
+        TOKENIZE_BACKLOG of them at once (429 past it; without `backlog`, a prompt rendered for a generation
+        that follows, as /v1/responses renders a conversation, is not counted there). Raises GatewayError."""
         tenant = self.auth.authenticate(request.api_key)
         self._check_model(request.model)
         salt = cache_salt(tenant, request.client_cache_salt)
         self.concurrency.acquire(tenant)
-        ids = await self._prompt_token_ids(request, salt, tenant, backlog=True)  # on an error, the slot is released
+        ids = await self._prompt_token_ids(request, salt, tenant, backlog=backlog)  # an error releases the slot
         self.concurrency.release(tenant)
         return TokenizeResult(ids, self.max_model_len())
 

@@ -6,15 +6,20 @@ tenancy (another tenant's id is the same 404 as an unknown one), and bad items.
 
 from __future__ import annotations
 
+import json
+import typing
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from gateway_stack import KEY, SERVED_MODEL, SMALL_KEY, GatewayStack, StackOptions, stack_fixture
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel
 
 stack = stack_fixture(StackOptions(model="tiny", workers=2, num_kv_blocks=256, max_model_len=1024))
 OTHER_KEY = SMALL_KEY  # another tenant
+HEADERS = {"authorization": f"Bearer {KEY}"}
 
 
 def _client(stack: GatewayStack, key: str) -> openai.OpenAI:
@@ -147,3 +152,61 @@ def test_bad_input(client: openai.OpenAI, body: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.post("/responses", body={"model": SERVED_MODEL, **body}, cast_to=dict)
     assert refused.value.body["param"] == param
+
+
+def test_events_match_openais_schema(stack: GatewayStack) -> None:
+    """Every event validates against the SDK's own pydantic types (the client itself only constructs them)."""
+    by_type = {typing.get_args(kind.model_fields["type"].annotation)[0]: kind for kind in _event_types()}
+    body = {"model": SERVED_MODEL, "input": "Count to three.", "max_output_tokens": 6, "temperature": 0,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{stack.http_url}/v1/responses", json=body, headers=HEADERS, timeout=60) as answer:
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        events = [sse for sse in _sse(answer.iter_lines())]
+    assert events, "no events"
+    for name, data in events:
+        assert data["type"] == name
+        by_type[name].model_validate(data)
+    final = Response.model_validate(events[-1][1]["response"])
+    assert final.usage is not None and final.output_text
+
+
+def test_langchain_responses_api(stack: GatewayStack) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model=SERVED_MODEL, base_url=f"{stack.http_url}/v1", api_key=KEY, use_responses_api=True, max_tokens=6,
+        temperature=0, max_retries=0,
+    )  # fmt: skip
+    answer = chat.invoke([("system", "You are terse."), ("human", "Say hello.")])
+    assert answer.text and answer.response_metadata["id"].startswith("resp_")
+    streamed = "".join(chunk.text for chunk in chat.stream("Say hello."))
+    assert streamed
+
+
+def _event_types() -> tuple[type[BaseModel], ...]:
+    union = typing.get_args(ResponseStreamEvent)[0]  # Annotated[Union[...], discriminator]
+    return typing.get_args(union)
+
+
+def _sse(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
+    name = None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            assert name is not None, "a data line without its event line"
+            yield name, json.loads(line.removeprefix("data: "))
+            name = None
+
+
+def test_a_client_that_leaves_frees_the_blocks(stack: GatewayStack) -> None:
+    body = {"model": SERVED_MODEL, "input": "Write a long story.", "max_output_tokens": 400, "stream": True,
+            "temperature": 1.0, "seed": 7}  # fmt: skip
+    with httpx.stream("POST", f"{stack.http_url}/v1/responses", json=body, headers=HEADERS, timeout=60) as answer:
+        deltas = 0
+        for name, _ in _sse(answer.iter_lines()):
+            deltas += name == "response.output_text.delta"
+            if deltas == 3:
+                break
+    stats = stack.wait_workers_idle(timeout=10)
+    assert all(s.num_running == 0 and s.num_blocks_used == 0 for s in stats), stats

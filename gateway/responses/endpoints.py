@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 RESPONSES_PATH = "/v1/responses"
 RECORD_VERSION = 1
+RECORD_BYTES_PER_TOKEN = 6  # a token id in a record: 4 bytes, base64 (the prompt's and the output's)
 MAX_LIST_LIMIT = 100  # input_items' limit, as OpenAI's
 DEFAULT_LIST_LIMIT = 20
 
@@ -219,12 +220,21 @@ class ResponsesEndpoints:
                 kind="chat",
                 template_kwargs=template_kwargs,
                 **common,
-            )  # fmt: skip
+            ),
+            backlog=False,
         )
         prompt = rendered.token_ids
         if previous is not None:
             prompt = continued_prompt(prompt, _unpack(previous["prompt"]), _unpack(previous["output_ids"]),
                                       pool.tokenizer)  # fmt: skip
+        if wire.store:
+            known = len(orjson.dumps(conversation)) + RECORD_BYTES_PER_TOKEN * len(prompt)
+            if known > self.store.limits.max_response_bytes:
+                raise InvalidRequestError(
+                    f"this conversation would be stored in {known} bytes, past this server's limit of "
+                    f"{self.store.limits.max_response_bytes} a response; start a new one, or send store=false",
+                    param="previous_response_id" if previous else "input",
+                )
         stop = (wire.stop,) if isinstance(wire.stop, str) else tuple(wire.stop or ())
         request = GatewayRequest(
             prompt_token_ids=prompt, params=params, max_tokens_defaulted=wire.max_output_tokens is None, stop=stop,

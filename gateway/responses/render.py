@@ -43,7 +43,11 @@ def usage_of(generation: Generation) -> dict[str, Any]:
     usage = generation.usage
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # cache_write_tokens: the prompt tokens this request computed (their full blocks join the prefix cache)
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens,
+        },  # fmt: skip
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
