@@ -182,8 +182,7 @@ class ResponsesEndpoints:
                 self.request_path.metrics.responses_store_errors.labels(type(exc).__name__).inc()
                 logger.warning("response %s was not stored: %s", response_id, exc)
 
-        parse_tools = bool(wire.tools) and wire.tool_choice != "none"
-        renderer = ResponseRenderer(generation, head, parse_tools, finish)
+        renderer = ResponseRenderer(generation, head, pool.tokenizer.decode, finish)
         if wire.stream:
             return StreamReply(reply_headers, renderer.events(), generation.aclose)
         try:

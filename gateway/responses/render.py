@@ -10,8 +10,8 @@ The stream is OpenAI's sequence, each event an SSE `event:` line and its JSON wi
     response.output_item.done
     response.completed (or response.incomplete at max_output_tokens, response.failed after an error)
 
-Function calls are found in the text by the tool-call parser (gateway.tool_calls) when the request offers
-tools; a message item opens at the first visible text and closes before a call's item opens.
+Function calls come parsed from the model's text by the request path (gateway.tool_calls, when the request
+offers tools); a message item opens at the first visible text and closes when a call's item opens.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Turn:
     """What one generation produced, as it is known so far."""
 
     output: list[dict[str, Any]] = field(default_factory=list)  # the output items, in order
-    raw_text: str = ""  # the model's whole output text (tool-call markup included)
+    raw_text: str = ""  # the model's whole output text (tool-call markup included), once it ended
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: GatewayError | None = None
@@ -57,18 +57,19 @@ def usage_of(generation: Generation) -> dict[str, Any]:
 class ResponseRenderer:
     """One generation's Response: `whole()` or `events()`. `head` is the Response object's fixed fields (id,
     model, the echoed request); `finish(turn)` runs once the output is known, before the last event or the
-    body (the endpoint stores the response there) and may return an error to answer instead."""
+    body (the endpoint stores the response there). `decode` spells the output's ids as the model's own text
+    (tool-call markup included), which the store keeps for the next turn's prompt."""
 
     def __init__(
         self,
         generation: Generation,
         head: dict[str, Any],
-        parse_tools: bool,
+        decode: Callable[[list[int]], str],
         finish: Callable[[Turn, dict[str, Any]], Any],
     ) -> None:
         self.generation = generation
         self.head = head
-        self.parse_tools = parse_tools
+        self.decode = decode
         self.finish = finish
         self.created_at = head["created_at"]
 
@@ -119,34 +120,35 @@ class ResponseRenderer:
         yield event(last or "response.failed", response=body)
 
     async def _items(self, turn: Turn) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        """The output item events of the generation, filling `turn`; an error ends them and lands in `turn`."""
-        parser = ToolCallStreamParser() if self.parse_tools else None  # noqa: F821 (issue 32: tool calls)
+        """The output item events of the generation, filling `turn`; an error ends them and lands in `turn`.
+        A chunk's text is the message's (tool-call markup already taken out by the request path); its
+        `extra["tool_calls"]` are chat's call deltas: one with an `id` opens a call, the rest add arguments."""
         message: dict[str, Any] | None = None  # the open message item
         call: dict[str, Any] | None = None  # the open function call item
+        content: list[str] = []  # the open message's text so far
+
+        def added(item: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+            turn.output.append(item)
+            return "response.output_item.added", {"output_index": len(turn.output) - 1, "item": dict(item)}
 
         def open_message() -> list[tuple[str, dict[str, Any]]]:
             nonlocal message
             message = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
                        "content": []}  # fmt: skip
-            turn.output.append(message)
-            index = len(turn.output) - 1
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            return [
-                ("response.output_item.added", {"output_index": index, "item": dict(message, content=[])}),
-                ("response.content_part.added",
-                 {"item_id": message["id"], "output_index": index, "content_index": 0, "part": part}),
-            ]  # fmt: skip
+            ids = {"item_id": message["id"], "output_index": len(turn.output), "content_index": 0}
+            return [added(message), ("response.content_part.added", {**ids, "part": part})]
 
         def close_message() -> list[tuple[str, dict[str, Any]]]:
             nonlocal message
             if message is None:
                 return []
             done, message = message, None
-            index = turn.output.index(done)
-            text = "".join(done.pop("_parts", []))
+            text = "".join(content)
+            content.clear()
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            done["content"] = [part]
-            done["status"] = "completed"
+            done.update(content=[part], status="completed")
+            index = turn.output.index(done)
             ids = {"item_id": done["id"], "output_index": index, "content_index": 0}
             return [
                 ("response.output_text.done", {**ids, "text": text, "logprobs": []}),
@@ -154,63 +156,59 @@ class ResponseRenderer:
                 ("response.output_item.done", {"output_index": index, "item": done}),
             ]
 
+        def close_call() -> list[tuple[str, dict[str, Any]]]:
+            nonlocal call
+            if call is None:
+                return []
+            done, call = call, None
+            done["status"] = "completed"
+            index = turn.output.index(done)
+            return [
+                ("response.function_call_arguments.done",
+                 {"item_id": done["id"], "output_index": index, "arguments": done["arguments"]}),
+                ("response.output_item.done", {"output_index": index, "item": done}),
+            ]  # fmt: skip
+
         def text_events(text: str) -> list[tuple[str, dict[str, Any]]]:
             if not text:
                 return []
-            events = open_message() if message is None else []
+            events = [*close_call(), *(open_message() if message is None else [])]
             assert message is not None  # opened above
-            message.setdefault("_parts", []).append(text)
-            index = turn.output.index(message)
-            delta = {"item_id": message["id"], "output_index": index, "content_index": 0, "delta": text,
-                     "logprobs": []}  # fmt: skip
+            content.append(text)
+            delta = {"item_id": message["id"], "output_index": turn.output.index(message), "content_index": 0,
+                     "delta": text, "logprobs": []}  # fmt: skip
             return [*events, ("response.output_text.delta", delta)]
 
-        def call_events(parsed: Any) -> list[tuple[str, dict[str, Any]]]:
+        def call_events(delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             nonlocal call
-            events: list[tuple[str, dict[str, Any]]] = []
-            if parsed.kind == "text":
-                return text_events(parsed.text)
-            if parsed.kind == "call_start":
-                events += close_message()
-                call = {"id": new_id("fc"), "type": "function_call", "call_id": parsed.call_id,
-                        "name": parsed.name, "arguments": "", "status": "in_progress"}  # fmt: skip
-                turn.output.append(call)
-                events.append(("response.output_item.added",
-                               {"output_index": len(turn.output) - 1, "item": dict(call)}))  # fmt: skip
-            elif parsed.kind == "call_arguments" and call is not None:
-                call["arguments"] += parsed.text
+            events = []
+            function = delta.get("function") or {}
+            if delta.get("id"):
+                events += [*close_message(), *close_call()]
+                call = {"id": new_id("fc"), "type": "function_call", "call_id": delta["id"],
+                        "name": function.get("name") or "", "arguments": "", "status": "in_progress"}  # fmt: skip
+                events.append(added(call))
+            arguments = function.get("arguments") or ""
+            if arguments and call is not None:
+                call["arguments"] += arguments
                 events.append(("response.function_call_arguments.delta",
                                {"item_id": call["id"], "output_index": turn.output.index(call),
-                                "delta": parsed.text}))  # fmt: skip
-            elif parsed.kind == "call_end" and call is not None:
-                done, call = call, None
-                done["status"] = "completed"
-                index = turn.output.index(done)
-                events += [
-                    ("response.function_call_arguments.done",
-                     {"item_id": done["id"], "output_index": index, "arguments": done["arguments"]}),
-                    ("response.output_item.done", {"output_index": index, "item": done}),
-                ]  # fmt: skip
+                                "delta": arguments}))  # fmt: skip
             return events
 
+        texts: list[str] = []
         try:
             async for chunk in self.generation:
                 if chunk.index != 0:
                     continue
-                turn.raw_text += chunk.text
+                texts.append(chunk.text)
                 turn.output_ids.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     turn.finish_reason = chunk.finish_reason
-                if parser is None:
-                    for event in text_events(chunk.text):
-                        yield event
-                    continue
-                for parsed in parser.feed(chunk.text):
-                    for event in call_events(parsed):
-                        yield event
-            if parser is not None:
-                for parsed in parser.finish():
-                    for event in call_events(parsed):
+                for event in text_events(chunk.text):
+                    yield event
+                for delta in chunk.extra.get("tool_calls", ()):
+                    for event in call_events(delta):
                         yield event
         except GatewayError as exc:
             turn.error = exc
@@ -219,8 +217,9 @@ class ResponseRenderer:
         if not turn.output and turn.error is None:  # an empty answer is still the assistant's turn
             for event in open_message():
                 yield event
-        for event in close_message():
+        for event in [*close_message(), *close_call()]:
             yield event
+        turn.raw_text = self.decode(turn.output_ids) if turn.output_ids else "".join(texts)
         if turn.output:
             turn.output[0][RAW] = turn.raw_text
             for item in turn.output[1:]:
