@@ -6,6 +6,8 @@ conversations on the workers' cache, and Redis down (a continued turn gets a cle
 from __future__ import annotations
 
 import asyncio
+import os
+import tracemalloc
 from collections.abc import Iterator
 
 import openai
@@ -66,6 +68,25 @@ def test_memory_store_bounds() -> None:
         assert await store.get("a", "r8") is None  # expired
 
     asyncio.run(run())
+
+
+def test_memory_store_flood_stays_within_the_tenant_bound() -> None:
+    """The process's own memory, measured by tracemalloc, not the store's books."""
+    limits = StoreLimits(max_response_bytes=64 * 1024, max_tenant_bytes=1024 * 1024)
+    store = MemoryResponseStore(limits)
+
+    async def flood() -> None:
+        for i in range(400):  # 12.8 MB offered to a tenant allowed 1 MiB
+            await store.put("flood", f"resp_{i:048x}", os.urandom(32 * 1024))
+
+    tracemalloc.start()
+    try:
+        asyncio.run(flood())
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * limits.max_tenant_bytes, held
+    assert asyncio.run(store.usage("flood"))[1] <= limits.max_tenant_bytes
 
 
 def test_redis_store_flood_stays_within_the_tenant_bound(redis_server: RedisServer) -> None:

@@ -212,6 +212,10 @@ def test_a_worker_front_door_answers_tokenize_and_serves_vllm_metrics(worker: st
     assert lora == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     health = httpx.get(f"{worker}/health", timeout=10)
     assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    first = post(f"{worker}/v1/responses", {"input": "Hello there", "max_output_tokens": 2}).json()
+    second = post(f"{worker}/v1/responses", {"input": "Go on", "previous_response_id": first["id"],
+                                             "max_output_tokens": 2}).json()  # fmt: skip
+    assert second["status"] in ("completed", "incomplete") and second["previous_response_id"] == first["id"]
 
 
 def vllm_fields(relative: str, class_name: str) -> set[str] | None:
