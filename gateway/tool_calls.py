@@ -171,12 +171,10 @@ class ToolCallParser:
             self._end_call(arguments, calls)
             return True
         head = _HEAD.match(buffer)
-        if head is None:
+        called = None if head is None else _json_string(head.group(1))
+        if head is None or called is None:
             return False  # not yet readable; read whole at the end tag
-        name = _json_string(head.group(1))
-        if name is None:
-            return False
-        self._start_call(name, calls)
+        self._start_call(called, calls)
         self._buffer = buffer[head.end() :]
         self._state = _State.ARGUMENTS
         return True
@@ -235,11 +233,11 @@ def _read_block(block: str) -> tuple[str, str] | None:
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
         return None
-    arguments = parsed.get("arguments")
-    if isinstance(arguments, str) and _is_object(arguments):
-        return parsed["name"], arguments
-    if isinstance(arguments, dict):
-        return parsed["name"], json.dumps(arguments, ensure_ascii=False)
+    given = parsed.get("arguments")
+    if isinstance(given, str) and _is_object(given):
+        return parsed["name"], given
+    if isinstance(given, dict):
+        return parsed["name"], json.dumps(given, ensure_ascii=False)
     return None
 
 

@@ -44,7 +44,9 @@ def structured_from_proto(msg: worker_pb2.StructuredOutput) -> StructuredOutput 
 def structured_to_proto(structured: StructuredOutput) -> worker_pb2.StructuredOutput:
     if structured.kind == "json_object":
         return worker_pb2.StructuredOutput(json_object=True)
-    return worker_pb2.StructuredOutput(**{structured.kind: structured.spec})
+    if structured.kind == "json_schema":
+        return worker_pb2.StructuredOutput(json_schema=structured.spec)
+    return worker_pb2.StructuredOutput(structural_tag=structured.spec)
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:

@@ -91,9 +91,7 @@ def tools_preamble(tools: list[dict[str, Any]]) -> str:
     return _PREAMBLE_HEAD + listed + _PREAMBLE_TAIL
 
 
-def for_template(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> list[dict[str, Any]]:
+def for_template(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """`messages` as a template that does not read `tools` renders them in this format: the tools' preamble
     in the system message (one is added first when there is none), each assistant's `tool_calls` as
     `<tool_call>` text after its content, and each run of `tool` messages as one user message of

@@ -42,7 +42,10 @@ TOOLS: list[dict[str, Any]] = [
         "type": "function",
         "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMETERS},
     },
-    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME_PARAMETERS}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME_PARAMETERS},
+    },
 ]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ANSWER_SCHEMA = {
@@ -52,6 +55,11 @@ ANSWER_SCHEMA = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}  # valid JSON, refused by xgrammar
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,7 +90,9 @@ def tool_call_output(engine: LLMEngine, text_ids: list[int]) -> list[dict[str, A
 
 
 def test_json_schema_in_the_engine(engine: LLMEngine) -> None:
-    params = SamplingParams(max_tokens=48, temperature=0, structured=StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA)))
+    params = SamplingParams(
+        max_tokens=48, temperature=0, structured=StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA))
+    )
     (result,) = engine.generate([prompt(engine)], params)
     assert result.finish_reason == "stop"
     jsonschema.validate(json.loads(engine.tokenizer.decode(result.token_ids)), ANSWER_SCHEMA)
@@ -91,7 +101,9 @@ def test_json_schema_in_the_engine(engine: LLMEngine) -> None:
 
 def test_forced_tool_call_in_the_engine(engine: LLMEngine) -> None:
     spec = StructuredOutput("structural_tag", structural_tag(TOOLS, "get_time"))
-    (result,) = engine.generate([prompt(engine, TOOLS)], SamplingParams(max_tokens=48, temperature=0.7, seed=3, structured=spec))
+    (result,) = engine.generate(
+        [prompt(engine, TOOLS)], SamplingParams(max_tokens=48, temperature=0.7, seed=3, structured=spec)
+    )
     assert result.finish_reason == "stop"
     (call,) = tool_call_output(engine, result.token_ids)
     assert call["name"] == "get_time"
@@ -99,7 +111,7 @@ def test_forced_tool_call_in_the_engine(engine: LLMEngine) -> None:
 
 
 def test_compile_failure_is_refused_by_name(engine: LLMEngine) -> None:
-    bad = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))
+    bad = StructuredOutput("json_schema", json.dumps(BAD_SCHEMA))
     with pytest.raises(InvalidRequest) as raised:
         engine.add_request("bad", prompt(engine), SamplingParams(structured=bad))
     assert raised.value.field == "structured" and "does not compile" in str(raised.value)
@@ -109,7 +121,9 @@ def test_compile_failure_is_refused_by_name(engine: LLMEngine) -> None:
 
 
 def test_max_tokens_cuts_a_grammar_short(engine: LLMEngine) -> None:
-    params = SamplingParams(max_tokens=3, temperature=0, structured=StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA)))
+    params = SamplingParams(
+        max_tokens=3, temperature=0, structured=StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA))
+    )
     (result,) = engine.generate([prompt(engine)], params)
     assert result.finish_reason == "length" and len(result.token_ids) == 3
 
@@ -118,7 +132,9 @@ def test_preemption_keeps_the_grammar_where_it_was() -> None:
     """Three constrained sequences of 2-block prompts in 7 blocks, none reserved for decoding: one is preempted
     and recomputed; each still answers exactly what it answers alone (greedy), a whole JSON value of its schema."""
     small = LLMEngine(EngineConfig(model="smollm2", num_kv_blocks=7, max_model_len=1024, decode_reserve_tokens=0))
-    params = SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA)))
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured=StructuredOutput("json_schema", json.dumps(ANSWER_SCHEMA))
+    )
     prompts = [
         small.tokenizer.encode_chat(
             [{"role": "system", "content": f"Case {i}. Answer in JSON."}, {"role": "user", "content": "The weather?"}]
@@ -183,7 +199,7 @@ def check_calls(calls: list[Any], names: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("tool_choice", ["required", named("get_time")])
 def test_forced_tool_calls(client: openai.OpenAI, tool_choice: Any) -> None:
     response = client.chat.completions.create(
         model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
@@ -229,7 +245,10 @@ def test_forced_tool_calls_streamed(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema(client: openai.OpenAI, stream: bool) -> None:
-    response_format: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True},
+    }
     answer = client.chat.completions.create(
         model=SERVED_MODEL, messages=MESSAGES, response_format=response_format, max_tokens=48, temperature=0,
         stream=stream,
@@ -266,8 +285,8 @@ def test_max_tokens_cutoff_is_length(client: openai.OpenAI) -> None:
 def test_tool_history_round_trip(client: openai.OpenAI) -> None:
     """An assistant's earlier call and its result render through the template; the answer is text (`none`)."""
     first = client.chat.completions.create(
-        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=64, temperature=0,
+        model=SERVED_MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named("get_weather"), max_tokens=64,
+        temperature=0,
     )  # fmt: skip
     message = first.choices[0].message
     (call,) = message.tool_calls or []
@@ -285,12 +304,10 @@ def test_tool_history_round_trip(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+        ({"tools": TOOLS, "tool_choice": named("nope")}, "tool_choice.function.name"),
         ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
-            "response_format",
-        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+         "response_format"),
         ({"messages": [*MESSAGES, {"role": "tool", "content": "15 C"}]}, "messages[1].tool_call_id"),
     ],
 )  # fmt: skip

@@ -26,7 +26,9 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], "o": {"a": "}"}}}\n</tool_call>'
+ARGUMENTS = '{"city": "Paris", "days": [1, 2], "o": {"a": "}"}}'
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGUMENTS + "}\n</tool_call>"
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def calls_of(parsed: Any) -> list[tuple[str, str]]:
@@ -36,7 +38,7 @@ def calls_of(parsed: Any) -> list[tuple[str, str]]:
 def test_one_call_with_text_before() -> None:
     parsed = parse_tool_calls("Let me look.\n" + CALL)
     assert parsed.content == "Let me look."
-    assert calls_of(parsed) == [("get_weather", '{"city": "Paris", "days": [1, 2], "o": {"a": "}"}}')]
+    assert calls_of(parsed) == [("get_weather", ARGUMENTS)]
     assert json.loads(parsed.tool_calls[0].arguments)["o"] == {"a": "}"}
     assert parsed.tool_calls[0].id.startswith("call_") and len(parsed.tool_calls[0].id) == 29
 
@@ -156,7 +158,11 @@ def test_tools_preamble_and_history_render_as_text(tokenizer_smollm2: Tokenizer)
             "role": "assistant",
             "content": "",
             "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "15 C"},
@@ -164,8 +170,11 @@ def test_tools_preamble_and_history_render_as_text(tokenizer_smollm2: Tokenizer)
     ]
     text = tokenizer_smollm2.apply_chat_template(messages, tools=[tool])
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
-    assert '"name": "get_weather"' in text and "<tool_call>\n{\"name\": <function-name>" in text
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '"name": "get_weather"' in text and '<tool_call>\n{"name": <function-name>' in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in text
+    )
     assert "<|im_start|>user\n<tool_response>\n15 C\n</tool_response>\n<tool_response>\nrain\n</tool_response>" in text
     ids = tokenizer_smollm2.encode_chat(messages, tools=[tool])
     im_start = tokenizer_smollm2.backend.token_to_id("<|im_start|>")
@@ -191,14 +200,17 @@ def request(**fields: Any) -> GatewayRequest:
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+         "tools[0].function.parameters"),
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_named(fields: dict[str, Any], param: str) -> None:
@@ -215,7 +227,7 @@ def test_constraints() -> None:
     required = structured_output(request(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
     assert required == StructuredOutput("structural_tag", structural_tag([WEATHER], None, False))
     assert json.loads(required.spec)["format"]["stop_after_first"] is True
-    named = structured_output(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    named = structured_output(request(tools=[WEATHER], tool_choice=NAMED))
     assert named is not None and json.loads(named.spec)["format"]["type"] == "tag"
     schema = {"type": "object"}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
