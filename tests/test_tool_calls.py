@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequestError
+from gateway.forwarding.backends import ForwardJob, engine_request
+from gateway.frontdoors.openai_protocol import ChatCompletionRequest, RequestHeaders, parse_request
 from gateway.request import GatewayRequest
 from gateway.structured_request import check, parses_tool_calls, structured_output
 from gateway.tool_calls import ParsedDelta, ToolCallParser, parse_tool_calls
@@ -235,3 +237,25 @@ def test_constraints() -> None:
     assert structured_output(request(response_format={"type": "json_object"})) == StructuredOutput("json_object")
     token_level = StructuredOutput("json_object")
     assert structured_output(request(params=SamplingParams(structured=token_level))) is token_level
+
+
+def test_http_engines_get_the_fields_as_sent() -> None:
+    """vLLM and SGLang parse and constrain themselves: a chat's tools, tool_choice and response_format reach them
+    in the client's own body (gateway/forwarding/backends.py), after the same checks."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER],
+        "tool_choice": NAMED,
+        "parallel_tool_calls": False,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    }
+    raw = json.dumps(body).encode()
+    gateway_request = parse_request(ChatCompletionRequest, raw).to_gateway_request(RequestHeaders())
+    gateway_request.api_json = raw
+    check(gateway_request)
+    job = ForwardJob("r1", gateway_request, [1, 2], "", [], gateway_request.params, {})
+    path, sent = engine_request(job, "engine-model", 0)
+    assert path == "/v1/chat/completions"
+    for field in ("tools", "tool_choice", "parallel_tool_calls", "response_format", "messages"):
+        assert sent[field] == body[field]
