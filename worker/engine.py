@@ -226,12 +226,11 @@ class LLMEngine:
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def compile_structured(self, params: SamplingParams) -> Any:
-        """params.structured compiled for this engine's vocabulary (None when unconstrained, or on an engine
-        that ignores constraints); InvalidRequest naming `structured` when it does not compile. Any thread may
-        call it (the async engine does, before the request reaches the step loop)."""
+        """params.structured (validated: `validate_request`) compiled for this engine's vocabulary (None when
+        unconstrained, or on an engine that ignores constraints); InvalidRequest naming `structured` when it does
+        not compile. Any thread may call it (the async engine does, before the request reaches the step loop)."""
         if params.structured is None or self.grammars is None:
             return None
-        params.structured.validate()
         return self.grammars.compile(params.structured)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -22,7 +22,7 @@ The contract, in order:
 
 from __future__ import annotations
 
-import logging
+import re
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +34,8 @@ from kvroute.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import xgrammar
 
-log = logging.getLogger(__name__)
-
+# xgrammar's C++ errors start with "[05:32:41] /project/cpp/json_schema_converter.cc:5088: ": not the client's news.
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 CACHE_BYTES = 256 * 2**20  # compiled grammars kept (xgrammar's compiler cache, least recently used out first)
 COMPILE_THREADS = 2  # xgrammar's threads per compile (building a grammar's token-mask cache)
 
@@ -101,8 +101,7 @@ class GrammarBackend:
                 return compiler.compile_json_schema(structured.spec, any_whitespace=False)
             return compiler.compile_structural_tag(structured.spec)
         except (RuntimeError, ValueError) as exc:
-            # xgrammar's C++ errors start with "[time] /path/file.cc:line: "; the reason is what follows.
-            reason = str(exc).strip().rsplit(": ", 1)[-1] if "] /" in str(exc) else str(exc).strip()
+            reason = _SOURCE_PREFIX.sub("", str(exc).strip())
             raise InvalidRequest("structured", f"the {structured.kind} does not compile: {reason}") from None
 
     def constraint(self, compiled: Any) -> GrammarConstraint:
