@@ -61,7 +61,17 @@ class GatewayRequest:
     app: str | None = None  # x-kvroute-app header: the prefix doctor's grouping (default: the API key's tenant)
     client_cache_salt: str = ""  # mixed in under the tenant's salt, never replacing it
     priority: int | None = None  # body `priority` or x-kvroute-priority (the header wins); None: the tenant's
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. `tools`, passed to the chat template
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the chat template
+    # Tool calls and structured output, the same for every front door (gateway/structured_request.py: the rules;
+    # docs/structured-output.md). `tools` reach the prompt through the tokenizer's chat step (with `messages`; a
+    # caller that sends `prompt_token_ids` renders them itself, kvroute.tokenizer.Tokenizer.encode_chat); the
+    # constraint they imply goes to a kvroute worker in params.structured, and the output's tool calls come back
+    # parsed, in Chunk.extra["tool_calls"] (chat delta shape), finish_reason "tool_calls".
+    tools: list[dict[str, Any]] | None = None  # chat's `{"type": "function", "function": {"name", ...}}`
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True  # False: at most one call (a forced call's grammar stops after it)
+    # chat's: {"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}, {"type": "json_object"}, text
+    response_format: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     # The special tokens (a BOS) around the prompt's ids: None = the default, on for a prompt and off for
     # messages (whose template writes its own), as vLLM's; /tokenize's clients may set it.

@@ -63,7 +63,7 @@ from typing import TypeVar
 import grpc
 from opentelemetry import trace
 
-from gateway import tracing
+from gateway import structured_request, tracing
 from gateway.admission.auth import Authenticator, cache_salt
 from gateway.admission.limits import RETRY_AFTER_SECONDS, Limits, TenantConcurrency
 from gateway.errors import (
@@ -339,8 +339,12 @@ class RequestPath:
         priority = tenant.clamped_priority(request.priority)
         band = None if self.flow is None else priority
         try:
+            params = request.params
+            structured = structured_request.structured_output(request)
+            if structured is not params.structured:
+                params = dataclasses.replace(params, structured=structured)
             forward = _Forward(
-                request_id, request, prompt_ids, salt, hashes, request.params, tracing.worker_trace_context(span),
+                request_id, request, prompt_ids, salt, hashes, params, tracing.worker_trace_context(span),
                 request.max_tokens_defaulted, span, priority=priority,
             )  # fmt: skip
             route_request = RouteRequest(
@@ -411,6 +415,7 @@ class RequestPath:
             request.params.validate()
         except InvalidRequest as exc:
             raise InvalidRequestError(str(exc).removeprefix(f"{exc.field}: "), param=exc.field) from None
+        structured_request.check(request)
         salt = cache_salt(tenant, request.client_cache_salt)
         self.concurrency.acquire(tenant)
         prompt_ids = await self._prompt_token_ids(request, salt, tenant)  # on an error, the slot is released
@@ -477,6 +482,8 @@ class RequestPath:
             if request.messages is not None:
                 kwargs = dict(request.template_kwargs)
                 add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+                if request.tools is not None:
+                    kwargs["tools"] = request.tools
                 ids = self.tokenizer.encode_chat(
                     request.messages, add_generation_prompt, cache_scope=salt, max_tokens=limit, **kwargs
                 )
@@ -620,7 +627,7 @@ class RequestPath:
             stream = self._send(forward, member, choice)
             if grant is not None:
                 grant.sent()
-            first = await self._first_message(stream)
+            first = await self._first_message(stream, forward.request)
             if isinstance(first, _Failed):
                 busy += first.cause == "busy"
                 failed.append(member.worker_id)
@@ -647,7 +654,9 @@ class RequestPath:
             raise NoWorkerAvailable("every live worker's circuit breaker is open; retry shortly", retry_after=1.0)
         raise NoWorkerAvailable("no live worker to route to")
 
-    async def _first_message(self, stream: WorkerStream) -> worker_pb2.GenerateResponse | EngineDelta | _Failed:
+    async def _first_message(
+        self, stream: WorkerStream, request: GatewayRequest
+    ) -> worker_pb2.GenerateResponse | EngineDelta | _Failed:
         """The worker request's first message, its breaker booked a success; or, for a failure that another
         worker may not share, why it failed (_Failed), the request ended and its breaker and fleet state told.
         Raises what no retry can help: the client's own fault (InvalidRequestError), the gateway's shutdown, a
@@ -657,7 +666,7 @@ class RequestPath:
             first = await stream.next_message()
         except grpc.aio.AioRpcError as exc:
             self.end_dispatch(stream)
-            cause = self._refused(worker_id, exc)
+            cause = self._refused(worker_id, exc, request)
             return _Failed(cause, f"worker {worker_id}: {exc.code().name}: {exc.details()}")
         except StreamEnded as ended:  # overdue on a hung worker, or the worker left: retry elsewhere
             self.end_dispatch(stream)
@@ -682,13 +691,15 @@ class RequestPath:
         self.breakers.on_failure(worker_id)
         self.fleet.on_failure(worker_id)
 
-    def _refused(self, worker_id: str, exc: grpc.aio.AioRpcError) -> str:
+    def _refused(self, worker_id: str, exc: grpc.aio.AioRpcError, request: GatewayRequest) -> str:
         """Book a worker's refusal before its first token and name its cause ("busy": full but healthy; else
         a failure for its breaker). Raises InvalidRequestError when the worker refused the request itself."""
         code = exc.code()
         if code in _CLIENT_FAULTS:
             self.breakers.on_abandoned(worker_id)
             param, message = _split_field(exc.details() or code.name)
+            if param == "structured":
+                param = structured_request.param_of_structured(request)
             raise InvalidRequestError(message, param=param) from None
         if code in _BUSY:
             self.breakers.on_abandoned(worker_id)
@@ -802,7 +813,7 @@ def _small_prompt(request: GatewayRequest) -> bool:
     not counted and goes to the pool)."""
     if request.messages is None:
         return isinstance(request.prompt, str) and len(request.prompt) <= INLINE_PROMPT_CHARS
-    if request.template_kwargs.keys() - {"add_generation_prompt"}:
+    if request.template_kwargs.keys() - {"add_generation_prompt"} or request.tools:
         return False
     total = 0
     for message in request.messages:

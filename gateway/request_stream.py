@@ -22,18 +22,19 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry import trace
 
-from gateway import tracing
+from gateway import structured_request, tracing
 from gateway.errors import GatewayError, UpstreamError
 from gateway.fleet.fleet_state import FleetState
 from gateway.forwarding.backends import BackendCall, EngineDelta
 from gateway.forwarding.stop_strings import ChoiceText
 from gateway.metrics import GatewayMetrics, finished_reason_label
 from gateway.request import Chunk, GatewayRequest, Generation, RouteInfo, Tenant, TokenLogprob, Usage
+from gateway.tool_calls import ToolCallDelta, ToolCallParser
 from kvroute.proto_maps import FINISH_REASON_NAMES
 from kvroute.tokenizer import Tokenizer
 from proto import worker_pb2
@@ -133,6 +134,10 @@ class StreamingGeneration(Generation):
             for _ in streams
         ]
         self._want_logprobs = request.params.logprobs
+        # A kvroute worker's text is read for tool calls here (an HTTP engine parses its own).
+        self._tool_parsers = (
+            [ToolCallParser() for _ in streams] if structured_request.parses_tool_calls(request) else None
+        )
         self._span = span
         self._arrival = arrival
         self._first_token_at = time.perf_counter()  # built when the first token has come
@@ -243,13 +248,20 @@ class StreamingGeneration(Generation):
         if stream.choice == 0 and response.HasField("usage"):
             # On the worker's first message and its last: exact even when a stop string cancels it mid-way.
             self.usage.cached_tokens = response.usage.cached_tokens
+        extra: dict[str, Any] = {}
+        if self._tool_parsers is not None:
+            text, calls, made_calls = _read_tool_calls(self._tool_parsers[stream.choice], text, finish_reason)
+            if calls:
+                extra["tool_calls"] = chat_tool_call_deltas(calls)
+            if finish_reason == "stop" and made_calls:
+                finish_reason = "tool_calls"
         if finish_reason is not None:
             self._finish_reasons.append(finish_reason)
             self._path.metrics.request_success.labels(finish_reason).inc()
-        if not text and not token_ids and finish_reason is None:
+        if not text and not token_ids and finish_reason is None and not extra:
             return None
         logprobs = self._logprobs(response) if self._want_logprobs else ()
-        return Chunk(stream.choice, text, token_ids, logprobs, finish_reason)
+        return Chunk(stream.choice, text, token_ids, logprobs, finish_reason, extra)
 
     def _consume_engine(self, stream: WorkerStream, delta: EngineDelta) -> Chunk | None:
         """An HTTP engine's message: its text as it is (the engine cut it at stop strings), its usage."""
@@ -314,3 +326,29 @@ class StreamingGeneration(Generation):
         tracing.record_usage(self._span, self.request_id, self.usage, self._finish_reasons)
         self._span.end()
         path.generation_closed(self._tenant, self._band, done)
+
+
+def _read_tool_calls(
+    parser: ToolCallParser, text: str, finish_reason: str | None
+) -> tuple[str, list[ToolCallDelta], bool]:
+    """(content, call deltas, whether the output made any call so far) of a choice's new text."""
+    parsed = parser.feed(text)
+    content, calls = parsed.content, list(parsed.calls)
+    if finish_reason is not None:
+        last = parser.finish()
+        content += last.content
+        calls += last.calls
+    return content, calls, bool(parser.tool_calls)
+
+
+def chat_tool_call_deltas(calls: Sequence[ToolCallDelta]) -> list[dict[str, Any]]:
+    """Call deltas as a chat delta's `tool_calls` (what HTTP engines send, and Chunk.extra carries): a call's
+    first with its id, type and name, the rest with argument fragments."""
+    out: list[dict[str, Any]] = []
+    for call in calls:
+        if call.id is not None:
+            function = {"name": call.name, "arguments": call.arguments}
+            out.append({"index": call.index, "id": call.id, "type": "function", "function": function})
+        else:
+            out.append({"index": call.index, "function": {"arguments": call.arguments}})
+    return out

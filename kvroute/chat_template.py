@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -73,6 +74,16 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables `template` reads from its context (`messages`, `tools`, ...)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 

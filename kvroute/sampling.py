@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -24,6 +26,36 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
+StructuredKind = Literal["json_schema", "json_object", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a constrained output must match (the wire's `kvroute.v1.StructuredOutput`): `kind` json_schema with
+    the schema's JSON text as `spec`, json_object (spec empty), or structural_tag with xgrammar's structural-tag
+    JSON (kvroute.tool_format builds the tool calls' one). Hashable: the worker's compiled-grammar cache keys
+    on it."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def validate(self) -> None:
+        """Raise InvalidRequest (field `structured`) unless the kind is known and its spec is a JSON object;
+        whether the grammar compiles is the worker's to say."""
+        if self.kind == "json_object":
+            if self.spec:
+                raise InvalidRequest("structured", "json_object takes no spec")
+            return
+        if self.kind not in ("json_schema", "structural_tag"):
+            raise InvalidRequest("structured", f"unknown kind {self.kind!r}")
+        try:
+            parsed = json.loads(self.spec)
+        except ValueError as exc:
+            raise InvalidRequest("structured", f"{self.kind} is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidRequest("structured", f"{self.kind} must be a JSON object")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -36,6 +68,7 @@ class SamplingParams:
     min_tokens: int = 0  # stopping tokens (EOS, stop_token_ids) cannot be sampled before this many output tokens
     logprobs: bool = False  # report the logprob of each chosen token
     top_logprobs: int = 0  # with logprobs: also the top_logprobs most likely tokens at each position
+    structured: StructuredOutput | None = None  # grammar-masked decoding (worker/structured_output.py)
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +100,8 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs=true")
+        if self.structured is not None:
+            self.structured.validate()
 
 
 def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int) -> None:

@@ -3,7 +3,7 @@ gateway's gRPC front door (what a client sends) and the request path (what it fo
 
 from __future__ import annotations
 
-from kvroute.sampling import SamplingParams
+from kvroute.sampling import SamplingParams, StructuredOutput
 from proto import worker_pb2
 
 _DEFAULT = SamplingParams()
@@ -27,7 +27,26 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams, default_max_tokens: int 
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        structured=structured_from_proto(msg.structured) if msg.HasField("structured") else None,
     )
+
+
+def structured_from_proto(msg: worker_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set (an empty message constrains nothing)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, getattr(msg, kind))
+
+
+def structured_to_proto(structured: StructuredOutput) -> worker_pb2.StructuredOutput:
+    if structured.kind == "json_object":
+        return worker_pb2.StructuredOutput(json_object=True)
+    if structured.kind == "json_schema":
+        return worker_pb2.StructuredOutput(json_schema=structured.spec)
+    return worker_pb2.StructuredOutput(structural_tag=structured.spec)
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
@@ -43,4 +62,5 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        structured=None if params.structured is None else structured_to_proto(params.structured),
     )

@@ -49,7 +49,8 @@ import orjson
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvroute.chat_template import SENTINELS, ChatTemplateError, render_chat_template
+from kvroute import tool_format
+from kvroute.chat_template import SENTINELS, ChatTemplateError, render_chat_template, template_variables
 from kvroute.gguf_file import gguf_field, read_gguf
 from kvroute.model_source import ModelSource, smollm2_gguf_path
 
@@ -332,6 +333,7 @@ class Tokenizer:
         Only a prompt within `max_tokens` is remembered."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        messages, extra = self._with_tools(messages, extra)
         with self._render_lock:
             marks = _pick_sentinels(messages, extra, self.chat_template)
             wrap = self._wrapper(marks)
@@ -374,6 +376,19 @@ class Tokenizer:
         if cache_scope is not None:
             self._remember(cache_scope, fresh)
         return ids
+
+    def _with_tools(
+        self, messages: list[dict[str, Any]], extra: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The messages and template variables to render: `tools` (extra's) and the history's tool calls and
+        results go to a template that reads `tools` as they are; for one that does not, they are written into
+        the messages in kvroute.tool_format's Hermes format (its preamble in the system message)."""
+        assert self.chat_template is not None
+        tools = extra.get("tools")
+        if "tools" in template_variables(self.chat_template) or not tool_format.needs_rewrite(messages, tools):
+            return messages, extra
+        rest = {k: v for k, v in extra.items() if k != "tools"}
+        return tool_format.for_template(messages, tools), rest
 
     def _wrapper(self, marks: _Sentinels) -> Callable[[Any], Any]:
         """`value` with every client string wrapped in sentinels (dict keys and `role`/`type` values only broken
@@ -517,6 +532,7 @@ class Tokenizer:
         """The prompt text for `messages` (raises ChatTemplateError, a ValueError, on rejected input)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        messages, extra = self._with_tools(messages, extra)
         return render_chat_template(
             self.chat_template,
             messages,

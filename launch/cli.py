@@ -15,7 +15,7 @@ from kvroute.errors import UserError
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 # The modules of pyproject.toml's `worker` extra: a subcommand that needs one says so (_without_worker_extra).
-WORKER_EXTRA_MODULES = frozenset({"torch", "triton", "safetensors", "matplotlib", "ninja", "tqdm"})
+WORKER_EXTRA_MODULES = frozenset({"torch", "triton", "safetensors", "matplotlib", "ninja", "tqdm", "xgrammar"})
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\nkvroute.v1\"\x93\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.kvroute.v1.GenerateRequest.TraceContextEntry\x12\x15\n\x08priority\x18\x07 \x01(\x11H\x00\x88\x01\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_priority\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.kvroute.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\xd6\x03\n\x0bWorkerStats\x12\x18\n\x10num_blocks_total\x18\x01 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x02 \x01(\r\x12\x19\n\x11num_blocks_cached\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0eprefix_queries\x18\x06 \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0b \x01(\x04\x12\x14\n\x0ckv_event_seq\x18\x0c \x01(\x04\x12\x11\n\tworker_id\x18\r \x01(\t\x12\x13\n\x0bincarnation\x18\x0e \x01(\x04\x12-\n\x0c\x65ngine_state\x18\x0f \x01(\x0e\x32\x17.kvroute.v1.EngineState\x12\x14\n\x0c\x65ngine_error\x18\x10 \x01(\t\x12\x30\n\x0epriority_loads\x18\x11 \x03(\x0b\x32\x18.kvroute.v1.PriorityLoad\"I\n\x0cPriorityLoad\x12\x10\n\x08priority\x18\x01 \x01(\x11\x12\x16\n\x0erunning_blocks\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"\xdf\x02\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x18\n\x10hash_fingerprint\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\n \x01(\t\x12\x11\n\tworker_id\x18\x0b \x01(\t\x12\x13\n\x0bincarnation\x18\x0c \x01(\x04\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x0e \x01(\t\x12\x1a\n\x12num_host_kv_blocks\x18\x0f \x01(\r\"q\n\x12GetKVEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x12\n\nmax_events\x18\x02 \x01(\r\x12\x17\n\x0fsnapshot_cursor\x18\x03 \x01(\x0c\x12\x1b\n\x13max_snapshot_blocks\x18\x04 \x01(\r\"\xcc\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.kvroute.v1.KVEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x0c\x12\x0e\n\x06medium\x18\x05 \x01(\t\"Q\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\x12\x10\n\x0cKIND_CLEARED\x10\x03\"\xea\x01\n\x0cKVEventBatch\x12\x13\n\x0bis_snapshot\x18\x01 \x01(\x08\x12\x14\n\x0csnapshot_seq\x18\x02 \x01(\x04\x12\x17\n\x0fsnapshot_hashes\x18\x03 \x03(\x0c\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.kvroute.v1.KVEvent\x12\x12\n\nlatest_seq\x18\x05 \x01(\x04\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\x1c\n\x14next_snapshot_cursor\x18\x08 \x01(\x0c\x12\x17\n\x0fsnapshot_medium\x18\t \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*w\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x01\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x02\x12\x15\n\x11\x45NGINE_STATE_DEAD\x10\x03\x32\x9b\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12@\n\x08GetStats\x12\x1b.kvroute.v1.GetStatsRequest\x1a\x17.kvroute.v1.WorkerStats\x12=\n\x07GetInfo\x12\x1a.kvroute.v1.GetInfoRequest\x1a\x16.kvroute.v1.WorkerInfo\x12G\n\x0bGetKVEvents\x12\x1e.kvroute.v1.GetKVEventsRequest\x1a\x18.kvroute.v1.KVEventBatchb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\nkvroute.v1\"\xc5\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x30\n\nstructured\x18\x0b \x01(\x0b\x32\x1c.kvroute.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"b\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"\xb6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x44\n\rtrace_context\x18\x06 \x03(\x0b\x32-.kvroute.v1.GenerateRequest.TraceContextEntry\x12\x15\n\x08priority\x18\x07 \x01(\x11H\x00\x88\x01\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_priority\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.kvroute.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\xd6\x03\n\x0bWorkerStats\x12\x18\n\x10num_blocks_total\x18\x01 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x02 \x01(\r\x12\x19\n\x11num_blocks_cached\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0eprefix_queries\x18\x06 \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0b \x01(\x04\x12\x14\n\x0ckv_event_seq\x18\x0c \x01(\x04\x12\x11\n\tworker_id\x18\r \x01(\t\x12\x13\n\x0bincarnation\x18\x0e \x01(\x04\x12-\n\x0c\x65ngine_state\x18\x0f \x01(\x0e\x32\x17.kvroute.v1.EngineState\x12\x14\n\x0c\x65ngine_error\x18\x10 \x01(\t\x12\x30\n\x0epriority_loads\x18\x11 \x03(\x0b\x32\x18.kvroute.v1.PriorityLoad\"I\n\x0cPriorityLoad\x12\x10\n\x08priority\x18\x01 \x01(\x11\x12\x16\n\x0erunning_blocks\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\"\x10\n\x0eGetInfoRequest\"\xdf\x02\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x18\n\x10hash_fingerprint\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\n \x01(\t\x12\x11\n\tworker_id\x18\x0b \x01(\t\x12\x13\n\x0bincarnation\x18\x0c \x01(\x04\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x0e \x01(\t\x12\x1a\n\x12num_host_kv_blocks\x18\x0f \x01(\r\"q\n\x12GetKVEventsRequest\x12\x11\n\tafter_seq\x18\x01 \x01(\x04\x12\x12\n\nmax_events\x18\x02 \x01(\r\x12\x17\n\x0fsnapshot_cursor\x18\x03 \x01(\x0c\x12\x1b\n\x13max_snapshot_blocks\x18\x04 \x01(\r\"\xcc\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.kvroute.v1.KVEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x0c\x12\x0e\n\x06medium\x18\x05 \x01(\t\"Q\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\x12\x10\n\x0cKIND_CLEARED\x10\x03\"\xea\x01\n\x0cKVEventBatch\x12\x13\n\x0bis_snapshot\x18\x01 \x01(\x08\x12\x14\n\x0csnapshot_seq\x18\x02 \x01(\x04\x12\x17\n\x0fsnapshot_hashes\x18\x03 \x03(\x0c\x12#\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x13.kvroute.v1.KVEvent\x12\x12\n\nlatest_seq\x18\x05 \x01(\x04\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\x1c\n\x14next_snapshot_cursor\x18\x08 \x01(\x0c\x12\x17\n\x0fsnapshot_medium\x18\t \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*w\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x01\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x02\x12\x15\n\x11\x45NGINE_STATE_DEAD\x10\x03\x32\x9b\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12@\n\x08GetStats\x12\x1b.kvroute.v1.GetStatsRequest\x1a\x17.kvroute.v1.WorkerStats\x12=\n\x07GetInfo\x12\x1a.kvroute.v1.GetInfoRequest\x1a\x16.kvroute.v1.WorkerInfo\x12G\n\x0bGetKVEvents\x12\x1e.kvroute.v1.GetKVEventsRequest\x1a\x18.kvroute.v1.KVEventBatchb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2445
-  _globals['_FINISHREASON']._serialized_end=2565
-  _globals['_ENGINESTATE']._serialized_start=2567
-  _globals['_ENGINESTATE']._serialized_end=2686
+  _globals['_FINISHREASON']._serialized_start=2595
+  _globals['_FINISHREASON']._serialized_end=2715
+  _globals['_ENGINESTATE']._serialized_start=2717
+  _globals['_ENGINESTATE']._serialized_end=2836
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=310
-  _globals['_GENERATEREQUEST']._serialized_start=313
-  _globals['_GENERATEREQUEST']._serialized_end=623
-  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=559
-  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=610
-  _globals['_USAGE']._serialized_start=625
-  _globals['_USAGE']._serialized_end=705
-  _globals['_GENERATERESPONSE']._serialized_start=708
-  _globals['_GENERATERESPONSE']._serialized_end=893
-  _globals['_TOPLOGPROBS']._serialized_start=895
-  _globals['_TOPLOGPROBS']._serialized_end=945
-  _globals['_GETSTATSREQUEST']._serialized_start=947
-  _globals['_GETSTATSREQUEST']._serialized_end=964
-  _globals['_WORKERSTATS']._serialized_start=967
-  _globals['_WORKERSTATS']._serialized_end=1437
-  _globals['_PRIORITYLOAD']._serialized_start=1439
-  _globals['_PRIORITYLOAD']._serialized_end=1512
-  _globals['_GETINFOREQUEST']._serialized_start=1514
-  _globals['_GETINFOREQUEST']._serialized_end=1530
-  _globals['_WORKERINFO']._serialized_start=1533
-  _globals['_WORKERINFO']._serialized_end=1884
-  _globals['_GETKVEVENTSREQUEST']._serialized_start=1886
-  _globals['_GETKVEVENTSREQUEST']._serialized_end=1999
-  _globals['_KVEVENT']._serialized_start=2002
-  _globals['_KVEVENT']._serialized_end=2206
-  _globals['_KVEVENT_KIND']._serialized_start=2125
-  _globals['_KVEVENT_KIND']._serialized_end=2206
-  _globals['_KVEVENTBATCH']._serialized_start=2209
-  _globals['_KVEVENTBATCH']._serialized_end=2443
-  _globals['_WORKER']._serialized_start=2689
-  _globals['_WORKER']._serialized_end=2972
+  _globals['_SAMPLINGPARAMS']._serialized_end=360
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=362
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=460
+  _globals['_GENERATEREQUEST']._serialized_start=463
+  _globals['_GENERATEREQUEST']._serialized_end=773
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=709
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=760
+  _globals['_USAGE']._serialized_start=775
+  _globals['_USAGE']._serialized_end=855
+  _globals['_GENERATERESPONSE']._serialized_start=858
+  _globals['_GENERATERESPONSE']._serialized_end=1043
+  _globals['_TOPLOGPROBS']._serialized_start=1045
+  _globals['_TOPLOGPROBS']._serialized_end=1095
+  _globals['_GETSTATSREQUEST']._serialized_start=1097
+  _globals['_GETSTATSREQUEST']._serialized_end=1114
+  _globals['_WORKERSTATS']._serialized_start=1117
+  _globals['_WORKERSTATS']._serialized_end=1587
+  _globals['_PRIORITYLOAD']._serialized_start=1589
+  _globals['_PRIORITYLOAD']._serialized_end=1662
+  _globals['_GETINFOREQUEST']._serialized_start=1664
+  _globals['_GETINFOREQUEST']._serialized_end=1680
+  _globals['_WORKERINFO']._serialized_start=1683
+  _globals['_WORKERINFO']._serialized_end=2034
+  _globals['_GETKVEVENTSREQUEST']._serialized_start=2036
+  _globals['_GETKVEVENTSREQUEST']._serialized_end=2149
+  _globals['_KVEVENT']._serialized_start=2152
+  _globals['_KVEVENT']._serialized_end=2356
+  _globals['_KVEVENT_KIND']._serialized_start=2275
+  _globals['_KVEVENT_KIND']._serialized_end=2356
+  _globals['_KVEVENTBATCH']._serialized_start=2359
+  _globals['_KVEVENTBATCH']._serialized_end=2593
+  _globals['_WORKER']._serialized_start=2839
+  _globals['_WORKER']._serialized_end=3122
 # @@protoc_insertion_point(module_scope)

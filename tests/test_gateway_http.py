@@ -125,8 +125,12 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None, str | None]] = [
      "stream_options", None),
     ("presence penalty", C, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ("echo", C, {"prompt": "hi", "echo": True}, 400, "echo", None),
-    ("json response format", CHAT_URL, {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
-     "response_format", None),
+    ("unknown response format", CHAT_URL, {"messages": CHAT, "response_format": {"type": "xml"}}, 400,
+     "response_format.type", None),
+    ("tool without a name", CHAT_URL, {"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, 400,
+     "tools[0].function.name", None),
+    ("tool_choice naming no tool", CHAT_URL, {"messages": CHAT, "tool_choice": {"type": "function",
+     "function": {"name": "paint"}}}, 400, "tool_choice.function.name", None),
     ("token id out of vocabulary", C, {"prompt": [1, 2, 10**9]}, 400, None, None),
 ]  # fmt: skip
 
@@ -221,7 +225,7 @@ def test_errors_quote_a_short_prefix_of_what_the_client_sent(client: httpx.Clien
         error = assert_openai_error(response, 404, "model", "model_not_found")
         assert len(response.content) < 400 and "mmm..." in error["message"], response.content[:500]
     response = client.post(CHAT_URL, json={"messages": CHAT, "response_format": {"type": "t" * 50_000}})
-    assert_openai_error(response, 400, "response_format")
+    assert_openai_error(response, 400, "response_format.type")
     assert len(response.content) < 400
     assert len(client.get("/v1/" + "n" * 20_000).content) < 400
 

@@ -41,6 +41,8 @@ _GATEWAY_BELOW_PATH = _GATEWAY_GROUND | {
     "gateway/fleet",
     "gateway/forwarding",
     "gateway/flow_control",
+    "gateway/tool_calls",
+    "gateway/structured_request",
 }
 
 MAY_IMPORT: dict[str, set[str]] = {
@@ -54,6 +56,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gateway/routing": {"kvroute", "proto"} | _GATEWAY_GROUND,  # policies, ring, KV index, the view they read
     "gateway/admission": {"kvroute", "proto"} | _GATEWAY_GROUND,  # API keys, tenants, limits
     "gateway/tracing": {"kvroute", "proto"} | _GATEWAY_GROUND,
+    "gateway/tool_calls": {"kvroute", "proto"} | _GATEWAY_GROUND,  # tool calls read back out of a model's text
+    # a request's tools, tool_choice and response_format: checked, and the constraint a worker decodes under
+    "gateway/structured_request": {"kvroute", "proto"} | _GATEWAY_GROUND,
     "gateway/metrics": {"kvroute", "proto", "gateway/routing", "gateway/admission"} | _GATEWAY_GROUND,
     "gateway/fleet": {"kvroute", "proto", "gateway/routing", "gateway/metrics"} | _GATEWAY_GROUND,  # fleet states
     "gateway/forwarding": {"kvroute", "proto", "gateway/fleet", "gateway/routing", "gateway/metrics"}

@@ -119,6 +119,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str
     priority: int
+    grammar: Any = None  # params.structured compiled (LLMEngine.compile_structured), off the step loop
 
 
 @dataclass
@@ -275,13 +276,15 @@ class AsyncEngine:
         """
         prompt = list(prompt_token_ids)
         self.check_admission(request_id, prompt, params)
+        # A grammar may take a while to compile: in a thread, neither on the step loop nor on the event loop.
+        grammar = await asyncio.to_thread(self.engine.compile_structured, params) if params.structured else None
         handle = str(next(self._handles))
         stream = _Stream(request_id)
         self._streams[handle] = stream
         self._open_ids.add(request_id)
         finished = False
         try:
-            self._submit(_Add(handle, prompt, params, cache_salt, priority))
+            self._submit(_Add(handle, prompt, params, cache_salt, priority, grammar))
             while not finished:
                 item = _merge_ready(await stream.queue.get(), stream.queue)
                 if isinstance(item, BaseException):
@@ -426,7 +429,9 @@ class AsyncEngine:
     def _apply(self, op: _Op) -> list[_Delivery]:
         if isinstance(op, _Add):
             try:
-                self.engine.add_request(op.handle, op.prompt_token_ids, op.params, op.cache_salt, op.priority)
+                self.engine.add_request(
+                    op.handle, op.prompt_token_ids, op.params, op.cache_salt, op.priority, grammar=op.grammar
+                )
             except InvalidRequest as exc:
                 return [(op.handle, exc)]
             except Exception as exc:

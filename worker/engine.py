@@ -16,6 +16,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ from worker.sampler import TopLogprobs
 from worker.scheduler import PriorityLoad, Scheduler
 from worker.sequence import RequestTimings, Sequence
 from worker.sim_runner import SIM_MAX_MODEL_LEN, SimRunner
+from worker.structured_output import GrammarBackend
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class LLMEngine:
         self.model_id = model_id or source.model_id
         self.runner: StepRunner
         self._tokenizer: Tokenizer | None
+        self.grammars: GrammarBackend | None  # compiles params.structured (None: constraints are ignored)
         self.dtype: torch.dtype
         self.dtype_reason: str  # why this dtype, e.g. "auto: float32, the CPU has no native bf16 (...)"
         self.attention_backend: str  # the attention path taken, and why, e.g. "cpu: torch path (...)"
@@ -148,6 +151,7 @@ class LLMEngine:
         quantization = weight_quantization(self.config)
         model, model_config = _load_model(source, self.dtype, self.config.device, decode_copies, quantization)
         self._tokenizer = tokenizer = _load_tokenizer(source)
+        self.grammars = GrammarBackend(tokenizer)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
             self.config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
@@ -163,6 +167,7 @@ class LLMEngine:
         self.attention_backend = "none (sim: no model)"
         self.max_model_len = self.config.max_model_len or SIM_MAX_MODEL_LEN
         self.eos_token_ids = frozenset()  # sim outputs run to max_tokens, like the replay's output lengths
+        self.grammars = None  # no logits to mask: a sim engine ignores `structured` (its words are no grammar's)
         if runner is not None:
             self._tokenizer = None
             self.vocab_size = 2**32  # token ids as uint32 (kvroute.hashing): any id a trace carries
@@ -194,12 +199,16 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str = "",
         priority: int = 0,
+        grammar: Any = None,
     ) -> None:
-        """Queue a request (`priority`: vLLM's, lower is more urgent; the priority scheduling policy reads it).
+        """Queue a request (`priority`: vLLM's, lower is more urgent; the priority scheduling policy reads it;
+        `grammar`: params.structured already compiled by `compile_structured`, else it is compiled here).
         Raises InvalidRequest naming the bad field; the engine is then unchanged."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         self.validate_request(prompt_token_ids, params)
+        if grammar is None:
+            grammar = self.compile_structured(params)
         hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
         seq = Sequence(
             request_id,
@@ -211,8 +220,18 @@ class LLMEngine:
             priority,
             timings=RequestTimings(self.clock.now()),
         )
+        if grammar is not None and self.grammars is not None:
+            seq.constraint = self.grammars.constraint(grammar)
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(prompt_token_ids)
+
+    def compile_structured(self, params: SamplingParams) -> Any:
+        """params.structured (validated: `validate_request`) compiled for this engine's vocabulary (None when
+        unconstrained, or on an engine that ignores constraints); InvalidRequest naming `structured` when it does
+        not compile. Any thread may call it (the async engine does, before the request reaches the step loop)."""
+        if params.structured is None or self.grammars is None:
+            return None
+        return self.grammars.compile(params.structured)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the bad field. Reads only the engine's fixed limits, so any thread may

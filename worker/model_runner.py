@@ -238,6 +238,7 @@ class ModelRunner:
             [s.seq.params for s in sampling],
             [s.seq.generator(self.device) for s in sampling],
             [s.seq.suppressed_token_ids() for s in sampling],
+            [s.seq.constraint for s in sampling],
         )
         self._observe_prefill(batch, started)  # the sampled ids are on the host: the step is done
         return out

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvroute.sampling import SamplingParams
+from worker.structured_output import GrammarConstraint, mask_logits
 
 CANDIDATES = 1024  # tokens a truncating row looks for its nucleus among before sorting the whole vocabulary
 CHUNK = 256  # columns per chunk of the two-level inverse CDF
@@ -69,11 +70,13 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         suppressed: list[tuple[int, ...]] | None = None,
+        constraints: list[GrammarConstraint | None] | None = None,
     ) -> SamplerOutput:
         """`generators[i]` is row i's own generator (on the logits' device), or None to use the sampler's;
-        `suppressed[i]` the tokens row i must not pick (min_tokens), None for none anywhere."""
+        `suppressed[i]` the tokens row i must not pick (min_tokens), None for none anywhere; `constraints[i]`
+        row i's grammar (worker/structured_output.py), None for none anywhere."""
         # logits: [N, vocab], one row per sampling sequence
-        sampled = self.sample(logits, params, generators, suppressed)
+        sampled = self.sample(logits, params, generators, suppressed, constraints)
         logprobs = [0.0] * len(params)
         tops: list[TopLogprobs | None] = [None] * len(params) if any(p.top_logprobs for p in params) else []
         if sampled.logprob_rows:
@@ -91,11 +94,15 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         suppressed: list[tuple[int, ...]] | None = None,
+        constraints: list[GrammarConstraint | None] | None = None,
     ) -> SampledTensors:
-        """The tensor half of `__call__`: everything on the logits' device, nothing read back."""
+        """The tensor half of `__call__`: everything on the logits' device, nothing read back. Logprobs come from
+        the raw logits, before min_tokens' suppression and the grammar's mask (as vLLM's do)."""
         device = logits.device
         raw = logits.float()
         logits = suppress(raw, suppressed) if suppressed and any(suppressed) else raw
+        if constraints and any(c is not None for c in constraints):
+            logits = mask_logits(logits, constraints)
         token_ids = torch.empty(len(params), dtype=torch.int64, device=device)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if greedy_rows:

@@ -19,6 +19,7 @@ import torch
 from kvroute.hashing import BlockHash, BlockHasher
 from kvroute.sampling import SamplingParams
 from worker.sampler import TopLogprobs
+from worker.structured_output import GrammarConstraint
 
 
 @dataclass
@@ -65,6 +66,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_emitted: int = 0  # output tokens already handed to the caller
     timings: RequestTimings = field(default_factory=lambda: RequestTimings(time.monotonic()))
+    # params.structured's grammar state, advanced by append_token only (worker/structured_output.py, rule 3);
+    # None when unconstrained, or on an engine without logits (the sim runner ignores constraints).
+    constraint: GrammarConstraint | None = None
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self, prompt: Iterable[int]) -> None:
@@ -108,6 +112,8 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
 
     @functools.cached_property
     def stopping_token_ids(self) -> frozenset[int]:
@@ -118,8 +124,9 @@ class Sequence:
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """The tokens the sampler must not pick at the next position: every stopping token while the output is
-        shorter than params.min_tokens (vLLM's min_tokens), else none."""
-        if self.num_output_tokens >= self.params.min_tokens:
+        shorter than params.min_tokens (vLLM's min_tokens), else none. A grammar decides alone where its output
+        may end."""
+        if self.num_output_tokens >= self.params.min_tokens or self.constraint is not None:
             return ()
         return tuple(sorted(self.stopping_token_ids))
 
@@ -127,6 +134,8 @@ class Sequence:
         """The finish reason after the last appended token, or None to continue."""
         if self.token_ids[-1] in self.stopping_token_ids:
             return "stop"
+        if self.constraint is not None and self.constraint.done:
+            return "abort" if self.constraint.rejected else "stop"
         if self.num_output_tokens >= self.params.max_tokens:
             return "length"
         return None

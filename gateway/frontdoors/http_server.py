@@ -466,7 +466,10 @@ class Renderer:
             for index in range(self.wire.n)
         ]
         for index, extra in extras.items():
-            choices[index].get("message", {}).update(extra)
+            message = choices[index].get("message", {})
+            message.update(extra)
+            if message.get("tool_calls") and not message.get("content"):
+                message["content"] = None  # as OpenAI answers a message of tool calls only
         return {**self.head, "choices": choices, "usage": usage_body(self.generation.usage)}
 
     async def events(self) -> AsyncGenerator[bytes, None]:

@@ -273,10 +273,6 @@ class ChatMessage(OpenAIModel):
     tool_call_id: str | None = Field(None, description="for role `tool`: the call this message answers")
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(
         description="the conversation so far, at least one message", json_schema_extra={"minItems": 1}
@@ -289,10 +285,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many alternatives per token"
     )
-    tools: list[dict[str, Any]] | None = Field(None, description="tool definitions, passed to the chat template")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="`none` or `auto` (the template decides)")
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = Field(None, description="only `text`")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='function tools, `{"type": "function", "function": {"name", "description", "parameters"}}`'
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="`none`, `auto` (the default with tools), `required`, or a named function (forced by grammar)"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call. Default true")
+    response_format: dict[str, Any] | None = Field(
+        None, description="`text`, `json_object` or `json_schema` (with json_schema.schema): the output is constrained"
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn opening (vLLM)")
 
@@ -305,20 +307,8 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequestError("is empty; send at least one message", param="messages")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("needs logprobs: true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                f"type {quoted(self.response_format.type)} is not supported by this server (only 'text')",
-                param="response_format",
-            )
-        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError(
-                "only 'none' and 'auto' are supported (tool calls are not parsed from the output)",
-                param="tool_choice",
-            )
         messages = [_template_message(i, message) for i, message in enumerate(self.messages)]
         template_kwargs = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
-        if self.tools is not None:
-            template_kwargs["tools"] = self.tools
         return self._gateway_request(
             headers,
             max_tokens=self.max_completion_tokens or self.max_tokens,
@@ -327,6 +317,10 @@ class ChatCompletionRequest(SamplingFields):
             top_logprobs=self.top_logprobs or 0,
             messages=messages,
             template_kwargs=template_kwargs,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            response_format=self.response_format,
             kind="chat",
         )
 
@@ -349,6 +343,8 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         content = "\n".join(texts)
     if content is None and not message.tool_calls:
         raise InvalidRequestError("is required (a string or a list of text parts)", param=f"messages[{index}].content")
+    if message.role == "tool" and message.tool_call_id is None:
+        raise InvalidRequestError("is required for role 'tool'", param=f"messages[{index}].tool_call_id")
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     for name in ("name", "tool_calls", "tool_call_id"):
         value = getattr(message, name)
@@ -397,10 +393,8 @@ class TokenizeRequest(OpenAIModel):
         if not self.messages:
             raise InvalidRequestError("is empty; send at least one message", param="messages")
         template_kwargs = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
-        if self.tools is not None:
-            template_kwargs["tools"] = self.tools
         messages = [_template_message(i, message) for i, message in enumerate(self.messages)]
-        return request(messages=messages, template_kwargs=template_kwargs, kind="chat")
+        return request(messages=messages, template_kwargs=template_kwargs, tools=self.tools, kind="chat")
 
 
 class TokenizeResponse(BaseModel):
@@ -429,7 +423,6 @@ _FIELD_NAMES = frozenset(
         ChatMessage,
         ContentPart,
         StreamOptions,
-        ResponseFormat,
         TokenizeRequest,
         DetokenizeRequest,
     )  # fmt: skip
@@ -562,16 +555,28 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = Field(description="always set on a response; in a stream, only on the last chunk")
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text (an object)")
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(description="`call_` and 24 random characters")
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the message is tool calls only")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="with tools: the calls parsed from the output")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -583,16 +588,31 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A call's first delta has its id, type and name (arguments empty); later ones append to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
 
 
 class ChatCompletionChunk(BaseModel):
