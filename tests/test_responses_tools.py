@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import Literal
 
 import openai
 import pytest
 from gateway_stack import KEY, SERVED_MODEL, GatewayStack, StackOptions, stack_fixture
+from pydantic import BaseModel
 
 stack = stack_fixture(StackOptions(model="tiny", workers=2, num_kv_blocks=512, max_model_len=2048))
 
@@ -29,6 +31,8 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
+# A random model spells a call's forced markup in whatever tokens it likes, a character each at worst.
+MAX_CALL_TOKENS = 160
 CITY_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}, "sunny": {"type": "boolean"}},
@@ -50,7 +54,8 @@ def _calls(response: openai.types.responses.Response) -> list:
 def test_function_call_round_trip(client: openai.OpenAI) -> None:
     first = client.responses.create(
         model=SERVED_MODEL, input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
-        max_output_tokens=64, temperature=0,
+        parallel_tool_calls=False,
+        max_output_tokens=MAX_CALL_TOKENS, temperature=0,
     )  # fmt: skip
     calls = _calls(first)
     assert calls, first.output
@@ -72,8 +77,8 @@ def test_function_call_round_trip(client: openai.OpenAI) -> None:
 
 def test_named_function_streamed(client: openai.OpenAI) -> None:
     events = list(client.responses.create(
-        model=SERVED_MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=64, temperature=0, stream=True,
-        tool_choice={"type": "function", "name": "get_weather"},
+        model=SERVED_MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=MAX_CALL_TOKENS, temperature=0,
+        stream=True, tool_choice={"type": "function", "name": "get_weather"},
     ))  # fmt: skip
     kinds = [event.type for event in events]
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
@@ -103,34 +108,40 @@ def test_openai_agents_sdk(stack: GatewayStack) -> None:
     asked: list[str] = []
 
     @function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Literal["Paris", "Lima", "Oslo"]) -> str:  # an enum: a random model's string never ends
         """The weather in a city."""
         asked.append(city)
         return f"sunny in {city}"
 
-    async def run(chained: bool) -> str:
+    class Report(BaseModel):
+        city: Literal["Paris", "Lima", "Oslo"]
+        sunny: bool
+
+    async def run(chained: bool) -> Report:
         async with openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0) as client:
             agent = Agent(
-                name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-                model=OpenAIResponsesModel(SERVED_MODEL, client),
-                model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
+                name="weather", instructions="Look the weather up, then report it.", tools=[get_weather],
+                model=OpenAIResponsesModel(SERVED_MODEL, client), output_type=Report,
+                model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                             max_tokens=MAX_CALL_TOKENS, temperature=0),  # fmt: skip
             )  # fmt: skip
+            # The SDK resets tool_choice after the call; the report is then held to its schema by the grammar.
             result = await Runner.run(agent, "Weather in Oslo?", max_turns=4, auto_previous_response_id=chained)
-            return str(result.final_output)
+            return result.final_output_as(Report)
 
     for chained in (False, True):
         asked.clear()
-        final = asyncio.run(run(chained))
+        report = asyncio.run(run(chained))
         assert asked, "the agent never called its tool"
-        assert isinstance(final, str)
+        assert report.city in ("Paris", "Lima", "Oslo")
 
 
 def test_langchain_bound_tool(stack: GatewayStack) -> None:
     from langchain_openai import ChatOpenAI
 
     chat = ChatOpenAI(
-        model=SERVED_MODEL, base_url=f"{stack.http_url}/v1", api_key=KEY, use_responses_api=True, max_tokens=48,
-        temperature=0, max_retries=0,
+        model=SERVED_MODEL, base_url=f"{stack.http_url}/v1", api_key=KEY, use_responses_api=True,
+        max_tokens=MAX_CALL_TOKENS, temperature=0, max_retries=0,
     )  # fmt: skip
     answer = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Lima?")
     assert answer.tool_calls and answer.tool_calls[0]["name"] == "get_weather"

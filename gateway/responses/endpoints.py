@@ -212,14 +212,8 @@ class ResponsesEndpoints:
             api_key=read.api_key, model=wire.model, trace_context=read.trace_context, app=read.app,
             session_id=read.session_id or wire.prompt_cache_key or wire.user,
         )  # fmt: skip
-        template_kwargs = {"tools": tools} if tools and tool_choice != "none" else {}
         rendered = await pool.tokenize(
-            GatewayRequest(
-                messages=chat_messages(wire.instructions, conversation),
-                kind="chat",
-                template_kwargs=template_kwargs,
-                **common,
-            ),
+            GatewayRequest(messages=chat_messages(wire.instructions, conversation), kind="chat", tools=tools, **common),
             backlog=False,
         )
         prompt = rendered.token_ids
@@ -238,10 +232,9 @@ class ResponsesEndpoints:
         request = GatewayRequest(
             prompt_token_ids=prompt, params=params, max_tokens_defaulted=wire.max_output_tokens is None, stop=stop,
             priority=read.priority, stream=wire.stream, kind="tokens",
-            conversation_worker=previous["worker"] if previous else None, **common,
+            conversation_worker=previous["worker"] if previous else None, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=wire.parallel_tool_calls, response_format=response_format, **common,
         )  # fmt: skip
-        if response_format is not None:
-            raise InvalidRequestError("structured output is not served yet", param="text.format")
         return request, conversation, previous
 
     async def _load(self, scope: str, response_id: str | None, param: str | None = None) -> dict[str, Any] | None:
