@@ -50,6 +50,17 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = Field(False, description="send one last chunk with `choices: []` and the usage")
 
 
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The `stop` field as a tuple; InvalidRequestError naming an empty string (it would match everywhere)."""
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    for i, text in enumerate(strings):
+        if not text:
+            raise InvalidRequestError(
+                "must not be an empty string", param="stop" if isinstance(stop, str) else f"stop[{i}]"
+            )
+    return strings
+
+
 class SamplingFields(OpenAIModel):
     """The sampling fields common to both endpoints."""
 
@@ -91,12 +102,7 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError("is not supported by this server (only an empty map)", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("is only allowed when stream is true", param="stream_options")
-        if isinstance(self.stop, list):
-            for i, stop in enumerate(self.stop):
-                if not stop:
-                    raise InvalidRequestError("must not be an empty string", param=f"stop[{i}]")
-        elif self.stop == "":
-            raise InvalidRequestError("must not be an empty string", param="stop")
+        stop_strings(self.stop)
 
     def _gateway_request(
         self,
@@ -121,7 +127,7 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop = stop_strings(self.stop)
         return GatewayRequest(
             api_key=headers.api_key,
             model=self.model,

@@ -42,7 +42,7 @@ from gateway.frontdoors.http_server import (
     read_headers,
     request_headers,
 )
-from gateway.frontdoors.openai_protocol import client_request_id_of, parse_request
+from gateway.frontdoors.openai_protocol import client_request_id_of, parse_request, stop_strings
 from gateway.request import GatewayRequest
 from gateway.responses.prompt import continued_prompt
 from gateway.responses.render import ResponseRenderer, Turn
@@ -228,7 +228,7 @@ class ResponsesEndpoints:
                     f"{self.store.limits.max_response_bytes} a response; start a new one, or send store=false",
                     param="previous_response_id" if previous else "input",
                 )
-        stop = (wire.stop,) if isinstance(wire.stop, str) else tuple(wire.stop or ())
+        stop = stop_strings(wire.stop)
         request = GatewayRequest(
             prompt_token_ids=prompt, params=params, max_tokens_defaulted=wire.max_output_tokens is None, stop=stop,
             priority=read.priority, stream=wire.stream, kind="tokens",

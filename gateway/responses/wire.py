@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gateway.errors import InvalidRequestError, quoted
-from gateway.frontdoors.openai_protocol import INT32_MAX, OpenAIModel, StopField
+from gateway.frontdoors.openai_protocol import INT32_MAX, OpenAIModel, StopField, stop_strings
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
@@ -95,12 +95,7 @@ class ResponsesRequest(OpenAIModel):
             raise InvalidRequestError("is not supported by this server's models", param="reasoning")
         if self.top_logprobs:
             raise InvalidRequestError("is not supported on /v1/responses (only 0)", param="top_logprobs")
-        if isinstance(self.stop, list):
-            for i, stop in enumerate(self.stop):
-                if not stop:
-                    raise InvalidRequestError("must not be an empty string", param=f"stop[{i}]")
-        elif self.stop == "":
-            raise InvalidRequestError("must not be an empty string", param="stop")
+        stop_strings(self.stop)
         _check_metadata(self.metadata)
 
     def format(self) -> TextFormat:
