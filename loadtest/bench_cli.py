@@ -7,6 +7,8 @@ instead (loadtest.compare), `--faults` a soak through worker kills and Redis and
 Arrivals: `--rate R` is open-loop Poisson at R requests/s (seeded); `--concurrency C` keeps C requests in
 flight; neither replays the workload's own timestamps. Sessions are closed-loop by default (`--history
 live`). `--requests N` takes the workload's first N requests; `--duration S` stops sending after S seconds.
+`--api responses` sends through `/v1/responses`, a conversation's later turns by `previous_response_id`
+(loadtest.bench).
 
 A traffic mix (loadtest.traffic_mix): `--tenants` deals the conversations over tenants (fleets started here get
 an API key each), `--bands` the requests over priority bands, `--band-slo` sets a band's objectives.

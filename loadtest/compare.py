@@ -728,7 +728,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="LIST",
         help="comma list: kvroute policies (round_robin, prefix, kv_aware, ...) over gRPC workers, POLICY@vllm "
-        "(over the same workers in vLLM mode: vllm:// specs, ZMQ KV events, HTTP), smg:POLICY, vllm-router:POLICY",
+        "(over the same workers in vLLM mode: vllm:// specs, ZMQ KV events, HTTP), smg:POLICY, vllm-router:POLICY; "
+        "ours take +flow-off, +host-kv-blocks=N and +responses (sent through /v1/responses)",
     )
     group.add_argument(
         "--faults",

@@ -1,18 +1,23 @@
 """`kvroute bench`'s agent workload and the Responses API as its sender (issue 32): the sessions' shape and
-token-id trace, the `/v1/responses` bodies a conversation's turns become, the continued turns' reuse, and one
-short `--compare kv_aware,kv_aware+responses` over real sim workers."""
+token-id trace, the `/v1/responses` bodies a conversation's turns become, the continued turns' reuse, the
+sender against a gateway over sim workers, and one short `--compare kv_aware,kv_aware+responses` over fleets
+of sim worker processes."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import subprocess
 import sys
+from functools import partial
 
 import pytest
+from gateway_stack import KEY, SERVED_MODEL, GatewayStack, StackOptions, stack_fixture
 
+from gateway.admission.limits import Limits
 from kvroute.errors import UserError
-from loadtest.bench import Target
+from loadtest.bench import Arrivals, HttpSender, Target, run_requests
 from loadtest.bench_stats import RequestRecord, continued_reuse, summarize
 from loadtest.compare import parse_entries
 from loadtest.render import (
@@ -26,6 +31,13 @@ from loadtest.render import (
     render,
     vocabulary,
 )
+
+stack = stack_fixture(
+    StackOptions(
+        model="sim", workers=2, max_model_len=4096, num_kv_blocks=1024,
+        limits=Limits(max_prompt_tokens=4000, max_tokens=256, max_body_bytes=256 * 1024, max_n=1),
+    )
+)  # fmt: skip
 
 
 def test_agent_sessions_share_the_tool_schemas_and_append_tool_outputs():
@@ -86,6 +98,30 @@ def test_a_conversation_through_the_responses_api_sends_only_the_new_turn_after_
         Target("x", "sim", exact_length=True, api="responses")
     with pytest.raises(UserError, match="cache_salt"):
         target.body(BenchRequest(0, 0.0, 4, prompt=" a", cache_salt="t"))
+
+
+def test_the_responses_sender_continues_each_turn_by_its_previous_response(stack: GatewayStack):
+    """Two agent sessions through a gateway's /v1/responses: every turn completes; each later one names the
+    response its previous turn got, goes to that turn's worker and finds all of the conversation so far
+    cached; its prompt is the whole conversation, which the gateway rendered from the stored turns and the new
+    tool output, all that was sent."""
+    workload = render("agent", 12, seed=0, think_ms=0)
+    target = Target(stack.http_url, SERVED_MODEL, KEY, api="responses")
+    records, _ = asyncio.run(run_requests(workload, partial(HttpSender, target), Arrivals(concurrency=2), False))
+    assert [r.status for r in records] == ["ok"] * 12, [r.error for r in records]
+    by_index = {r.index: r for r in records}
+    for request in workload.requests:
+        record = by_index[request.index]
+        assert record.response_id and record.response_id.startswith("resp_")
+        if request.after is None:
+            assert record.previous_response_id is None and record.cached_tokens < record.prompt_tokens
+            continue
+        previous = by_index[request.after]
+        assert record.previous_response_id == previous.response_id
+        assert "reason=conversation" in (record.route or "") and record.worker == previous.worker
+        assert record.prompt_tokens > previous.prompt_tokens + previous.output_tokens + AGENT_TOOL_OUTPUT_TOKENS
+    reuse = continued_reuse(records)
+    assert reuse is not None and reuse["turns"] == 10 and reuse["min"] >= 0.95
 
 
 def test_a_continued_turns_reuse_is_of_the_previous_prompt_and_output_in_whole_blocks():
