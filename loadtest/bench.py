@@ -11,6 +11,13 @@ many seconds (requests in flight finish and count; requests not sent do not).
 
 Every request streams (`stream_options.include_usage`), so TTFT, ITL and the server's token counts come
 from the stream itself.
+
+The API (`Target.api`): `chat` sends each request to its own endpoint (`/v1/chat/completions` for messages,
+`/v1/completions` for a prompt); `responses` sends every one to `/v1/responses`, streamed: a conversation's
+system message as `instructions`, and, for a turn that continues one whose response id the bench kept
+(`BenchRequest.previous_response_id`), only the messages after its last assistant message, with
+`previous_response_id` (the server holds the rest); a session's first turn, or one after a failed turn, sends
+the whole conversation as input items. A completion prompt goes as a string `input`.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 import orjson
@@ -35,6 +42,10 @@ from loadtest.render import BenchRequest, Workload
 
 WORKER_HEADER = "x-kvroute-worker"
 ROUTE_HEADER = "x-kvroute-route"
+PRIORITY_HEADER = "x-kvroute-priority"  # a priority where the body has no field for it (/v1/responses, gRPC)
+APIS = ("chat", "responses")
+RESPONSES = "responses"
+RESPONSES_PATH = "/v1/responses"
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -82,6 +93,16 @@ class Arrivals:
         return times
 
 
+def check_api(api: str, ignore_eos: bool, exact_length: bool) -> None:
+    """Raises UserError for an unknown API, or flags the API cannot carry."""
+    if api not in APIS:
+        raise UserError(f"--api must be one of {', '.join(APIS)}, got {api!r}")
+    if api == RESPONSES and (ignore_eos or exact_length):
+        raise UserError(
+            "/v1/responses takes no ignore_eos or min_tokens: --ignore-eos and --exact-length are for --api chat"
+        )
+
+
 @dataclass
 class Target:
     """Where requests go: an OpenAI-compatible base URL and the model name it serves. A request of a traffic
@@ -99,6 +120,13 @@ class Target:
     tenant_keys: Mapping[str, str] = field(default_factory=dict)
     salt_by_tenant: bool = False
     band_headers: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    api: str = "chat"  # one of APIS (module docstring)
+
+    def __post_init__(self) -> None:
+        check_api(self.api, self.ignore_eos, self.exact_length)
+
+    def path(self, request: BenchRequest) -> str:
+        return RESPONSES_PATH if self.api == RESPONSES else request.endpoint
 
     def headers(self, request: BenchRequest) -> dict[str, str]:
         headers = {"content-type": "application/json"}
@@ -108,9 +136,13 @@ class Target:
         if request.session:
             headers["x-session-id"] = request.session
         headers.update(self.band_headers.get(request.band or "", {}))
+        if self.api == RESPONSES and request.priority is not None:
+            headers[PRIORITY_HEADER] = str(request.priority)
         return headers
 
     def body(self, request: BenchRequest) -> dict[str, Any]:
+        if self.api == RESPONSES:
+            return self.responses_body(request)
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": request.max_tokens,
@@ -135,50 +167,79 @@ class Target:
             body["min_tokens"] = request.max_tokens
         return body
 
+    def responses_body(self, request: BenchRequest) -> dict[str, Any]:
+        """The request as `/v1/responses` takes it (module docstring)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_output_tokens": request.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
+        if request.cache_salt:
+            raise UserError(f"request {request.index} has a cache_salt, which /v1/responses does not take: --api chat")
+        if request.messages is None:
+            body["input"] = request.prompt
+            return body
+        messages = list(request.messages)
+        if messages and messages[0]["role"] == "system":
+            body["instructions"] = messages.pop(0)["content"]
+        if request.previous_response_id is not None:
+            answered = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            messages = messages[answered[-1] + 1 :] if answered else messages
+            body["previous_response_id"] = request.previous_response_id
+        body["input"] = [{"type": "message", "role": m["role"], "content": m["content"]} for m in messages]
+        return body
+
 
 async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequest, t0: float) -> RequestRecord:
     """Send one streaming request and time it (see loadtest.bench_stats for the definitions). Never raises
     for a failed request: the record's status names the kind of failure. A stream that ends properly with
     no text but output tokens in its usage (a model that ended its turn at once) completed, with no TTFT,
-    as vLLM's benchmark counts it; one with neither is `empty_stream`."""
-    payload = orjson.dumps(target.body(request))
+    as vLLM's benchmark counts it; one with neither is `empty_stream`. A chat or completion stream ends with
+    `data: [DONE]`; a Responses stream with `response.completed` or `response.incomplete` (its `response`
+    holds the id and usage), and fails with `response.failed` or an `error` event."""
+    body = target.body(request)
+    payload = orjson.dumps(body)
+    read_event = _responses_event if target.api == RESPONSES else _chat_event
     start = time.perf_counter()
-    record = RequestRecord(request.index, start - t0, session=request.session, tenant=request.tenant, band=request.band)
+    record = RequestRecord(
+        request.index, start - t0, session=request.session, tenant=request.tenant, band=request.band,
+        after=request.after, previous_response_id=body.get("previous_response_id"),
+    )  # fmt: skip
     last_content: float | None = None
     done = False
     pieces: list[str] = []
     try:
         async with client.stream(
-            "POST", target.url.rstrip("/") + request.endpoint, content=payload, headers=target.headers(request)
+            "POST", target.url.rstrip("/") + target.path(request), content=payload, headers=target.headers(request)
         ) as response:
             record.worker = response.headers.get(WORKER_HEADER)
             record.route = response.headers.get(ROUTE_HEADER)
             if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")
-                return _failed(record, f"http_{response.status_code}", _error_message(body))
+                body_text = (await response.aread()).decode("utf-8", "replace")
+                return _failed(record, f"http_{response.status_code}", _error_message(body_text))
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    return _failed(record, "stream_error", _error_message(data))
+                event = read_event(line[5:].strip())
+                if event.error is not None:
+                    return _failed(record, "stream_error", event.error)
                 now = time.perf_counter()
-                if text := _content(chunk):
-                    pieces.append(text)
+                if event.text:
+                    pieces.append(event.text)
                     if last_content is None:
                         record.ttft_s = now - start
                     else:
                         record.itl_s.append(now - last_content)
                     last_content = now
                     record.output_tokens += 1  # replaced by the usage's count when the server sends it
-                if usage := chunk.get("usage"):
-                    record.output_tokens = usage.get("completion_tokens") or record.output_tokens
-                    record.prompt_tokens = usage.get("prompt_tokens") or 0
-                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                if event.usage is not None:
+                    record.prompt_tokens, record.cached_tokens, output_tokens = event.usage
+                    record.output_tokens = output_tokens or record.output_tokens
+                record.response_id = event.response_id or record.response_id
+                if event.done:
+                    done = True
+                    break
     except httpx.TimeoutException as exc:
         return _failed(record, "timeout", str(exc) or type(exc).__name__)
     except httpx.ConnectError as exc:
@@ -190,13 +251,55 @@ async def send_one(client: httpx.AsyncClient, target: Target, request: BenchRequ
     record.e2e_s = time.perf_counter() - start
     record.output_text = "".join(pieces)
     if not done:
-        return _failed(record, "incomplete_stream", "the stream ended without data: [DONE]")
+        last = "response.completed" if target.api == RESPONSES else "data: [DONE]"
+        return _failed(record, "incomplete_stream", f"the stream ended without {last}")
     return _ended(record)
 
 
-def _content(chunk: dict) -> str:
-    """The chunk's text (completions) or delta content (chat); the bench asks for one choice."""
-    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+class _Event(NamedTuple):
+    """What one `data:` line of a stream says: its text, the usage (prompt, cached, output tokens), whether the
+    stream is done, an error's message, the response's id."""
+
+    text: str = ""
+    usage: tuple[int, int, int] | None = None
+    done: bool = False
+    error: str | None = None
+    response_id: str | None = None
+
+
+def _chat_event(data: str) -> _Event:
+    """A chat or completion chunk (one choice asked for), or `[DONE]`."""
+    if data == "[DONE]":
+        return _Event(done=True)
+    chunk = orjson.loads(data)
+    if "error" in chunk:
+        return _Event(error=_error_message(data))
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+    usage = chunk.get("usage")
+    if not usage:
+        return _Event(text)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return _Event(text, (usage.get("prompt_tokens") or 0, cached, usage.get("completion_tokens") or 0))
+
+
+def _responses_event(data: str) -> _Event:
+    """A Responses stream event: text from `response.output_text.delta`; the id and usage from the response a
+    `response.*` event carries; the end at `response.completed` / `response.incomplete`."""
+    event = orjson.loads(data)
+    kind = event.get("type")
+    if kind == "response.output_text.delta":
+        return _Event(event.get("delta") or "")
+    if kind == "error":
+        return _Event(error=str(event.get("message") or _error_message(data)))
+    response = event.get("response") or {}
+    if kind == "response.failed":
+        return _Event(error=str((response.get("error") or {}).get("message") or "response.failed"))
+    if kind not in ("response.completed", "response.incomplete"):
+        return _Event(response_id=response.get("id"))
+    usage = response.get("usage") or {}
+    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+    tokens = (usage.get("input_tokens") or 0, cached, usage.get("output_tokens") or 0)
+    return _Event(usage=tokens, done=True, response_id=response.get("id"))
 
 
 def _ended(record: RequestRecord) -> RequestRecord:
@@ -275,9 +378,11 @@ class GrpcSender:
             message.prompt = request.prompt or ""
         metadata = self._metadata
         if request.priority is not None:
-            metadata += (("x-kvroute-priority", str(request.priority)),)
+            metadata += ((PRIORITY_HEADER, str(request.priority)),)
         start = time.perf_counter()
-        record = RequestRecord(request.index, start - t0, session=request.session, band=request.band)
+        record = RequestRecord(
+            request.index, start - t0, session=request.session, band=request.band, after=request.after
+        )
         last_content: float | None = None
         pieces: list[str] = []
         try:
@@ -326,9 +431,11 @@ async def run_requests(
     first send to the last finish. A request is sent `think_s` after the later of its arrival time (none
     under fixed concurrency) and its previous turn's finish. With `live_history`, a chat turn carries the
     answers the server gave to the session's earlier turns instead of the logged ones (as a chat client
-    does)."""
+    does). A turn whose previous turn got a response id (a Responses stream's) carries it as
+    `previous_response_id`."""
     requests = workload.requests
     answers: dict[int, str] = {}
+    response_ids: dict[int, str] = {}
     sender = make_sender()
     send_at = arrivals.send_times(requests)
     finished = [asyncio.Event() for _ in requests]
@@ -350,6 +457,8 @@ async def run_requests(
                 ready = max(ready, finished_at[request.after])
                 if live_history:
                     request = with_answers(request, requests, answers)
+                if request.after in response_ids:
+                    request = dataclasses.replace(request, previous_response_id=response_ids[request.after])
             await asyncio.sleep(max(0.0, ready + request.think_s - time.perf_counter()))
             if slots is not None:
                 await slots.acquire()
@@ -360,6 +469,8 @@ async def run_requests(
                 records.append(record)
                 if record.ok:
                     answers[request.index] = record.output_text
+                    if record.response_id is not None:
+                        response_ids[request.index] = record.response_id
                 if bar is not None:
                     bar.update(1)
             finally:
@@ -443,6 +554,8 @@ def bench_json(summary: Summary, records: list[RequestRecord]) -> dict[str, Any]
                 "cached_tokens": r.cached_tokens,
                 "worker": r.worker,
                 **({"route": r.route} if r.route is not None else {}),
+                **({"response_id": r.response_id} if r.response_id is not None else {}),
+                **({"previous_response_id": r.previous_response_id} if r.previous_response_id is not None else {}),
                 "session": r.session,
                 **({"tenant": r.tenant} if r.tenant is not None else {}),
                 **({"band": r.band} if r.band is not None else {}),

@@ -7,6 +7,8 @@ instead (loadtest.compare), `--faults` a soak through worker kills and Redis and
 Arrivals: `--rate R` is open-loop Poisson at R requests/s (seeded); `--concurrency C` keeps C requests in
 flight; neither replays the workload's own timestamps. Sessions are closed-loop by default (`--history
 live`). `--requests N` takes the workload's first N requests; `--duration S` stops sending after S seconds.
+`--api responses` sends through `/v1/responses`, a conversation's later turns by `previous_response_id`
+(loadtest.bench).
 
 A traffic mix (loadtest.traffic_mix): `--tenants` deals the conversations over tenants (fleets started here get
 an API key each), `--bands` the requests over priority bands, `--band-slo` sets a band's objectives.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from kvroute.errors import UserError
 from loadtest.bench import (
+    APIS,
     DEFAULT_TIMEOUT_S,
     Arrivals,
     GrpcSender,
@@ -83,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="BAND:ttft=S[,tpot=S][,e2e=S]",
         help="a band's objectives in seconds (repeat per band); what a band does not set is --slo-*'s",
+    )
+    parser.add_argument(
+        "--api",
+        choices=APIS,
+        default="chat",
+        help="chat (default): messages to /v1/chat/completions, prompts to /v1/completions; responses: both to "
+        "/v1/responses, a conversation's later turns as previous_response_id and the new input only (--url runs; "
+        "in --compare an entry's +responses)",
     )
     parser.add_argument("--served-model-name", default=None, help="the request's `model` (default: GET /v1/models)")
     parser.add_argument("--api-key", default=None, help="bearer token (default: none)")
@@ -174,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if args.faults:
         if mix.tenants or mix.bands:
             raise UserError("--tenants and --bands are for --url and --compare runs, not --faults")
+        if args.api != "chat":
+            raise UserError("--api is for --url and --compare runs, not --faults")
         return run_soak(args, workload_from(args), arrivals_from(args))
     if not args.url:
         raise UserError("give --url URL (a running server), --compare LIST or --faults (fleets started here)")
@@ -182,13 +195,14 @@ def run(args: argparse.Namespace) -> int:
     arrivals = arrivals_from(args)
     make_sender: Callable[[], Sender]
     if args.grpc:
+        if args.api != "chat":
+            raise UserError("--api responses sends over HTTP; drop --grpc")
         model = args.served_model_name or "the served model"
         make_sender = partial(GrpcSender, args.url, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
     else:
         model = args.served_model_name or asyncio.run(served_model(args.url, args.api_key))
-        make_sender = partial(
-            HttpSender, Target(args.url, model, args.api_key, args.ignore_eos, args.timeout, args.exact_length)
-        )
+        target = Target(args.url, model, args.api_key, args.ignore_eos, args.timeout, args.exact_length, api=args.api)
+        make_sender = partial(HttpSender, target)
     workload = workload_from(args, mix)
     print(
         f"kvroute bench: {len(workload.requests):,} requests of {workload.name} to {args.url} ({model}), "

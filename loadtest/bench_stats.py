@@ -23,11 +23,18 @@ Summary:
                (sum x)^2 / (n * sum x^2), 1 when every tenant got the same tokens per unit of weight, 1/n
                when one got them all; None with fewer than two tenants;
   hits lost in the queue
-               of the requests our gateway routed as a prefix `hit` (its `x-kvroute-route`: reason=hit,
-               matched_blocks=M), those whose worker found fewer blocks when it admitted them than the pick
-               matched (cached tokens // block size < M, M capped at the blocks a prompt may reuse: all but
-               its last token): their blocks were evicted while they waited in the worker's queue; None
-               when no response carried a route (a peer router);
+               of the requests our gateway routed as a prefix `hit` or to a continued response's worker
+               (its `x-kvroute-route`: reason=hit or conversation, matched_blocks=M), those whose worker
+               found fewer blocks when it admitted them than the pick matched (cached tokens // block size
+               < M, M capped at the blocks a prompt may reuse: all but its last token): their blocks were
+               evicted while they waited in the worker's queue; None when no response carried a route (a
+               peer router);
+  continued-turn reuse
+               per completed turn that continues a completed turn (`after`: its session's previous one),
+               cached tokens / the previous turn's prompt + output tokens less one (the last sampled token
+               is never computed), in whole blocks: how much of the conversation so far the turn found
+               cached; the median, the minimum and the share at >= REUSE_TARGET, over those turns; None
+               without any;
   errors       failed requests by kind (`http_429`, `http_503`, `stream_error`, `timeout`, ...);
   cached share cached prompt tokens / prompt tokens, over the completed requests.
 """
@@ -45,6 +52,7 @@ from kvroute.hashing import DEFAULT_BLOCK_SIZE
 
 PERCENTILES = (50, 90, 99)
 OK = "ok"
+REUSE_TARGET = 0.95  # a continued turn that finds this share of its conversation cached (issue 32)
 
 
 @dataclass
@@ -67,6 +75,9 @@ class RequestRecord:
     tenant: str | None = None  # the request's tenant and band (loadtest.traffic_mix), None outside a mix
     band: str | None = None
     output_text: str = field(default="", repr=False)  # what was streamed (the next chat turn may resend it)
+    after: int | None = None  # the index of the request this one continues (its session's previous turn)
+    response_id: str | None = None  # the Responses API's id of the answer (the next turn may continue it)
+    previous_response_id: str | None = None  # the id this request continued, as sent
 
     @property
     def ok(self) -> bool:
@@ -133,14 +144,14 @@ def jain_index(values: list[float]) -> float | None:
 
 
 def queue_lost_hits(records: list[RequestRecord], block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, float] | None:
-    """`{"hits", "lost", "share"}` over the completed requests our gateway routed as `hit` (module docstring);
-    None when no record carries a route."""
+    """`{"hits", "lost", "share"}` over the completed requests our gateway routed as `hit` or `conversation`
+    (module docstring); None when no record carries a route."""
     if not any(r.route for r in records):
         return None
     hits = lost = 0
     for record in records:
         route = dict(part.partition("=")[::2] for part in (record.route or "").split("; "))
-        if not record.ok or route.get("reason") != "hit":
+        if not record.ok or route.get("reason") not in ("hit", "conversation"):
             continue
         matched = min(int(route.get("matched_blocks") or 0), max(record.prompt_tokens - 1, 0) // block_size)
         if matched <= 0:
@@ -148,6 +159,29 @@ def queue_lost_hits(records: list[RequestRecord], block_size: int = DEFAULT_BLOC
         hits += 1
         lost += record.cached_tokens // block_size < matched
     return {"hits": hits, "lost": lost, "share": round(lost / hits, 6) if hits else 0.0}
+
+
+def continued_reuse(records: list[RequestRecord], block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, float] | None:
+    """`{"target", "turns", "median", "min", "share_at_target"}` of the continued turns' reuse (module docstring); None
+    when no completed turn continues a completed one."""
+    by_index = {r.index: r for r in records}
+    ratios = []
+    for record in records:
+        previous = by_index.get(record.after) if record.after is not None else None
+        if not record.ok or previous is None or not previous.ok:
+            continue
+        reusable = (previous.prompt_tokens + previous.output_tokens - 1) // block_size * block_size
+        if reusable > 0:
+            ratios.append(record.cached_tokens / reusable)
+    if not ratios:
+        return None
+    return {
+        "target": REUSE_TARGET,
+        "turns": len(ratios),
+        "median": round(float(np.median(ratios)), 6),
+        "min": round(min(ratios), 6),
+        "share_at_target": round(sum(r >= REUSE_TARGET for r in ratios) / len(ratios), 6),
+    }
 
 
 def percentiles(values_s: list[float], ps: tuple[int, ...] = PERCENTILES) -> dict[str, float | None]:
@@ -186,6 +220,7 @@ class Summary:
     per_tenant: dict[str, dict] = field(default_factory=dict)
     fairness: float | None = None
     lost_hits: dict[str, float] | None = None
+    reuse: dict[str, float] | None = None  # continued_reuse
 
     def to_json(self) -> dict:
         def rounded(stats: dict[str, float | None]) -> dict[str, float | None]:
@@ -215,6 +250,7 @@ class Summary:
             **({"per_tenant": self.per_tenant} if self.per_tenant else {}),
             **({"fairness": _rounded(self.fairness)} if self.per_tenant else {}),
             **({"queue_lost_hits": self.lost_hits} if self.lost_hits is not None else {}),
+            **({"continued_reuse": self.reuse} if self.reuse is not None else {}),
         }
 
 
@@ -257,6 +293,7 @@ def summarize(records: list[RequestRecord], duration_s: float, objectives: Objec
         per_tenant=per_tenant,
         fairness=jain_index([t["served_tokens"] / t["weight"] for t in per_tenant.values()]),
         lost_hits=queue_lost_hits(records),
+        reuse=continued_reuse(records),
     )
 
 
@@ -287,6 +324,16 @@ def _per_tenant(records: list[RequestRecord], objectives: Objectives) -> dict[st
             "weight": objectives.weights.get(tenant, 1.0),
         }
     return out
+
+
+def format_reuse(reuse: dict[str, float] | None) -> str:
+    """`continued_reuse` in one line: median, minimum, the share at the target and of how many turns."""
+    if reuse is None:
+        return "-"
+    return (
+        f"median {reuse['median']:.1%}, min {reuse['min']:.1%}, {reuse['share_at_target']:.0%} of"
+        f" {reuse['turns']:.0f} at >= {REUSE_TARGET:.0%}"
+    )
 
 
 def format_summary(summary: Summary, title: str = "") -> str:
@@ -336,6 +383,8 @@ def format_summary(summary: Summary, title: str = "") -> str:
     if summary.lost_hits is not None:
         lost = summary.lost_hits
         lines.append(f"hits lost in queue   {lost['lost']:,} of {lost['hits']:,} prefix hits ({lost['share']:.1%})")
+    if summary.reuse is not None:
+        lines.append(f"continued turns      {format_reuse(summary.reuse)} cached of the conversation so far")
     errors = ", ".join(f"{k}: {v}" for k, v in summary.errors.items()) or "none"
     lines.append(f"errors               {errors}")
     workers = ", ".join(f"{k}: {v}" for k, v in summary.per_worker_requests.items()) or "-"

@@ -12,7 +12,9 @@ with one line. The worker mode is a part of the entry, not a flag over all of th
 one fleet: one entry is one fleet and one column, `kv_aware` and `kv_aware@vllm` stand side by side in one run,
 and the peers, which reach the workers over HTTP only, take no mode. `POLICY[@MODE]+flow-off` runs our gateway
 with `--flow-control off` (its flow control is on by default), so a run can hold it against the same policy
-with it on.
+with it on. `+responses` sends that entry's requests through our gateway's `/v1/responses` (loadtest.bench:
+a conversation's later turns continue the previous response by its id, the gateway holding the history)
+instead of re-sending the history to `/v1/chat/completions`.
 
 A traffic mix (loadtest.traffic_mix): our gateways get an API-keys file with one key per tenant (and a drawn
 cache-salt secret) and each request its tenant's key; a peer gets no keys and each request its tenant's name as
@@ -55,14 +57,24 @@ from kvroute.errors import UserError
 from kvroute.hashing import DEFAULT_BLOCK_SIZE
 from launch.fleet import FLEET_WORKER_FLAGS, Child, Fleet, LaunchError, free_port, http_ok, kvroute_argv
 from loadtest.bench import (
+    RESPONSES,
     Arrivals,
     HttpSender,
     Target,
     bench_json,
+    check_api,
     run_requests,
     send_one,
 )
-from loadtest.bench_stats import OK, Objectives, RequestRecord, Summary, format_summary, summarize
+from loadtest.bench_stats import (
+    OK,
+    REUSE_TARGET,
+    Objectives,
+    RequestRecord,
+    Summary,
+    format_summary,
+    summarize,
+)
 from loadtest.render import BenchRequest, Workload, token_ids
 from loadtest.traffic_mix import TenantKeys, TrafficMix
 
@@ -91,6 +103,7 @@ class Entry:
     mode: str = "grpc"  # one of WORKER_MODES
     flow_control: bool = True  # our gateway's --flow-control (on by default)
     host_kv_blocks: int = 0  # the workers' --host-kv-blocks (0: no host tier)
+    api: str = "chat"  # how the bench sends (loadtest.bench.APIS); responses: our gateway only
 
     @property
     def reads_kv_events(self) -> bool:
@@ -107,7 +120,8 @@ class Entry:
         else:
             name = self.policy if self.mode == "grpc" else f"{self.policy}@{self.mode}"
             name = name if self.flow_control else f"{name}+{FLOW_OFF}"
-        return f"{name}+{HOST_KV_BLOCKS}={self.host_kv_blocks}" if self.host_kv_blocks else name
+        name = f"{name}+{HOST_KV_BLOCKS}={self.host_kv_blocks}" if self.host_kv_blocks else name
+        return name if self.api == "chat" else f"{name}+{self.api}"
 
 
 def parse_entries(text: str) -> list[Entry]:
@@ -118,17 +132,19 @@ def parse_entries(text: str) -> list[Entry]:
         if not item:
             continue
         spelled, *options = item.split("+")
-        flow_off, host_kv_blocks = False, 0
+        flow_off, host_kv_blocks, api = False, 0, "chat"
         for option in options:
             key, _, value = option.partition("=")
             if option == FLOW_OFF:
                 flow_off = True
+            elif option == RESPONSES:
+                api = RESPONSES
             elif key == HOST_KV_BLOCKS and value.isdigit() and int(value) > 0:
                 host_kv_blocks = int(value)
             else:
                 raise UserError(
-                    f"--compare: unknown option {option!r} in {item!r}; the options are +{FLOW_OFF} and "
-                    f"+{HOST_KV_BLOCKS}=N (N >= 1)"
+                    f"--compare: unknown option {option!r} in {item!r}; the options are +{FLOW_OFF}, "
+                    f"+{HOST_KV_BLOCKS}=N (N >= 1) and +{RESPONSES}"
                 )
         routed, at, mode = spelled.partition("@")
         router, _, policy = routed.rpartition(":")
@@ -146,7 +162,12 @@ def parse_entries(text: str) -> list[Entry]:
             )
         if flow_off and router:
             raise UserError(f"--compare: {item!r}: +{FLOW_OFF} is our gateway's flag; {router} has no flow control")
-        entries.append(Entry(router or KVROUTE, policy, mode or "grpc", not flow_off, host_kv_blocks))
+        if api == RESPONSES and router:
+            raise UserError(
+                f"--compare: {item!r}: +{RESPONSES} sends through our gateway's /v1/responses; for {router} leave it "
+                "out (its requests go to /v1/chat/completions)"
+            )
+        entries.append(Entry(router or KVROUTE, policy, mode or "grpc", not flow_off, host_kv_blocks, api))
     if not entries:
         raise UserError("--compare: no entries")
     names = [e.name for e in entries]
@@ -295,6 +316,7 @@ class RouterFleet:
             tenant_keys=keys.keys if ours and keys is not None else {},
             salt_by_tenant=not ours,
             band_headers={b: {"x-smg-priority": c} for b, c in self.config.mix.smg_classes().items()} if smg else {},
+            api=self.entry.api,
         )  # fmt: skip
 
     def _router_argv(self) -> list[str]:
@@ -525,6 +547,7 @@ class RunResult:
             "preemptions": self.workers["preemptions"],
             "preemptions_recomputed": self.workers["preemptions_recomputed"],
             "queue_lost_hits": self.summary.lost_hits,
+            "continued_reuse": self.summary.reuse,
             "errors": self.summary.errors,
             "completed": self.summary.completed,
             "requests": self.summary.requests,
@@ -596,6 +619,9 @@ def format_table(results: dict[str, RunResult]) -> str:
         ("preemptions", lambda r: f"{r.workers['preemptions']:,}"),
         ("of which recomputed", lambda r: f"{r.workers['preemptions_recomputed']:,}"),
         ("hits lost in queue", lambda r: _lost_hits(r.summary.lost_hits)),
+        ("continued reuse p50", lambda r: _share(r.summary.reuse, "median")),
+        ("continued reuse min", lambda r: _share(r.summary.reuse, "min")),
+        (f"reuse >= {REUSE_TARGET:.0%}", lambda r: _share(r.summary.reuse, "share_at_target")),
         ("errors", lambda r: str(sum(r.summary.errors.values()))),
         ("requests/worker", lambda r: "/".join(str(v) for v in r.workers["per_worker_requests"].values())),
         ("overhead p50 ms", lambda r: _ms(r.overhead_ms["p50"])),
@@ -658,22 +684,29 @@ def _ms(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:,.1f}"
 
 
+def _share(figures: dict[str, float] | None, key: str) -> str:
+    return "-" if figures is None else f"{figures[key]:.1%}"
+
+
 def _lost_hits(lost: dict[str, float] | None) -> str:
     return "-" if lost is None else f"{lost['lost']:.0f}/{lost['hits']:.0f} ({lost['share']:.0%})"
 
 
-def format_mode_ratios(results: dict[str, RunResult]) -> list[str]:
-    """For each policy run in both worker modes: its vLLM-mode prefill and TTFT p50 over its gRPC run's."""
+def format_ratios(results: dict[str, RunResult]) -> list[str]:
+    """For each of our runs in vLLM mode or through /v1/responses whose entry without that is in the run too:
+    its prefill and TTFT p50 over that one's."""
     lines = []
     for name, run in results.items():
-        if run.entry.router != KVROUTE or run.entry.mode == "grpc":
+        if run.entry.router != KVROUTE:
             continue
-        base = results.get(Entry(KVROUTE, run.entry.policy).name)
-        if base is None:
-            continue
-        prefill = _ratio(run.workers["prefill_tokens"], base.workers["prefill_tokens"])
-        ttft = _ratio(run.summary.ttft_ms["p50"], base.summary.ttft_ms["p50"])
-        lines.append(f"{name} / {base.entry.name}: prefill x{prefill}, TTFT p50 x{ttft}")
+        bases = [replace(run.entry, mode="grpc")] if run.entry.mode != "grpc" else []
+        bases += [replace(run.entry, api="chat")] if run.entry.api != "chat" else []
+        for base in (results.get(entry.name) for entry in bases):
+            if base is None:
+                continue
+            prefill = _ratio(run.workers["prefill_tokens"], base.workers["prefill_tokens"])
+            ttft = _ratio(run.summary.ttft_ms["p50"], base.summary.ttft_ms["p50"])
+            lines.append(f"{name} / {base.entry.name}: prefill x{prefill}, TTFT p50 x{ttft}")
     return lines
 
 
@@ -695,7 +728,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="LIST",
         help="comma list: kvroute policies (round_robin, prefix, kv_aware, ...) over gRPC workers, POLICY@vllm "
-        "(over the same workers in vLLM mode: vllm:// specs, ZMQ KV events, HTTP), smg:POLICY, vllm-router:POLICY",
+        "(over the same workers in vLLM mode: vllm:// specs, ZMQ KV events, HTTP), smg:POLICY, vllm-router:POLICY; "
+        "ours take +flow-off, +host-kv-blocks=N and +responses (sent through /v1/responses)",
     )
     group.add_argument(
         "--faults",
@@ -736,6 +770,12 @@ def run_compare(
     entries = parse_entries(args.compare)
     if args.url:
         raise UserError("--compare starts its own fleets; drop --url")
+    if args.api != "chat":
+        raise UserError(
+            f"--api is for --url runs; with --compare give an entry +{RESPONSES} (e.g. kv_aware+{RESPONSES})"
+        )
+    for entry in entries:
+        check_api(entry.api, args.ignore_eos, args.exact_length)
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.probes < 2:
@@ -776,7 +816,7 @@ def run_compare(
                     workload, result, config, args.tokenizer, args.history == "live", objectives
                 )  # fmt: skip
     print(format_table(results))
-    for line in format_mode_ratios(results):
+    for line in format_ratios(results):
         print(line)
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})")
@@ -823,7 +863,8 @@ def predict(
     objectives: Objectives | None = None,
 ) -> dict[str, Any]:
     """The replay's prediction for one kvroute run: the prompts exactly as the workers received them
-    (rendered, with the run's own answers in closed-loop chats, templated, tokenized), in the order and at
+    (rendered, with the run's own answers in closed-loop chats, templated, tokenized; through `/v1/responses` a
+    completion prompt is one user message and a continued conversation the same prompt as chat's), in the order and at
     the times the bench sent them in that run, over replicas named as the gateway names the live workers (so
     the replay's hash ring is the gateway's) with the live model's block hashes, the run's cache size and the
     sim workers' cost model (`config.worker_args`), through the fleet simulator (sim/: the workers' own engine and
@@ -865,6 +906,8 @@ def predict(
         request = workload.requests[record.index]
         if live_history:
             request = with_answers(request, workload.requests, answers)
+        if run.entry.api == RESPONSES and request.messages is None:  # a string input: one user message
+            request = replace(request, prompt=None, messages=({"role": "user", "content": request.prompt or ""},))
         ids = tuple(token_ids(request, tokenizer))
         tenant = Tenant(request.tenant, salts[request.tenant]) if request.tenant in salts else OPEN_TENANT
         requests.append(

@@ -20,6 +20,14 @@ Sources (`--workload`):
                previous answer finished or its schedule allows, whichever is later: exponential with
                mean `think_ms`, drawn from the seed, so every router gets the same pauses. The
                schedule (`arrival_s`) starts sessions 250 ms apart on average, turns 10 s apart.
+  agent        agent sessions, as chat messages: a system prompt of tool definitions (AGENT_TOOLS function
+               tools written out in single-token words, ~1,200 tokens, the same for every session, as an
+               agent framework puts its tools there), an 80-token task, then turns that each append,
+               after the model's 100-token answer, a `user` message holding a tool's 200-token result
+               (led by the fixed words ` tool response`, the `<tool_response>` tag's run); 6 turns.
+               Closed-loop with think times as `chat` (the same renderer with another shape); sent as
+               chat messages, or through `/v1/responses` with `previous_response_id` (`--api responses`).
+               Not the replay's `agents` (completion prompts of a token-id trace).
   trace:FILE   a Mooncake trace: one fixed block of text per hash id (seeded by the id, so equal ids give
                equal text), `block_tokens` words each (512 as in Mooncake; fewer scales the whole trace
                down, output lengths too, so a CPU fleet can serve it); the last block of a prompt is the
@@ -31,9 +39,9 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,14 @@ CHAT_DEFAULT_REQUESTS = 256
 CHAT_MEAN_GAP_MS = 250.0  # between session starts
 CHAT_ANSWER_MS = 10_000.0  # the schedule's gap between a session's turns (the bench waits for the answer instead)
 CHAT_THINK_MS = 5_000.0  # mean think time before each turn (see the module docstring)
+AGENT = "agent"
+AGENT_TOOLS = 8  # function tools in the system prompt, 150 tokens each (tool_preamble)
+AGENT_TASK_TOKENS = 80
+AGENT_TOOL_OUTPUT_TOKENS = 200
+AGENT_ANSWER_TOKENS = 100
+AGENT_TURNS = 6
+AGENT_DEFAULT_REQUESTS = 96
+TOOL_OUTPUT_LEAD = " tool response"  # the words every tool output starts with
 
 
 class RenderError(ValueError):
@@ -77,6 +93,7 @@ class BenchRequest:
     tenant: str | None = None  # who sends it (loadtest.traffic_mix): its API key, or its cache salt to a peer
     band: str | None = None  # its priority band's name (loadtest.traffic_mix)
     priority: int | None = None  # the body's `priority`, as vLLM takes it: lower is more urgent
+    previous_response_id: str | None = None  # the Responses API's id of the turn this one continues, once known
 
     @property
     def endpoint(self) -> str:
@@ -106,6 +123,18 @@ class Vocabulary:
         words = self.words
         return "".join(words[t % len(words)] for t in token_ids)
 
+    def word_ids(self, text: str) -> list[int]:
+        """The ids that render to `text`, a run of space-led single-token words (`" tool response"`)."""
+        index = self._index
+        try:
+            return [index[" " + word] for word in text.split()]
+        except KeyError as exc:
+            raise RenderError(f"{exc.args[0]!r} is not a single-token word of this tokenizer") from None
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        return {word: i for i, word in enumerate(self.words)}
+
 
 @lru_cache(maxsize=4)
 def vocabulary(model: str = "smollm2") -> Vocabulary:
@@ -124,7 +153,7 @@ def vocabulary(model: str = "smollm2") -> Vocabulary:
 
 
 def workload_names() -> tuple[str, ...]:
-    return (*WORKLOAD_NAMES, CHAT, f"{TRACE_PREFIX}FILE")
+    return (*WORKLOAD_NAMES, CHAT, AGENT, f"{TRACE_PREFIX}FILE")
 
 
 def render(
@@ -137,7 +166,7 @@ def render(
     think_ms: float = CHAT_THINK_MS,
 ) -> Workload:
     """Render workload `name` (see the module docstring); the first `requests` of it when given. `think_ms`
-    is `chat`'s mean think time before a turn (0: none)."""
+    is `chat`'s and `agent`'s mean think time before a turn (0: none)."""
     if requests is not None and requests < 1:
         raise RenderError(f"requests must be >= 1, got {requests}")
     if not (think_ms >= 0 and math.isfinite(think_ms)):
@@ -148,10 +177,12 @@ def render(
     name = name.removeprefix(SYNTHETIC_PREFIX)
     if name == CHAT:
         return render_chat(vocab, requests or CHAT_DEFAULT_REQUESTS, seed, think_ms=think_ms)
+    if name == AGENT:
+        return render_agent(vocab, requests or AGENT_DEFAULT_REQUESTS, seed, think_ms=think_ms)
     try:
         trace = generate(name, requests, seed=seed, block_size=block_size)
     except WorkloadError as exc:
-        raise RenderError(f"workload: {exc}; or {CHAT}, or {TRACE_PREFIX}FILE") from None
+        raise RenderError(f"workload: {exc}; or {CHAT}, {AGENT}, or {TRACE_PREFIX}FILE") from None
     return render_token_trace(trace, vocab)
 
 
@@ -181,29 +212,86 @@ def render_token_trace(trace: Trace, vocab: Vocabulary) -> Workload:
     return Workload(trace.name, tuple(out), trace)
 
 
+@dataclass(frozen=True)
+class SessionShape:
+    """The shape of a workload's conversations (render_sessions): `turns` a session; the first user message
+    `first_user_tokens` long, each later one `user_tokens` long and led by the words `user_lead` (ids); each
+    logged answer `answer_tokens` long."""
+
+    name: str
+    turns: int
+    first_user_tokens: int
+    user_tokens: int
+    answer_tokens: int
+    user_lead: tuple[int, ...] = ()
+
+
 def render_chat(
     vocab: Vocabulary, n: int, seed: int, turns: int = CHAT_TURNS, think_ms: float = CHAT_THINK_MS
 ) -> Workload:
-    """`n` chat turns in sessions of `turns` (see the module docstring), with the token-id trace the replay
-    simulates for them (the logged answer is the one the replay's cache keeps). The token ids do not depend
-    on `think_ms`."""
+    """`n` chat turns in sessions of `turns` (see the module docstring)."""
+    shape = SessionShape(CHAT, turns, CHAT_QUESTION_TOKENS, CHAT_QUESTION_TOKENS, CHAT_ANSWER_TOKENS)
+    return render_sessions(vocab, n, seed, shape, lambda draw: draw(CHAT_SYSTEM_TOKENS), think_ms)
+
+
+def render_agent(vocab: Vocabulary, n: int, seed: int, think_ms: float = CHAT_THINK_MS) -> Workload:
+    """`n` agent turns in sessions of AGENT_TURNS (see the module docstring)."""
+    shape = SessionShape(
+        AGENT, AGENT_TURNS, AGENT_TASK_TOKENS, AGENT_TOOL_OUTPUT_TOKENS, AGENT_ANSWER_TOKENS,
+        tuple(vocab.word_ids(TOOL_OUTPUT_LEAD)),
+    )  # fmt: skip
+    return render_sessions(vocab, n, seed, shape, partial(tool_preamble, vocab), think_ms)
+
+
+def tool_preamble(vocab: Vocabulary, draw: Callable[[int], list[int]]) -> list[int]:
+    """AGENT_TOOLS function tools as an agent's system prompt lists them, in single-token words, 150 ids each:
+    ` function name NAME description` and 40 words, ` parameters` and four of them (` name P type string|integer
+    description` and 20 words), ` required` and the four names. The names and texts are `draw`n."""
+    word = vocab.word_ids
+    types = (word(" string"), word(" integer"))
+    ids: list[int] = []
+    for _ in range(AGENT_TOOLS):
+        ids += [*word(" function name"), *draw(1), *word(" description"), *draw(40), *word(" parameters")]
+        parameters = draw(4)
+        for parameter in parameters:
+            ids += [*word(" name"), parameter, *word(" type"), *types[parameter % 2], *word(" description"), *draw(20)]
+        ids += [*word(" required"), *parameters]
+    return ids
+
+
+def render_sessions(
+    vocab: Vocabulary,
+    n: int,
+    seed: int,
+    shape: SessionShape,
+    system: Callable[[Callable[[int], list[int]]], list[int]],
+    think_ms: float = CHAT_THINK_MS,
+) -> Workload:
+    """`n` turns of conversations of `shape`, each a system prompt (`system(draw)`, drawn once: every session
+    shares it), then user and assistant messages, with the token-id trace the replay simulates for them (the
+    logged answer is the one the replay's cache keeps). `draw(k)` gives k ids from the seeded generator that
+    draws everything else. The token ids do not depend on `think_ms`."""
     rng = random.Random(seed)
 
-    def ids(count: int) -> list[int]:
+    def draw(count: int) -> list[int]:
         return [rng.randrange(1, 32_000) for _ in range(count)]
 
-    system = ids(CHAT_SYSTEM_TOKENS)
+    system_ids = system(draw)
     turns_out: list[_Turn] = []
     start_ms = 0.0
-    for session in range(-(-n // turns)):
-        at, history = start_ms, list(system)
-        messages: list[dict[str, str]] = [{"role": "system", "content": vocab.text(system)}]
-        for turn in range(min(turns, n - len(turns_out))):
-            question, answer = ids(CHAT_QUESTION_TOKENS), ids(CHAT_ANSWER_TOKENS)
+    for session in range(-(-n // shape.turns)):
+        at, history = start_ms, list(system_ids)
+        messages: list[dict[str, str]] = [{"role": "system", "content": vocab.text(system_ids)}]
+        for turn in range(min(shape.turns, n - len(turns_out))):
+            if turn == 0:
+                question = draw(shape.first_user_tokens)
+            else:
+                question = [*shape.user_lead, *draw(shape.user_tokens - len(shape.user_lead))]
+            answer = draw(shape.answer_tokens)
             think_s = think_ms * rng.expovariate(1.0) / 1e3
             messages = [*messages, {"role": "user", "content": vocab.text(question)}]
             prompt = history + question
-            name = f"chat-{session}"
+            name = f"{shape.name}-{session}"
             token_request = TraceRequest(
                 at, len(prompt), len(answer), token_ids=tuple(prompt), output_token_ids=tuple(answer), session_id=name
             )
@@ -226,8 +314,8 @@ def render_chat(
         )
         for i, t in enumerate(turns_out)
     )
-    trace = Trace(CHAT, "tokens", DEFAULT_BLOCK_SIZE, tuple(t.token_request for t in turns_out))
-    return Workload(CHAT, requests, trace)
+    trace = Trace(shape.name, "tokens", DEFAULT_BLOCK_SIZE, tuple(t.token_request for t in turns_out))
+    return Workload(shape.name, requests, trace)
 
 
 @dataclass(frozen=True)
