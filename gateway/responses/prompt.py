@@ -45,7 +45,8 @@ def continued_prompt(
         return rendered
     for (a_start, a_end), (b_start, b_end) in zip(_runs(marks, len(prefix)), _runs(closing[: len(marks)], end),
                                                   strict=True):  # fmt: skip
-        if tokenizer.decode(prefix[a_start:a_end]) != tokenizer.decode(rendered[b_start:b_end]):
+        ours, theirs = prefix[a_start:a_end], rendered[b_start:b_end]
+        if ours != theirs and tokenizer.decode(ours) != tokenizer.decode(theirs):  # equal ids need no decoding
             return rendered
     return [*prefix, *rendered[end:]]
 

@@ -1,0 +1,49 @@
+"""A continued turn's prompt (gateway/responses/prompt.py) on SmolLM2's tokenizer and template: the previous
+prompt and the sampled output ids, token for token, across turns, even when the output's text encodes to other
+ids; the rendering as it is when the conversation changed."""
+
+from __future__ import annotations
+
+from gateway.responses.prompt import continued_prompt
+from kvroute.tokenizer import Tokenizer
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def _spelled_otherwise(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text`'s ids as a model may sample them: one token a character, not the tokenizer's merges."""
+    ids = [i for character in text for i in tokenizer.encode(character)]
+    assert ids != tokenizer.encode(text) and tokenizer.decode(ids) == text
+    return ids
+
+
+def test_turns_extend_each_other_token_for_token(tokenizer_smollm2: Tokenizer) -> None:
+    tok = tokenizer_smollm2
+    eos = tok.encode_chat([SYSTEM, {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
+    end_of_turn = next(i for i in reversed(eos) if i in tok.special_token_ids)
+    messages = [SYSTEM, {"role": "user", "content": "Hello there."}]
+    prompt = tok.encode_chat(messages)
+    for turn in range(3):
+        answer = f"Answer number {turn}, with words."
+        output = [*_spelled_otherwise(tok, answer), end_of_turn]
+        messages = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": f"More {turn}"}]
+        rendered = tok.encode_chat(messages)
+        following = continued_prompt(rendered, prompt, output, tok)
+        assert following[: len(prompt) + len(output) - 1] == [*prompt, *output[:-1]]
+        assert following[len(prompt) + len(output) - 1] == end_of_turn
+        assert tok.decode(following) == tok.decode(rendered) and following != rendered
+        prompt = following
+
+
+def test_a_changed_conversation_is_sent_as_rendered(tokenizer_smollm2: Tokenizer) -> None:
+    tok = tokenizer_smollm2
+    first = [SYSTEM, {"role": "user", "content": "Hello there."}]
+    prompt = tok.encode_chat(first)
+    output = _spelled_otherwise(tok, "Hi.")
+    other_instructions = [{"role": "system", "content": "Be verbose."}, *first[1:]]
+    rendered = tok.encode_chat([*other_instructions, {"role": "assistant", "content": "Hi."},
+                                {"role": "user", "content": "And?"}])  # fmt: skip
+    assert continued_prompt(rendered, prompt, output, tok) == rendered
+    rewritten = tok.encode_chat([*first, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "?"}])
+    assert continued_prompt(rewritten, prompt, output, tok) == rewritten  # the answer is not what was sampled
+    assert continued_prompt(rendered, [], output, tok) == rendered
