@@ -137,7 +137,7 @@ class Request:
 
     def sim_request(self) -> SimRequest:
         return SimRequest(
-            self.arrival, lambda: self.tokens, len(self.tokens), self.output_tokens, block_hashes=self.hashes
+            self.arrival, lambda: list(self.tokens), len(self.tokens), self.output_tokens, block_hashes=self.hashes
         )
 
 

@@ -25,7 +25,7 @@ BlockHash = bytes
 DEFAULT_BLOCK_SIZE = 16
 HASH_BYTES = 16
 HASH_VERSION = b"kvroute-block-hash-v1"
-_MAX_TOKEN_ID = 2**32 - 1
+HASHED_TOKEN_IDS = 2**32  # token ids are hashed as uint32: [0, HASHED_TOKEN_IDS), any other is refused
 # A fresh BLAKE2b-128 state; copying it is cheaper than the constructor's keyword parsing, which matters at
 # one call per block (256 for a 4,096-token prompt, on every routing decision).
 _EMPTY = hashlib.blake2b(digest_size=HASH_BYTES)
@@ -56,7 +56,7 @@ def serialize_tokens(tokens: Sequence[int]) -> bytes:
         else:
             encoded.extend(tokens)
     except (TypeError, OverflowError) as exc:
-        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID)), None)
+        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t < HASHED_TOKEN_IDS)), None)
         raise ValueError(f"token id {bad!r} is not an integer in [0, 2**32)") from exc
     if _SWAP:
         encoded.byteswap()
@@ -101,12 +101,19 @@ def extend_block_hashes(parent: BlockHash, tokens: Sequence[int], block_size: in
 
 
 class BlockHasher:
-    """Incremental hashes for a sequence that grows token by token (the worker's view of one request)."""
+    """Incremental hashes for a sequence that grows token by token (the worker's view of one request).
+    `hashes`: its leading full blocks' hashes, when already computed by this same function (copied)."""
 
-    def __init__(self, model_id: str, cache_salt: str = "", block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        cache_salt: str = "",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hashes: Sequence[BlockHash] = (),
+    ) -> None:
         self.block_size = block_size
         self.root = root_hash(model_id, cache_salt)
-        self.hashes: list[BlockHash] = []
+        self.hashes: list[BlockHash] = list(hashes)
 
     def update(self, tokens: Sequence[int]) -> list[BlockHash]:
         """Hash every full block of `tokens` (the whole sequence so far) not hashed yet; returns the new ones."""

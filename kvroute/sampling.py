@@ -104,13 +104,17 @@ class SamplingParams:
             self.structured.validate()
 
 
-def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int) -> None:
-    """Raise InvalidRequest unless the prompt is non-empty, in-vocabulary and fits the context window."""
+def validate_prompt(
+    token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int, known_ids: int = 0
+) -> None:
+    """Raise InvalidRequest unless the prompt is non-empty, in-vocabulary and fits the context window. The first
+    `known_ids` ids are known to be in the vocabulary (the caller's word): only the ids after them are scanned."""
     if len(token_ids) == 0:
         raise InvalidRequest("prompt", "is empty; send at least one token")
     if len(token_ids) >= max_model_len:
         raise InvalidRequest("prompt", f"has {len(token_ids)} tokens; the model's context is {max_model_len} tokens")
-    bad = _out_of_vocabulary(token_ids, vocab_size)
+    unknown = token_ids[known_ids:] if known_ids else token_ids
+    bad = _out_of_vocabulary(unknown, vocab_size) if len(unknown) else None
     if bad is not None:
         raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(token_ids) + max_tokens > max_model_len:

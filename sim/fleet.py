@@ -38,8 +38,9 @@ from gateway.flow_control.config import FlowControlConfig
 from gateway.flow_control.dispatcher import TICK_S, Grant
 from gateway.routing.kv_index import KVIndex
 from gateway.routing.router import RouteDecision, RouteRequest, RoutingPolicy
+from kvroute.hashing import BlockHash
 from kvroute.hashing import block_hashes as hash_blocks
-from kvroute.kv_events import HOST, BlockKey
+from kvroute.kv_events import HOST
 from sim.gateway import LoadReport, SimGateway, ViewTiming
 from sim.replica import SimReplica
 from worker.sim_runner import SimCostModel
@@ -51,8 +52,11 @@ _NEVER = float("nan")  # the time to first token and finish of a request flow co
 @dataclass(frozen=True)
 class SimRequest:
     """One request: when it arrives, its prompt (built when it arrives, so a long trace is never in memory
-    at once), how many tokens it decodes and the answer it samples first (a trace's known answer; then
-    tokens no other request has). `block_hashes`: the gateway's hashes of the prompt when already known."""
+    at once: a new list at each call, which the replica's engine keeps as the request's tokens), how many tokens
+    it decodes and the answer it samples first (a trace's known answer; then
+    tokens no other request has). `block_hashes`: the gateway's hashes of the prompt when already known, under
+    the fleet's model id and block size and the request's `cache_salt`: the replica's engine takes them as its own
+    (LLMEngine.add_request checks the first)."""
 
     arrival_s: float
     prompt: Callable[[], list[int]]
@@ -61,7 +65,7 @@ class SimRequest:
     answer: Sequence[int] = ()
     cache_salt: str = ""
     session_id: str | None = None
-    block_hashes: Sequence[BlockKey] | None = None
+    block_hashes: Sequence[BlockHash] | None = None
     # flow control's view of it (FleetConfig.flow_control): its tenant, that tenant's weight, its band (priority)
     tenant: str = OPEN_TENANT.name
     weight: float = 1.0
@@ -169,7 +173,7 @@ class FleetSim:
         queue, prefill = [0.0] * total, [0.0] * total
         shed, status, waited, dispatched = [""] * total, [0] * total, [0.0] * total, [""] * total
         routes: list[RouteRequest | None] = [None] * total
-        prompts: list[list[int] | None] = [None] * total
+        prompts: list[tuple[list[int], Sequence[BlockHash]] | None] = [None] * total  # and their hashes
         grants: list[Grant | None] = [None] * total
         started = [False] * total
         in_flight = [0] * n
@@ -204,9 +208,14 @@ class FleetSim:
             peak_in_flight = max(peak_in_flight, peak)
             replica = self.replicas[r]
             was_idle = replica.idle
-            prompt, prompts[i] = prompts[i], None
-            assert prompt is not None
-            if replica.add(str(i), i, prompt, request.max_tokens, request.answer, request.cache_salt, now):
+            held, prompts[i] = prompts[i], None
+            assert held is not None
+            prompt, hashes = held
+            added = replica.add(
+                str(i), i, prompt, request.max_tokens, request.answer, request.cache_salt, now,
+                prompt_hashes=hashes,
+            )  # fmt: skip
+            if added:
                 busy += was_idle
                 push(replica.busy_until, _STEP, r)
 
@@ -322,7 +331,7 @@ class FleetSim:
             g = i % g_count
             gateway = self.gateways[g]
             routes[i] = route = RouteRequest(str(i), hashes, request.num_prompt_tokens, request.session_id)
-            prompts[i] = prompt
+            prompts[i] = prompt, hashes
             if gateway.flow is None:
                 send(i, gateway.pick(route), request.arrival_s)
             else:

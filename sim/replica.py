@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvroute.hashing import BlockHash
 from kvroute.kv_events import KVEvent
 from kvroute.sampling import SamplingParams
 from worker.clock import VirtualClock
@@ -89,7 +90,6 @@ class SimReplica:
         self.engine = LLMEngine(
             config, clock=self.clock, sim_runner=self.runner, model_id=model_id, event_token_ids=False
         )
-        self.engine.on_step = self._count_step
         self._answers: dict[str, tuple[Sequence[int], int]] = {}  # request id -> (known answer, filler token)
         self._pending: StepDone | None = None  # the step computed last, delivered at its end
         self._overhead_s = step_overhead_s
@@ -98,7 +98,6 @@ class SimReplica:
         self._run_start = 0.0
         self.reported = Load(0, 0, 0.0)  # the books at the end of the step delivered last
         self.busy_s = 0.0  # time spent in steps
-        self.steps = 0  # engine steps that computed tokens, as a live worker counts them (on_step)
         self.requests = 0
 
     @property
@@ -107,6 +106,11 @@ class SimReplica:
         if self._run:
             return self._run_start + self._run * self._decode_s
         return self.clock.now()
+
+    @property
+    def steps(self) -> int:
+        """Engine steps that computed tokens, as a live worker counts them."""
+        return self.engine.num_steps
 
     @property
     def idle(self) -> bool:
@@ -123,9 +127,13 @@ class SimReplica:
         cache_salt: str = "",
         now: float = 0.0,
         priority: int = 0,
+        prompt_hashes: Sequence[BlockHash] | None = None,
     ) -> bool:
         """Queue a request arriving at `now` (`priority`: vLLM's, read under the priority policy); it samples
-        `answer` first, then the token `_FILLER_BASE + filler`.
+        `answer` first, then the token `_FILLER_BASE + filler`. `prompt` is the caller's no more: the engine keeps
+        it as the request's tokens. `prompt_hashes`: the prompt's block hashes under this replica's model id and
+        block size and `cache_salt` (a gateway's in this process, by the same code), which its engine takes
+        instead of hashing the prompt again (LLMEngine.add_request).
         An idle replica's clock moves to `now`; a busy one takes the request into its next step. True when
         `busy_until` moved (the replica was idle, or a run of plain decodes was cut at the step in progress)."""
         moved = self.idle
@@ -140,7 +148,15 @@ class SimReplica:
             moved = True
         self._answers[request_id] = (answer, _FILLER_BASE + filler)
         params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=0.0, ignore_eos=True)
-        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
+        self.engine.add_request(
+            request_id,
+            prompt,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            prompt_hashes=prompt_hashes,
+            keep_prompt=True,
+        )
         self.requests += 1
         return moved
 
@@ -183,9 +199,6 @@ class SimReplica:
     def _load(self) -> Load:
         scheduler = self.engine.scheduler
         return Load(len(scheduler.running), len(scheduler.waiting), self.engine.kv_manager.pool.usage)
-
-    def _count_step(self, num_tokens: int) -> None:
-        self.steps += 1
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from gateway.routing.router import make_policy
-from kvroute.sampling import SamplingParams
+from kvroute.hashing import block_hashes
+from kvroute.sampling import InvalidRequest, SamplingParams
 from sim import FleetConfig, FleetSim, SimRequest, ViewTiming
 from sim.oracle import BoundedOracle
 from worker.clock import VirtualClock
@@ -68,6 +69,48 @@ def test_without_event_token_ids_the_stored_events_name_the_same_blocks_without_
     ]
     assert without == [dataclasses.replace(e, token_ids=()) for e in with_tokens]
     assert engines[0].stats() == engines[1].stats()
+
+
+def test_an_in_process_callers_prompt_hashes_are_taken_only_if_they_are_the_engines_own():
+    """A replica's engine takes its gateway's hashes of the prompt (LLMEngine.add_request's `prompt_hashes`) and
+    keeps the prompt's list: the same tokens, books and KV events as hashing and copying it itself. Hashes under
+    another salt, model id or block size are refused, and so is a bad id past the hashed blocks."""
+    engines = [sim_engine(), sim_engine()]
+    prompts = [list(range(40)), list(range(40)) + [99] * 8, list(range(7))]  # 2.5, 3 and 0 full blocks
+    kept: list[list[int]] = []
+    outputs: list[dict[str, list[int]]] = [{}, {}]
+    for i, prompt in enumerate(prompts):  # one after another, so the second finds the first's blocks
+        engines[0].add_request(str(i), list(prompt), SamplingParams(max_tokens=30), cache_salt="t")
+        hashes = block_hashes(prompt, model_id=engines[1].model_id, cache_salt="t", block_size=16)
+        kept.append(list(prompt))
+        engines[1].add_request(
+            str(i), kept[-1], SamplingParams(max_tokens=30), cache_salt="t", prompt_hashes=hashes, keep_prompt=True
+        )
+        while engines[0].has_unfinished_requests():
+            for engine, got in zip(engines, outputs, strict=True):
+                for out in engine.step():
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                engine.check_invariants()
+            assert engines[0].drain_kv_events() == engines[1].drain_kv_events()
+    assert outputs[0] == outputs[1] and engines[0].stats() == engines[1].stats()
+    assert engines[1].stats().prefix_hits == 32
+    assert kept == [p + outputs[1][str(i)] for i, p in enumerate(prompts)], "the engine's token list is the one given"
+
+    engine, prompt = sim_engine(), list(range(40))
+    wrong = {
+        "salt": block_hashes(prompt, model_id=engine.model_id, cache_salt="u", block_size=16),
+        "model": block_hashes(prompt, model_id="other", cache_salt="t", block_size=16),
+        "block size": block_hashes(prompt, model_id=engine.model_id, cache_salt="t", block_size=8),
+        "count": block_hashes(prompt, model_id=engine.model_id, cache_salt="t", block_size=16)[:1],
+    }
+    for name, hashes in wrong.items():
+        with pytest.raises(ValueError, match="not this engine's"):
+            engine.add_request(name, prompt, SamplingParams(max_tokens=3), cache_salt="t", prompt_hashes=hashes)
+    bad = prompt[:32] + [2**32]
+    hashes = block_hashes(bad, model_id=engine.model_id, cache_salt="t", block_size=16)  # its 2 full blocks
+    with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+        engine.add_request("bad", bad, SamplingParams(max_tokens=3), cache_salt="t", prompt_hashes=hashes)
+    assert not engine.has_unfinished_requests()
 
 
 def request(at: float, prompt: list[int], max_tokens: int = 4) -> SimRequest:

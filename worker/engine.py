@@ -15,12 +15,13 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvroute.hashing import BlockHasher
+from kvroute.hashing import HASHED_TOKEN_IDS, BlockHash, BlockHasher, hash_block, root_hash
 from kvroute.model_source import ModelSource, resolve_model
 from kvroute.sampling import InvalidRequest, SamplingParams, validate_prompt
 from kvroute.tokenizer import Tokenizer
@@ -140,6 +141,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_steps = 0  # steps that ran the model (each step of a run of plain decode steps counts)
         # Called on the engine's thread after every step that ran the model, with the tokens it computed.
         self.on_step: Callable[[int], None] | None = None
 
@@ -170,7 +172,7 @@ class LLMEngine:
         self.grammars = None  # no logits to mask: a sim engine ignores `structured` (its words are no grammar's)
         if runner is not None:
             self._tokenizer = None
-            self.vocab_size = 2**32  # token ids as uint32 (kvroute.hashing): any id a trace carries
+            self.vocab_size = HASHED_TOKEN_IDS  # token ids as uint32 (kvroute.hashing): any id a trace carries
             self.runner = runner
             return
         self._tokenizer = tokenizer = _load_tokenizer(source)
@@ -200,16 +202,36 @@ class LLMEngine:
         cache_salt: str = "",
         priority: int = 0,
         grammar: Any = None,
+        *,
+        prompt_hashes: Seq[BlockHash] | None = None,
+        keep_prompt: bool = False,
     ) -> None:
         """Queue a request (`priority`: vLLM's, lower is more urgent; the priority scheduling policy reads it;
         `grammar`: params.structured already compiled by `compile_structured`, else it is compiled here).
-        Raises InvalidRequest naming the bad field; the engine is then unchanged."""
+        Raises InvalidRequest naming the bad field; the engine is then unchanged.
+
+        `prompt_hashes` is for a caller in this process that hashed this very prompt with kvroute.hashing (the
+        fleet simulator's replicas): its full blocks' hashes, taken instead of hashing the prompt again. The
+        gRPC service (worker/service.py, through worker/async_engine.py) never passes them: a worker computes
+        its own hashes from the ids it was sent (DESIGN §1). They must be this engine's: its `model_id`, the
+        request's `cache_salt` and its block size, one per full block; their count and the first block's hash
+        are checked (ValueError otherwise). Hashing them refused any id outside uint32, so an engine whose
+        vocabulary is all of uint32 (one given its sim runner) checks only the ids past them.
+
+        `keep_prompt`: the request's token list, which grows with its output, is `prompt_token_ids` itself, not a
+        copy: for a caller in this process that gives the list up (the fleet simulator's replicas)."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        self.validate_request(prompt_token_ids, params)
+        block_size = self.config.block_size
+        known_ids = 0
+        if prompt_hashes is not None:
+            self._check_prompt_hashes(prompt_token_ids, cache_salt, prompt_hashes)
+            if self.vocab_size >= HASHED_TOKEN_IDS:
+                known_ids = len(prompt_hashes) * block_size
+        self.validate_request(prompt_token_ids, params, known_ids)
         if grammar is None:
             grammar = self.compile_structured(params)
-        hasher = BlockHasher(self.model_id, cache_salt, self.config.block_size)
+        hasher = BlockHasher(self.model_id, cache_salt, block_size, prompt_hashes or ())
         seq = Sequence(
             request_id,
             prompt_token_ids,
@@ -219,6 +241,7 @@ class LLMEngine:
             self.eos_token_ids,
             priority,
             timings=RequestTimings(self.clock.now()),
+            keep_prompt=keep_prompt,
         )
         if grammar is not None and self.grammars is not None:
             seq.constraint = self.grammars.constraint(grammar)
@@ -233,11 +256,21 @@ class LLMEngine:
             return None
         return self.grammars.compile(params.structured)
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt_hashes(self, prompt: list[int], cache_salt: str, hashes: Seq[BlockHash]) -> None:
+        block_size = self.config.block_size
+        if len(hashes) != len(prompt) // block_size or (
+            hashes and hashes[0] != hash_block(root_hash(self.model_id, cache_salt), prompt[:block_size])
+        ):
+            raise ValueError(
+                f"prompt_hashes are not this engine's for this prompt (model {self.model_id!r}, salt {cache_salt!r}, "
+                f"block size {block_size}: {len(prompt) // block_size} blocks)"
+            )
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, known_ids: int = 0) -> None:
         """Raise InvalidRequest naming the bad field. Reads only the engine's fixed limits, so any thread may
-        call it."""
+        call it. `known_ids`: the prompt's leading ids already known to be in the vocabulary, not scanned."""
         params.validate()
-        validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens)
+        validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens, known_ids)
         needed = self.kv_manager.num_blocks_for(len(prompt_token_ids) + params.max_tokens)
         if needed > self.kv_manager.num_blocks:
             raise InvalidRequest(
@@ -291,6 +324,7 @@ class LLMEngine:
             if seq.timings.first_token is None:
                 seq.timings.first_token = sampled_at
             seq.timings.last_token = sampled_at
+        self.num_steps += 1
         if self.on_step is not None:
             self.on_step(batch.num_tokens)
         if sampled.top_logprobs:  # one entry per sampled row, in the order `advanced` has them
@@ -311,6 +345,7 @@ class LLMEngine:
         for seq in advanced:
             seq.timings.decode_steps += num_steps
             seq.timings.last_token = now
+        self.num_steps += num_steps
         if self.on_step is not None:
             for _ in range(num_steps):
                 self.on_step(len(advanced))

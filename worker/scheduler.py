@@ -337,7 +337,7 @@ class Scheduler:
             return 0
         bs = self.block_size
         ahead = self.max_num_batched_tokens
-        for seq in self.running:
+        for seq in reversed(self.running):  # newest first: a prefill in progress is the newest, and settles it
             if seq.num_uncomputed_tokens != 1 or seq.stopping_token_ids:
                 return 0
             computed = seq.num_computed_tokens

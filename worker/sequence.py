@@ -50,7 +50,7 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request_id: str
-    prompt: InitVar[Iterable[int]]  # copied: the sequence's tokens start as its prompt
+    prompt: InitVar[Iterable[int]]  # the sequence's tokens start as its prompt: a copy of it, unless `keep_prompt`
     params: SamplingParams
     hasher: BlockHasher
     cache_salt: str = ""
@@ -70,9 +70,10 @@ class Sequence:
     # None when unconstrained, or on an engine without logits (the sim runner ignores constraints).
     constraint: GrammarConstraint | None = None
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    keep_prompt: InitVar[bool] = False  # `prompt` is a list its caller gives up: it becomes `token_ids`, uncopied
 
-    def __post_init__(self, prompt: Iterable[int]) -> None:
-        self.token_ids = list(prompt)
+    def __post_init__(self, prompt: Iterable[int], keep_prompt: bool) -> None:
+        self.token_ids = prompt if keep_prompt and isinstance(prompt, list) else list(prompt)
         self.num_prompt_tokens = len(self.token_ids)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
