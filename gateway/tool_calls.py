@@ -117,8 +117,9 @@ class ToolCallParser:
             content.append(self._held_space + self._buffer)
         elif self._state is _State.HEAD:
             content.append(self._held_space + TOOL_CALL_BEGIN + self._buffer)
-        else:
-            self._end_call(_final_arguments(self._buffer), calls)
+        else:  # cut short (max_tokens): without what began the end tag
+            cut = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, TOOL_CALL_END)]
+            self._end_call(_final_arguments(cut), calls)
         self._buffer = self._held_space = ""
         self._state = _State.TEXT
         return ParsedDelta("".join(content), tuple(calls))

@@ -86,6 +86,9 @@ def test_cut_short_call_keeps_its_arguments() -> None:
     """A call whose head arrived but not its end (max_tokens): a call with the arguments so far."""
     parsed = parse_tool_calls('ok <tool_call>\n{"name": "f", "arguments": {"q": 1')
     assert parsed.content == "ok" and calls_of(parsed) == [("f", '{"q": 1')]
+    # Cut inside the end tag: the arguments are whole, the tag's beginning is not part of them.
+    parsed = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": { "q": 1 }}\n</tool_c')
+    assert calls_of(parsed) == [("f", '{ "q": 1 }')]
 
 
 def stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], list[tuple[str, str]]]:
