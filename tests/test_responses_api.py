@@ -127,6 +127,7 @@ def test_other_tenant_gets_404(client: openai.OpenAI, other: openai.OpenAI) -> N
         lambda: other.responses.delete(mine.id),
         lambda: other.responses.create(model=SERVED_MODEL, input="go on", previous_response_id=mine.id),
         lambda: other.responses.retrieve("resp_" + "0" * 48),
+        lambda: other.responses.retrieve(f"{mine.id}}}:r:{{x"),  # key-like ids are never looked up
     ):
         with pytest.raises(openai.NotFoundError) as refused:
             call()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 import uuid
 from array import array
@@ -66,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 RESPONSES_PATH = "/v1/responses"
 RECORD_VERSION = 1
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{48}")  # wire.new_id("resp"): 192 random bits
 RECORD_BYTES_PER_TOKEN = 6  # a token id in a record: 4 bytes, base64 (the prompt's and the output's)
 MAX_LIST_LIMIT = 100  # input_items' limit, as OpenAI's
 DEFAULT_LIST_LIMIT = 20
@@ -240,6 +242,8 @@ class ResponsesEndpoints:
     async def _load(self, scope: str, response_id: str | None, param: str | None = None) -> dict[str, Any] | None:
         if response_id is None:
             return None
+        if not RESPONSE_ID.fullmatch(response_id):  # never a store key: no id of ours looks like it
+            raise _not_found(response_id, param)
         try:
             raw = await self.store.get(scope, response_id)
         except StoreUnavailable as exc:
@@ -271,7 +275,7 @@ class ResponsesEndpoints:
         try:
             scope = self._scope(exchange)
             try:
-                deleted = await self.store.delete(scope, response_id)
+                deleted = RESPONSE_ID.fullmatch(response_id) is not None and await self.store.delete(scope, response_id)
             except StoreUnavailable as exc:
                 raise _store_down(exc) from None
             if not deleted:
