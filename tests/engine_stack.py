@@ -32,6 +32,8 @@ from gateway.frontdoors.http_listener import HttpServer
 from gateway.frontdoors.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.request_path import RequestPath, fleet_identity
+from gateway.responses.endpoints import ResponsesEndpoints
+from gateway.responses.store import MemoryResponseStore
 from gateway.routing.router import make_policy
 from gateway.worker_spec import WorkerSpec, parse_worker_spec
 from kvroute.model_source import resolve_model
@@ -175,7 +177,12 @@ class EngineStack(LoopThreadStack):
             Authenticator(o.api_keys), limits, GatewayMetrics(SERVED_MODEL), deadlines=o.deadlines,
             http_backend=HttpBackend(engine=self.fleet.engine_target),
         )  # fmt: skip
-        app = build_app(self.request_path, max_body_bytes=limits.max_body_bytes, default_max_tokens=limits.max_tokens)
+        store = MemoryResponseStore()
+        responses = ResponsesEndpoints(self.request_path, store, limits.max_body_bytes, limits.max_tokens)
+        app = build_app(
+            self.request_path, max_body_bytes=limits.max_body_bytes, default_max_tokens=limits.max_tokens,
+            extra_routes=responses.routes(),
+        )  # fmt: skip
         self.http = HttpServer.start(app, "127.0.0.1", 0)
 
     async def _wait_workers_ready(self) -> None:

@@ -733,3 +733,20 @@ def test_an_engine_without_tokenize_whose_events_hold_other_ids_is_a_mismatch(tm
         finally:
             stack.call(session.close())
             stack.call(runner.cleanup())
+
+
+def test_responses_over_engines_continue_on_the_holder(evented: EngineStack) -> None:
+    """/v1/responses over vLLM engines: each turn reaches its engine as the chat it is (the engine's template and
+    parsers), and a continued turn goes back to the engine that served the last one and finds it cached."""
+    tools = [{"type": "function", "name": "look_up", "parameters": {"type": "object", "properties": {}}}]
+    first = post(evented, "/v1/responses", {"input": f"converse {LONG}", "instructions": "terse", "tools": tools,
+                                            "tool_choice": "none", "max_output_tokens": 4})  # fmt: skip
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-kvroute-worker"]
+    _wait(lambda: evented.fleet.view().kv_index.num_blocks(holder) > 0)
+    body = {"input": "go on", "instructions": "terse", "tools": tools, "tool_choice": "none",
+            "previous_response_id": first.json()["id"], "max_output_tokens": 4}  # fmt: skip
+    second = post(evented, "/v1/responses", body)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-kvroute-worker"] == holder and "reason=conversation" in second.headers["x-kvroute-route"]
+    assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] >= 16

@@ -214,9 +214,9 @@ class ResponsesEndpoints:
             api_key=read.api_key, model=wire.model, trace_context=read.trace_context, app=read.app,
             session_id=read.session_id or wire.prompt_cache_key or wire.user,
         )  # fmt: skip
+        messages = chat_messages(wire.instructions, conversation)
         rendered = await pool.tokenize(
-            GatewayRequest(messages=chat_messages(wire.instructions, conversation), kind="chat", tools=tools, **common),
-            backlog=False,
+            GatewayRequest(messages=messages, kind="chat", tools=tools, **common), backlog=False
         )
         prompt = rendered.token_ids
         if previous is not None:
@@ -231,9 +231,17 @@ class ResponsesEndpoints:
                     param="previous_response_id" if previous else "input",
                 )
         stop = stop_strings(wire.stop)
+        # An HTTP engine is sent the turn as the chat it is (its template, its tool parser, its grammar); a
+        # kvroute worker gets `prompt_token_ids`, the exact continued prompt.
+        engine_body = {
+            "model": wire.model or pool.served_model_name, "messages": messages, "temperature": params.temperature,
+            "top_p": params.top_p, "stop": list(stop) or None, "tools": tools, "tool_choice": tool_choice,
+            "parallel_tool_calls": wire.parallel_tool_calls if tools else None, "response_format": response_format,
+        }  # fmt: skip
         request = GatewayRequest(
             prompt_token_ids=prompt, params=params, max_tokens_defaulted=wire.max_output_tokens is None, stop=stop,
-            priority=read.priority, stream=wire.stream, kind="tokens",
+            priority=read.priority, stream=wire.stream, kind="chat",
+            api_json=orjson.dumps({key: value for key, value in engine_body.items() if value is not None}),
             conversation_worker=previous["worker"] if previous else None, tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=wire.parallel_tool_calls, response_format=response_format, **common,
         )  # fmt: skip

@@ -14,8 +14,9 @@ no full block is keyed by its request id.
 
 `kv_aware` decides by these rules, in order (`KVAware._pick` follows them one by one):
   0. A conversation's continued turn (`RouteRequest.holder`, /v1/responses) goes back to the replica that
-     served its previous turn while that one's match is deeper than the common prefix, as deep as any
-     other replica's, and under the bound with rule 2's slack (reason "conversation"); else rules 1-4.
+     served its previous turn while that one holds a match as deep as any other replica's (rule 1's common
+     prefix aside: a conversation's own blocks may be all the recent traffic a small fleet has seen) and is
+     under the bound with rule 2's slack (reason "conversation"); else rules 1-4.
   1. A replica's match is the leading blocks it holds per the index. Only a match deeper than the common
      prefix says where the request belongs.
   2. A replica that holds a share f of the prompt stays a candidate under the load bound with epsilon
@@ -327,7 +328,7 @@ class KVAware(PrefixRing):
 
         if request.holder is not None and request.holder in index_of:  # rule 0: the conversation's holder
             held = matched[index_of[request.holder]]
-            if held > place.common and held >= max(depths):
+            if held and held >= max(depths):  # as deep as any: the common prefix may be all it has seen yet
                 limit = self.bound.in_flight_limit(fleet, 1 + HIT_SLACK * held / total, in_flight)
                 if not self.bound.is_over(request.holder, fleet, limit):
                     return RouteDecision(request.holder, "conversation", held)  # a hit: no starvation guard
