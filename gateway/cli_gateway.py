@@ -186,7 +186,6 @@ class Gateway:
     default_max_tokens: int
     http_limits: HttpLimits
     pool_configs: list[PoolConfig]  # as read at start (SIGHUP's reload compares against them)
-    response_store: Any  # gateway.responses.store.ResponseStore: /v1/responses' stored responses
 
 
 @dataclass(frozen=True)
@@ -377,8 +376,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     except ValueError as exc:
         raise UserError(f"--routing-config: {exc}") from exc
     fleets = [path.fleet for path in paths]
-    store = _response_store(args)
-    return Gateway(pools, fleets, limits.max_body_bytes, limits.max_tokens, http_limits, configs, store)
+    return Gateway(pools, fleets, limits.max_body_bytes, limits.max_tokens, http_limits, configs)
 
 
 def _response_store(args: argparse.Namespace) -> Any:
@@ -555,6 +553,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     from gateway.responses.endpoints import ResponsesEndpoints
     from kvroute.tracing import flush_tracing, setup_tracing
 
+    response_store = _response_store(args)  # its flags' errors before anything starts
     setup_tracing("kvroute-gateway")
     request_path, fleets = gateway.request_path, gateway.fleets
     metrics_host = args.host if args.metrics_host is None else args.metrics_host
@@ -565,9 +564,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
     )
     for fleet in fleets:
         await fleet.start()
-    responses = ResponsesEndpoints(
-        request_path, gateway.response_store, gateway.max_body_bytes, gateway.default_max_tokens
-    )
+    responses = ResponsesEndpoints(request_path, response_store, gateway.max_body_bytes, gateway.default_max_tokens)
     app = http_server.build_app(
         request_path, max_body_bytes=gateway.max_body_bytes, default_max_tokens=gateway.default_max_tokens,
         extra_routes=responses.routes(),
@@ -628,7 +625,7 @@ async def serve(gateway: Gateway, args: argparse.Namespace) -> int:
         await metrics_http.stop()
     for fleet in fleets:
         await fleet.stop()
-    await gateway.response_store.close()
+    await response_store.close()
     await request_path.close()
     flush_tracing()
     print("kvroute gateway: stopped", flush=True)

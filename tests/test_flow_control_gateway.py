@@ -30,7 +30,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.pools import Pools
 from gateway.request import GatewayRequest, Generation
 from gateway.request_path import RequestPath, fleet_identity
-from gateway.responses.store import MemoryResponseStore
 from gateway.routing.router import make_policy
 from kvroute.sampling import SamplingParams
 from tests.test_gateway_e2e import SYSTEM, complete, run, until
@@ -396,7 +395,7 @@ def test_a_sighup_reload_applies_the_routing_configs_flow_control(tmp_path: Path
             state, make_policy("kv_aware"), engine.tokenizer, engine.model_id, "sim", Authenticator(), Limits(),
             GatewayMetrics("sim"), flow_control=configs[0].flow_control,
         )  # fmt: skip
-        gateway = Gateway(Pools([path]), [state], 2**20, 16, HttpLimits(), configs, MemoryResponseStore())
+        gateway = Gateway(Pools([path]), [state], 2**20, 16, HttpLimits(), configs)
         config.write_text(json.dumps({"flow_control": {"bands": {"0": {"max_wait_s": 2}}, "tenant_max_queued": 7}}))
         reload(gateway, args)
         assert path.flow is not None and path.flow.config.band(0).max_wait_s == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 
 from launch.fleet import LaunchError, free_port, wait_until
 
@@ -155,6 +157,16 @@ def test_kvroute_up_with_a_local_redis_runs_it_and_stops_it_with_the_fleet(launc
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.headers["x-kvroute-worker"] == "worker-0"
+    previous = None
+    for turn in range(2):  # /v1/responses' conversations live in that Redis
+        body = {"model": "sim", "input": f"turn {turn}", "max_output_tokens": 2, "previous_response_id": previous}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/responses", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            previous = json.loads(response.read())["id"]
+    url = re.search(r"fleet state in Redis at (redis://\S+)", up.output()).group(1)  # type: ignore[union-attr]
+    assert len(list(redis.Redis.from_url(url).scan_iter(match="kvroute:resp:*:r:resp_*"))) == 2
     assert up.signal(signal.SIGINT, wait_s=60) == 0
     assert not [pid for pid in children if alive(pid)]
 
