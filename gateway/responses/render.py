@@ -33,7 +33,6 @@ class Turn:
     """What one generation produced, as it is known so far."""
 
     output: list[dict[str, Any]] = field(default_factory=list)  # the output items, in order
-    raw_text: str = ""  # the model's whole output text (tool-call markup included), once it ended
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: GatewayError | None = None
@@ -71,7 +70,6 @@ class ResponseRenderer:
         self.head = head
         self.decode = decode
         self.finish = finish
-        self.created_at = head["created_at"]
 
     def response(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         return {**self.head, "status": status, "output": output, **fields}
@@ -196,12 +194,10 @@ class ResponseRenderer:
                                 "delta": arguments}))  # fmt: skip
             return events
 
-        texts: list[str] = []
         try:
             async for chunk in self.generation:
                 if chunk.index != 0:
                     continue
-                texts.append(chunk.text)
                 turn.output_ids.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     turn.finish_reason = chunk.finish_reason
@@ -219,8 +215,9 @@ class ResponseRenderer:
                 yield event
         for event in [*close_message(), *close_call()]:
             yield event
-        turn.raw_text = self.decode(turn.output_ids) if turn.output_ids else "".join(texts)
-        if turn.output:
-            turn.output[0][RAW] = turn.raw_text
+        # The model's own text, where its ids came back (a kvroute worker): the next turn repeats it as written.
+        # An HTTP engine sends text and parsed calls only: its items are rendered as chat writes them.
+        if turn.output and turn.output_ids:
+            turn.output[0][RAW] = self.decode(turn.output_ids)
             for item in turn.output[1:]:
                 item[IN_RAW] = True
