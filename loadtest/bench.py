@@ -36,13 +36,13 @@ from typing import Any, NamedTuple, Protocol
 import httpx
 import orjson
 
+from gateway.frontdoors.openai_protocol import PRIORITY_HEADER  # a priority where the body has no field for it
 from kvroute.errors import UserError
 from loadtest.bench_stats import OK, RequestRecord, Summary
 from loadtest.render import BenchRequest, Workload
 
 WORKER_HEADER = "x-kvroute-worker"
 ROUTE_HEADER = "x-kvroute-route"
-PRIORITY_HEADER = "x-kvroute-priority"  # a priority where the body has no field for it (/v1/responses, gRPC)
 APIS = ("chat", "responses")
 RESPONSES = "responses"
 RESPONSES_PATH = "/v1/responses"

@@ -9,10 +9,11 @@
 A create is the chat path with the conversation rendered here: the stored conversation of
 `previous_response_id` (gateway.responses.store, read under the caller's tenant only) and the new input go
 through the model's chat template, the previous turn's run spelled with the sampled ids
-(gateway.responses.prompt), and the prompt is sent as token ids, routed first to the worker that served the
-previous turn (`GatewayRequest.conversation_worker`: kv_aware takes it while it holds the prefix and is under
-its load bound, reason `conversation`). With `store` (the default) the response is stored before its last
-event (or its body) is sent, so a client that continues at once finds it.
+(gateway.responses.prompt), and the prompt is sent to a kvroute worker as token ids (to an HTTP engine as the
+chat it is), routed first to the worker that served the previous turn (`GatewayRequest.conversation_worker`:
+kv_aware takes it while it holds the prefix and is under its load bound, reason `conversation`). With `store`
+(the default) the response is stored before its last event (or its body) is sent, so a client that continues
+at once finds it.
 
 Errors are OpenAI's: an unknown id, another tenant's, an expired or deleted one are all the same 404; the store
 unreachable is a 503 for what needs it (retrieve, delete, list, a continued turn), while a new turn is served
@@ -148,7 +149,7 @@ class ResponsesEndpoints:
         self, wire: ResponsesRequest, headers: dict[str, str], scope: str, pool: ServesModel, request_id: str
     ) -> Reply | StreamReply:
         try:
-            request, conversation, previous = await self._request(wire, headers, scope, pool)
+            request, conversation = await self._request(wire, headers, scope, pool)
             generation = await pool.generate(request)
         except GatewayError as exc:
             self.request_path.metrics.errors.labels(type(exc).__name__).inc()
@@ -194,9 +195,9 @@ class ResponsesEndpoints:
 
     async def _request(
         self, wire: ResponsesRequest, headers: dict[str, str], scope: str, pool: ServesModel
-    ) -> tuple[GatewayRequest, list[dict[str, Any]], dict[str, Any] | None]:
-        """The generation request, the conversation's items (stored earlier turns, then the new input) and the
-        previous record; raises GatewayError (400 bad items, 404 unknown previous response, 503 store down)."""
+    ) -> tuple[GatewayRequest, list[dict[str, Any]]]:
+        """The generation request and the conversation's items (stored earlier turns, then the new input);
+        raises GatewayError (400 bad items, 404 unknown previous response, 503 store down)."""
         new_items = input_items(wire.input)
         previous = await self._load(scope, wire.previous_response_id, "previous_response_id")
         conversation = [*previous["items"], *previous["output"], *new_items] if previous else new_items
@@ -245,7 +246,7 @@ class ResponsesEndpoints:
             conversation_worker=previous["worker"] if previous else None, tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=wire.parallel_tool_calls, response_format=response_format, **common,
         )  # fmt: skip
-        return request, conversation, previous
+        return request, conversation
 
     async def _load(self, scope: str, response_id: str | None, param: str | None = None) -> dict[str, Any] | None:
         if response_id is None:
